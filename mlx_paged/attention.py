@@ -1,0 +1,94 @@
+"""Paged attention dispatch, and the routing of mlx-lm's attention to it.
+
+mlx-lm's model files bind ``mlx_lm.models.base.scaled_dot_product_attention``
+by name at import. ``route_attention`` rebinds that name, in ``base`` and in
+every loaded module, to a wrapper that sends calls whose cache is paged to
+``paged_attention`` and everything else to mlx-lm's original function.
+
+``paged_attention`` is where fused kernels plug in: each entry of ``KERNELS``
+may take a call (returning the output) or decline (returning ``None``). The
+portable gather path runs when none takes it: ``PagedKVCache.update_and_fetch``
+already returned the layer's K/V gathered from the blocks, and MLX's SDPA runs
+on them.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models import base
+
+_original_sdpa = base.scaled_dot_product_attention
+
+#: Fused paged kernels, tried in order. Each is called with the same arguments
+#: as ``paged_attention`` and returns the output or ``None`` to decline.
+KERNELS: list[Callable[..., mx.array | None]] = []
+
+#: How many attention calls each path served, e.g. ``{"gather": 96}``.
+path_counts: Counter[str] = Counter()
+
+
+def paged_attention(
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    cache: Any,
+    scale: float,
+    mask: mx.array | str | None,
+    sinks: mx.array | None = None,
+) -> mx.array:
+    """Attention for a layer whose cache is paged.
+
+    Args:
+        queries: ``(B, n_heads, L, D)``.
+        keys, values: what the layer's ``update_and_fetch`` returned (or the
+            model's own transform of it, as in MLA), ``(B, n_kv_heads, T, D)``.
+        cache: the layer's ``PagedKVCache``.
+        scale, mask, sinks: as in ``mx.fast.scaled_dot_product_attention``.
+    """
+    for kernel in KERNELS:
+        out = kernel(queries, keys, values, cache, scale, mask, sinks)
+        if out is not None:
+            path_counts[getattr(kernel, "__name__", "kernel")] += 1
+            return out
+    path_counts["gather"] += 1
+    return mx.fast.scaled_dot_product_attention(
+        queries, keys, values, scale=scale, mask=mask, sinks=sinks
+    )
+
+
+def scaled_dot_product_attention(
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    cache: Any,
+    scale: float,
+    mask: mx.array | str | None,
+    sinks: mx.array | None = None,
+) -> mx.array:
+    """Drop-in for mlx-lm's function: paged caches go to ``paged_attention``."""
+    from .cache import PagedKVCache
+
+    if isinstance(cache, PagedKVCache):
+        return paged_attention(queries, keys, values, cache, scale, mask, sinks)
+    return _original_sdpa(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
+
+
+def route_attention() -> int:
+    """Rebind mlx-lm's attention function wherever it is bound; return how many names changed.
+
+    Idempotent. Modules imported later pick the wrapper up from ``base``.
+    """
+    changed = 0
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("mlx_lm") or module is None:
+            continue
+        for attr, value in list(vars(module).items()):
+            if value is _original_sdpa:
+                setattr(module, attr, scaled_dot_product_attention)
+                changed += 1
+    return changed

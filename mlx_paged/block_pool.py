@@ -1,0 +1,232 @@
+"""Block bookkeeping: ids, refcounts, the free list and the LRU of cached blocks.
+
+Pure Python on purpose: the scheduler and the prefix index call this on every
+step, and its tests run without a device.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+
+class PoolExhaustedError(RuntimeError):
+    """Raised when a write needs more blocks than the pool can free right now."""
+
+
+@dataclass(frozen=True)
+class PagedCacheStats:
+    """A snapshot of a block pool.
+
+    ``live`` blocks are held by at least one sequence; ``cached`` blocks are
+    held only by the prefix index (evictable); ``free`` blocks hold nothing.
+    ``bytes`` is the device memory the pool's arrays occupy across all layers.
+    """
+
+    total_blocks: int
+    live_blocks: int
+    cached_blocks: int
+    free_blocks: int
+    block_size: int
+    bytes: int
+
+
+def check_block_size(block_size: object) -> int:
+    """Return ``block_size`` if it is a positive int, else raise ValueError."""
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+        raise ValueError(
+            f"block_size must be a positive int, got {block_size!r}; 16 is a good default."
+        )
+    return block_size
+
+
+class BlockPool:
+    """Owns block ids and their refcounts; nothing else changes them.
+
+    A block's refcount counts the sequences whose block table holds it, plus
+    one if it is parked (held by the prefix index). Parked blocks whose only
+    holder is the index are *cached*: they stay findable until the pool needs
+    their memory, then they are evicted least recently used first.
+
+    Args:
+        num_blocks: Capacity in blocks, or ``None`` to grow on demand.
+        block_size: Token slots per block.
+        on_evict: Called with a block id right before a cached block is
+            reclaimed, so whoever parked it can forget it.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int | None,
+        block_size: int,
+        on_evict: Callable[[int], None] | None = None,
+    ):
+        self.block_size = check_block_size(block_size)
+        if num_blocks is not None and (
+            isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0
+        ):
+            raise ValueError(
+                f"num_blocks must be a positive int or None (grow on demand), got {num_blocks!r}."
+            )
+        self.growable = num_blocks is None
+        self.capacity = 0
+        self.refcounts: list[int] = []
+        self.parked: set[int] = set()
+        self.on_evict = on_evict
+        self.bytes_per_block = 0
+        self._free: deque[int] = deque()
+        self._cached: OrderedDict[int, None] = OrderedDict()  # oldest first
+        self._grow(num_blocks or 0)
+
+    # ---- public API -------------------------------------------------------
+
+    @property
+    def num_free(self) -> int:
+        """Blocks that hold nothing."""
+        return len(self._free)
+
+    @property
+    def num_cached(self) -> int:
+        """Blocks held only by the prefix index."""
+        return len(self._cached)
+
+    @property
+    def num_available(self) -> int:
+        """Blocks an allocation could get now: free plus evictable."""
+        return len(self._free) + len(self._cached)
+
+    def can_allocate(self, n: int) -> bool:
+        """Whether ``allocate(n)`` would succeed (growable pools always can)."""
+        return self.growable or n <= self.num_available
+
+    def allocate(self, n: int) -> list[int] | None:
+        """Take ``n`` blocks with refcount 1, evicting cached blocks if needed.
+
+        Returns ``None`` (back-pressure) when the pool cannot supply ``n``
+        blocks even after evicting every cached block; nothing changes then.
+        """
+        if n < 0:
+            raise ValueError(f"cannot allocate a negative number of blocks ({n}).")
+        if n > self.num_available:
+            if not self.growable:
+                return None
+            self._grow(max(n - self.num_available, self.capacity))
+        while len(self._free) < n:
+            self._evict_one()
+        ids = [self._free.popleft() for _ in range(n)]
+        for b in ids:
+            assert self.refcounts[b] == 0, (
+                f"block {b} on the free list has refcount {self.refcounts[b]}"
+            )
+            self.refcounts[b] = 1
+        return ids
+
+    def retain(self, block_id: int) -> None:
+        """Add a holder to a live or cached block."""
+        self._check_id(block_id)
+        if self.refcounts[block_id] == 0:
+            raise ValueError(f"block {block_id} is free; allocate it instead of retaining it.")
+        self._cached.pop(block_id, None)
+        self.refcounts[block_id] += 1
+
+    def release(self, block_id: int) -> None:
+        """Drop a holder; a block nobody holds goes back to the free list."""
+        self._check_id(block_id)
+        if self.refcounts[block_id] == 0:
+            raise ValueError(f"block {block_id} is already free; it was released twice.")
+        self.refcounts[block_id] -= 1
+        self._settle(block_id)
+
+    def release_all(self, block_ids: Iterable[int]) -> None:
+        """Release several blocks, last first, so a table's head stays cached longest."""
+        for b in reversed(list(block_ids)):
+            self.release(b)
+
+    def park(self, block_id: int) -> None:
+        """Let the prefix index hold a block (one reference), keeping it cached after use."""
+        self._check_id(block_id)
+        if block_id in self.parked:
+            raise ValueError(f"block {block_id} is already parked.")
+        if self.refcounts[block_id] == 0:
+            raise ValueError(f"block {block_id} is free; only written blocks can be parked.")
+        self.parked.add(block_id)
+        self.refcounts[block_id] += 1
+
+    def unpark(self, block_id: int) -> None:
+        """Drop the prefix index's reference to a block."""
+        if block_id not in self.parked:
+            raise ValueError(f"block {block_id} is not parked.")
+        self.parked.discard(block_id)
+        self._cached.pop(block_id, None)
+        self.refcounts[block_id] -= 1
+        self._settle(block_id)
+
+    def is_shared(self, block_id: int) -> bool:
+        """Whether a write into this block must copy it first."""
+        return self.refcounts[block_id] > 1
+
+    def stats(self) -> PagedCacheStats:
+        """Counts of total, live, cached and free blocks, and the pool's bytes."""
+        cached, free = len(self._cached), len(self._free)
+        return PagedCacheStats(
+            total_blocks=self.capacity,
+            live_blocks=self.capacity - cached - free,
+            cached_blocks=cached,
+            free_blocks=free,
+            block_size=self.block_size,
+            bytes=self.capacity * self.bytes_per_block,
+        )
+
+    def check_invariants(self, tables: Iterable[Iterable[int]] | None = None) -> None:
+        """Assert the pool's invariants; with ``tables``, also exact refcounts.
+
+        ``tables`` are the block tables of every sequence that holds blocks of
+        this pool; each block's refcount must equal its number of appearances
+        plus one if parked.
+        """
+        free = set(self._free)
+        assert len(free) == len(self._free), "a block is on the free list twice"
+        cached = set(self._cached)
+        assert not free & cached, f"blocks both free and cached: {free & cached}"
+        assert cached <= self.parked, f"cached blocks not parked: {cached - self.parked}"
+        for b, rc in enumerate(self.refcounts):
+            assert rc >= 0, f"block {b} has refcount {rc}"
+            assert (rc == 0) == (b in free), f"block {b}: refcount {rc}, on free list {b in free}"
+            is_cached = b in self.parked and rc == 1
+            assert is_cached == (b in cached), f"block {b}: refcount {rc}, cached {b in cached}"
+        assert len(self.refcounts) == self.capacity
+        if tables is not None:
+            expected = [1 if b in self.parked else 0 for b in range(self.capacity)]
+            for table in tables:
+                for b in table:
+                    expected[b] += 1
+            for b, (want, got) in enumerate(zip(expected, self.refcounts, strict=True)):
+                assert want == got, f"block {b}: refcount {got}, but {want} holders"
+
+    # ---- internals --------------------------------------------------------
+
+    def _grow(self, n: int) -> None:
+        start = self.capacity
+        self.capacity += n
+        self.refcounts.extend([0] * n)
+        self._free.extend(range(start, self.capacity))
+
+    def _settle(self, block_id: int) -> None:
+        rc = self.refcounts[block_id]
+        if rc == 0:
+            self._free.append(block_id)
+        elif rc == 1 and block_id in self.parked:
+            self._cached[block_id] = None
+
+    def _evict_one(self) -> None:
+        block_id, _ = self._cached.popitem(last=False)
+        if self.on_evict is not None:
+            self.on_evict(block_id)
+        self.parked.discard(block_id)
+        self.refcounts[block_id] = 0
+        self._free.append(block_id)
+
+    def _check_id(self, block_id: int) -> None:
+        if not 0 <= block_id < self.capacity:
+            raise ValueError(f"block id {block_id} is outside the pool (0..{self.capacity - 1}).")

@@ -1,0 +1,244 @@
+"""``PagedKVCache``: mlx-lm's cache protocol over a shared block pool.
+
+One ``PagedKVCache`` is one layer of one sequence. The layers of a sequence
+that share a ``KVPool`` (all full-attention layers, or all sliding-window
+layers with the same window) share one ``BlockTable``, so a block id names the
+same token slots in every one of those layers.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models import cache as mlx_cache
+from mlx_lm.models.base import create_causal_mask
+from mlx_lm.models.cache import CacheList
+
+from .attention import route_attention
+from .block_pool import check_block_size
+from .kv_pool import BlockTable, KVPool
+from .models import LayerKind, classify, default_caches, model_type
+
+
+class PagedKVCache:
+    """One layer's KV cache for one sequence, stored in a shared ``KVPool``.
+
+    Use ``make_paged_cache(model)`` to build a model's caches. ``update_and_fetch``
+    returns the layer's K/V gathered lazily from the blocks; ``copy.deepcopy``
+    forks by reference (copy-on-write), it never copies the pool.
+
+    Args:
+        pool: Storage for the layer group this layer belongs to.
+        table: The sequence's block table in ``pool``.
+        layer: This layer's index within ``pool``.
+        window: Sliding-window size in tokens, or ``None`` for full attention.
+    """
+
+    def __init__(self, pool: KVPool, table: BlockTable, layer: int, window: int | None = None):
+        self.pool = pool
+        self.table = table
+        self.layer = layer
+        self.window = window
+
+    # ---- mlx-lm protocol --------------------------------------------------
+
+    @property
+    def offset(self) -> int:
+        """Tokens this layer has seen."""
+        return self.table.lengths[self.layer]
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Write ``(1, H, n, D)`` K/V at the tail; return the K/V attention should read.
+
+        Full attention returns every token; a sliding window returns tokens from
+        the start of the block holding the oldest key any new query sees.
+        """
+        start = self.offset
+        self.pool.write_prefill(self.table, self.layer, keys, values)
+        lo = self._read_start(start)
+        if self.window is not None:
+            self.pool.drop_before(self.table, lo)
+        return self.pool.gather(self.table, self.layer, lo, self.offset)
+
+    def make_mask(
+        self, N: int, return_array: bool = False, window_size: int | None = None
+    ) -> mx.array | str | None:
+        """The mask for ``N`` new queries against what ``update_and_fetch`` will return."""
+        if self.window is None:
+            if window_size is not None:
+                return create_causal_mask(N, self.offset, window_size=window_size)
+            if N == 1:
+                return None
+            return create_causal_mask(N, self.offset) if return_array else "causal"
+        if window_size is not None and window_size > self.window:
+            raise ValueError(
+                f"window_size={window_size} exceeds this layer's sliding window ({self.window})."
+            )
+        window = window_size or self.window
+        before = self.offset - self._read_start(self.offset)  # keys older than the queries
+        if not return_array and before + N <= window:
+            return None if N == 1 else "causal"
+        return create_causal_mask(N, before, window_size=window)
+
+    @property
+    def state(self) -> tuple:
+        """This layer's pool arrays, the sequence's blocks and scalars.
+
+        Evaluating it forces pending writes without copying; ``from_state``
+        keeps only this sequence's blocks.
+        """
+        p, t = self.pool, self.table
+        dtype = p.input_dtypes[self.layer]
+        return (
+            p.keys[self.layer],
+            p.values[self.layer],
+            mx.array(t.blocks, dtype=mx.int32),
+            t.first,
+            self.offset,
+            self.window,
+            p.block_size,
+            None if dtype is None else str(dtype).rsplit(".", 1)[-1],
+        )
+
+    @state.setter
+    def state(self, v: tuple) -> None:
+        keys, values, blocks, first, offset, window, block_size, dtype = v
+        pool = KVPool(1, int(block_size), None, None)
+        table = pool.new_table()
+        self.pool, self.table, self.layer = pool, table, 0
+        self.window = None if window is None else int(window)
+        table.first = int(first)
+        table.lengths[0] = int(offset)
+        ids = blocks.tolist() if blocks is not None and blocks.size else []
+        if keys is None or not ids:
+            return
+        table.blocks.extend(pool.blocks.allocate(len(ids)))
+        pool.adopt_layer(
+            0,
+            keys[mx.array(ids, dtype=mx.int32)],
+            values[mx.array(ids, dtype=mx.int32)],
+            getattr(mx, dtype),
+        )
+
+    @classmethod
+    def from_state(cls, state: tuple) -> PagedKVCache:
+        """Rebuild one layer from ``state`` into a private pool (used by ``load_prompt_cache``)."""
+        obj = cls.__new__(cls)
+        obj.state = state
+        return obj
+
+    def is_trimmable(self) -> bool:
+        """Full layers always; sliding layers until they have given blocks back."""
+        return self.window is None or self.table.first == 0
+
+    def trim(self, n: int) -> int:
+        """Forget the last ``n`` tokens (at most ``offset``); return how many were dropped."""
+        if not self.is_trimmable():
+            return 0
+        n = min(self.offset, n)
+        self.pool.truncate(self.table, self.layer, self.offset - n)
+        return n
+
+    def size(self) -> int:
+        """Tokens attention reads: all of them, or the window."""
+        return self.offset if self.window is None else min(self.offset, self.window)
+
+    def empty(self) -> bool:
+        """Whether nothing has been written."""
+        return self.offset == 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the blocks this layer's table holds (shared blocks count for each holder)."""
+        k, v = self.pool.keys[self.layer], self.pool.values[self.layer]
+        if k is None:
+            return 0
+        per_block = (k.nbytes + v.nbytes) // max(k.shape[0], 1)
+        return len(self.table.blocks) * per_block
+
+    def __deepcopy__(self, memo: dict) -> PagedKVCache:
+        # Layers of one sequence share a table; fork it once per deepcopy call.
+        key = id(self.table)
+        if key not in memo:
+            memo[key] = self.pool.fork(self.table)
+        return PagedKVCache(self.pool, memo[key], self.layer, self.window)
+
+    # ---- paged extras -----------------------------------------------------
+
+    def gather_visible(self) -> tuple[mx.array, mx.array]:
+        """This layer's retained K/V as contiguous ``(1, H, T, D)`` arrays."""
+        return self.pool.gather_visible(self.table, self.layer)
+
+    def _read_start(self, offset: int) -> int:
+        """First token ``update_and_fetch`` returns when queries start at ``offset``."""
+        if self.window is None:
+            return 0
+        oldest = max(0, offset - self.window + 1)
+        return oldest - oldest % self.pool.block_size
+
+
+def make_paged_cache(
+    model: nn.Module,
+    block_size: int = 16,
+    num_blocks: int | None = None,
+    kv_dtype: mx.Dtype | None = None,
+) -> list[Any]:
+    """Build ``model``'s prompt cache with every attention layer paged.
+
+    Transforms what ``model.make_cache()`` (or mlx-lm's default) returns:
+    ``KVCache`` becomes a full-attention ``PagedKVCache``; ``RotatingKVCache``
+    becomes a sliding-window one that gives back blocks outside the window;
+    ``ArraysCache`` (SSM / recurrent state) stays native; ``CacheList`` is
+    converted item by item.
+
+    Args:
+        model: An mlx-lm model.
+        block_size: Token slots per block.
+        num_blocks: Blocks per pool (one pool per full/sliding layer group);
+            ``None`` grows the pool on demand.
+        kv_dtype: Storage dtype for K/V, e.g. ``mx.float16``; ``None`` keeps the
+            model's.
+
+    Raises:
+        ValueError: for a bad ``block_size``/``num_blocks``, or a cache layout
+            mlx_paged cannot page (the message names the model type).
+    """
+    check_block_size(block_size)
+    if kv_dtype is not None and not isinstance(kv_dtype, mx.Dtype):
+        raise ValueError(f"kv_dtype must be an mx.Dtype such as mx.float16, got {kv_dtype!r}.")
+    family = model_type(model)
+    caches = default_caches(model)
+
+    counts: Counter[LayerKind] = Counter()
+    _walk(caches, family, lambda kind: counts.update([kind]))
+    pools = {kind: KVPool(n, block_size, num_blocks, kv_dtype) for kind, n in counts.items()}
+    tables = {kind: pool.new_table() for kind, pool in pools.items()}
+    next_layer: Counter[LayerKind] = Counter()
+
+    def paged(kind: LayerKind) -> PagedKVCache:
+        layer = next_layer[kind]
+        next_layer[kind] += 1
+        return PagedKVCache(pools[kind], tables[kind], layer, kind.window)
+
+    route_attention()
+    return _walk(caches, family, paged)
+
+
+def _walk(caches: list, family: str, visit) -> list:
+    """Replace each pageable cache with ``visit(kind)``, recursing into CacheList."""
+    out = []
+    for c in caches:
+        if isinstance(c, CacheList):
+            out.append(CacheList(*_walk(list(c.caches), family, visit)))
+            continue
+        kind = classify(c, family)
+        out.append(c if kind is None else visit(kind))
+    return out
+
+
+# load_prompt_cache looks cache classes up by name in mlx-lm's cache module.
+mlx_cache.PagedKVCache = PagedKVCache
+route_attention()

@@ -1,0 +1,72 @@
+"""How each family's cache layout maps onto paged layers.
+
+mlx-lm models describe their caches through ``model.make_cache()``; the list is
+not always one entry per ``model.layers`` item, so we classify cache objects,
+not layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.nn as nn
+from mlx_lm.models.cache import (
+    ArraysCache,
+    CacheList,
+    ChunkedKVCache,
+    KVCache,
+    RotatingKVCache,
+)
+
+
+@dataclass(frozen=True)
+class LayerKind:
+    """Which pool a paged layer joins: full attention, or a sliding window of ``window`` tokens."""
+
+    window: int | None = None
+
+
+def model_type(model: nn.Module) -> str:
+    """The model's ``model_type`` for error messages, or its class path."""
+    name = getattr(model, "model_type", None) or getattr(
+        getattr(model, "args", None), "model_type", None
+    )
+    return name or f"{type(model).__module__}.{type(model).__name__}"
+
+
+def default_caches(model: nn.Module) -> list:
+    """What mlx-lm would build for this model: ``model.make_cache()`` or one KVCache per layer."""
+    if hasattr(model, "make_cache"):
+        return model.make_cache()
+    return [KVCache() for _ in model.layers]
+
+
+def classify(cache: object, family: str) -> LayerKind | None:
+    """The paged kind replacing ``cache``, or ``None`` to keep it native.
+
+    Raises:
+        ValueError: for layouts mlx_paged cannot page, naming the model type.
+    """
+    if type(cache) is KVCache:
+        return LayerKind()
+    if type(cache) is RotatingKVCache:
+        if cache.keep:
+            raise ValueError(
+                f"{family}: RotatingKVCache with keep={cache.keep} (attention-sink eviction) "
+                "is not supported by mlx_paged; use mlx-lm's own cache for this model."
+            )
+        return LayerKind(window=cache.max_size)
+    if isinstance(cache, ArraysCache):
+        return None  # recurrent / SSM state: small, per sequence, stays native
+    if isinstance(cache, ChunkedKVCache):
+        raise ValueError(
+            f"{family}: ChunkedKVCache (chunked local attention) is not supported by mlx_paged; "
+            "use mlx-lm's own cache for this model."
+        )
+    if isinstance(cache, CacheList):
+        raise AssertionError("CacheList is unpacked by the caller")
+    raise ValueError(
+        f"{family}: cache type {type(cache).__name__} is not supported by mlx_paged "
+        "(supported: KVCache, RotatingKVCache, ArraysCache, CacheList of those); "
+        "use mlx-lm's own cache for this model."
+    )
