@@ -58,10 +58,14 @@ class PagedKVCache:
         """
         start = self.offset
         self.pool.write_prefill(self.table, self.layer, keys, values)
-        lo = self._read_start(start)
+        keys, values = self.pool.gather(
+            self.table, self.layer, self._read_start(start), self.offset
+        )
         if self.window is not None:
-            self.pool.drop_before(self.table, lo)
-        return self.pool.gather(self.table, self.layer, lo, self.offset)
+            # Once every layer has read this step's window, the next queries
+            # (from min(lengths) on) will never look before this point.
+            self.pool.drop_before(self.table, self._read_start(min(self.table.lengths)))
+        return keys, values
 
     def make_mask(
         self, N: int, return_array: bool = False, window_size: int | None = None
