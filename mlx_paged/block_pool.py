@@ -135,6 +135,10 @@ class BlockPool:
         self._check_id(block_id)
         if self.refcounts[block_id] == 0:
             raise ValueError(f"block {block_id} is already free; it was released twice.")
+        if block_id in self._cached:
+            raise ValueError(
+                f"block {block_id} is held only by the prefix index; call unpark, not release."
+            )
         self.refcounts[block_id] -= 1
         self._settle(block_id)
 

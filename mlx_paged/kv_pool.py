@@ -33,6 +33,8 @@ class BlockTable:
     first: int = 0
     lengths: list[int] = field(default_factory=list)
     version: int = 0  # bumped whenever ``blocks`` or ``first`` changes
+    ids: mx.array | None = field(default=None, repr=False)  # device copy of a span of blocks
+    ids_key: tuple | None = field(default=None, repr=False)
 
     @property
     def end(self) -> int:
@@ -172,7 +174,7 @@ class KVPool:
         bs = self.block_size
         lo, hi = start // bs, -(-end // bs)
         assert lo >= table.first, f"tokens from {start} were already given back"
-        ids = mx.array(table.blocks[lo - table.first : hi - table.first], dtype=mx.int32)
+        ids = self._block_ids(table, lo, hi)
         off = start - lo * bs
         dtype = self.input_dtypes[layer]
 
@@ -194,6 +196,14 @@ class KVPool:
         return self.blocks.bytes_per_block
 
     # ---- internals --------------------------------------------------------
+
+    def _block_ids(self, table: BlockTable, lo: int, hi: int) -> mx.array:
+        """Block ids for logical blocks ``[lo, hi)``, reused while the table is unchanged."""
+        key = (table.version, lo, hi)
+        if table.ids_key != key:
+            table.ids = mx.array(table.blocks[lo - table.first : hi - table.first], dtype=mx.int32)
+            table.ids_key = key
+        return table.ids
 
     def _check_write(self, layer: int, keys: mx.array, values: mx.array) -> None:
         for name, x in (("keys", keys), ("values", values)):
@@ -295,11 +305,16 @@ class KVPool:
                 f"holds only {self.blocks.capacity}; pass a larger num_blocks (or None to grow)."
             )
         # Existing blocks we are about to write into must not be shared.
-        for i in range(
-            start // bs - table.first, min(len(table.blocks), -(-end // bs) - table.first)
-        ):
-            if self.blocks.is_shared(table.blocks[i]):
-                self.copy_on_write_block(table, i)
+        lo, hi = start // bs - table.first, min(len(table.blocks), -(-end // bs) - table.first)
+        shared = [i for i in range(lo, hi) if self.blocks.is_shared(table.blocks[i])]
+        if not self.blocks.can_allocate(len(shared) + max(need, 0)):
+            raise PoolExhaustedError(
+                f"the pool needs {len(shared) + max(need, 0)} more blocks but only "
+                f"{self.blocks.num_available} of {self.blocks.capacity} can be freed; "
+                "release sequences or build a larger pool."
+            )
+        for i in shared:
+            self.copy_on_write_block(table, i)
         if need > 0:
             table.blocks.extend(self._allocate(need))
             table.version += 1
