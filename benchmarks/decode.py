@@ -81,14 +81,20 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--capacity-context", type=int, default=4096,
-                        help="context for the 1x vs 8x pool-capacity comparison (0 skips it)")
+    parser.add_argument(
+        "--capacity-context",
+        type=int,
+        default=4096,
+        help="context for the 1x vs 8x pool-capacity comparison (0 skips it)",
+    )
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     dtype = getattr(mx, args.dtype)
     model = llama_1b(dtype, args.layers)
-    print(f"device={mx.default_device()} dtype={args.dtype} layers={args.layers} "
-          f"block_size={args.block_size} steps={args.steps}")
+    print(
+        f"device={mx.default_device()} dtype={args.dtype} layers={args.layers} "
+        f"block_size={args.block_size} steps={args.steps}"
+    )
     results = []
 
     def run(name: str, context: int, make) -> float:
@@ -104,17 +110,24 @@ def main() -> None:
     for context in args.contexts:
         dense = run("dense", context, lambda: make_prompt_cache(model))
         paged = run("paged", context, lambda: make_paged_cache(model, args.block_size))
-        print(f"context={context:6d} dense {1 / dense:8.2f} tok/s  paged {1 / paged:8.2f} tok/s  "
-              f"paged/dense speed {dense / paged:.3f}")
+        print(
+            f"context={context:6d} dense {1 / dense:8.2f} tok/s  paged {1 / paged:8.2f} tok/s  "
+            f"paged/dense speed {dense / paged:.3f}"
+        )
 
     if args.capacity_context:
         ctx = args.capacity_context
         need = -(-(ctx + 64) // args.block_size)
         for mult in (1, 8):
-            s = run(f"paged_capacity_{mult}x", ctx,
-                    lambda m=mult: make_paged_cache(model, args.block_size, num_blocks=need * m))
-            print(f"context={ctx:6d} pool capacity {mult}x ({need * mult} blocks): "
-                  f"{s * 1e3:8.2f} ms/step")
+            s = run(
+                f"paged_capacity_{mult}x",
+                ctx,
+                lambda m=mult: make_paged_cache(model, args.block_size, num_blocks=need * m),
+            )
+            print(
+                f"context={ctx:6d} pool capacity {mult}x ({need * mult} blocks): "
+                f"{s * 1e3:8.2f} ms/step"
+            )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
