@@ -5,11 +5,13 @@ by name at import. ``route_attention`` rebinds that name, in ``base`` and in
 every loaded module, to a wrapper that sends calls whose cache is paged to
 ``paged_attention`` and everything else to mlx-lm's original function.
 
-``paged_attention`` is where fused kernels plug in: each entry of ``KERNELS``
-may take a call (returning the output) or decline (returning ``None``). The
-portable gather path runs when none takes it: ``PagedKVCache.update_and_fetch``
-already returned the layer's K/V gathered from the blocks, and MLX's SDPA runs
-on them.
+``paged_attention`` is where fused kernels plug in. A decode call (one query
+per sequence) whose K/V and mask are exactly what the paged cache produced is
+offered to each entry of ``KERNELS`` with a ``PagedView`` of the blocks; a
+kernel returns the output or ``None`` to decline. The portable gather path runs
+when none takes it: ``update_and_fetch`` already returned the layer's K/V
+gathered from the blocks, and MLX's SDPA runs on them. Calls whose K/V the
+model transformed (MLA) or whose mask it edited always take the gather path.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import sys
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -24,9 +27,35 @@ from mlx_lm.models import base
 
 _original_sdpa = base.scaled_dot_product_attention
 
-#: Fused paged kernels, tried in order. Each is called with the same arguments
-#: as ``paged_attention`` and returns the output or ``None`` to decline.
-KERNELS: list[Callable[..., mx.array | None]] = []
+
+@dataclass(frozen=True)
+class PagedView:
+    """Where one layer's K/V lie in the blocks, for a batch of ``B`` sequences.
+
+    The key at token position ``p`` of sequence ``b`` is
+    ``keys[block_tables[b, (p - starts[b]) // block_size], p % block_size]``.
+    A decode query of sequence ``b`` sits at position ``lengths[b] - 1`` and
+    attends to positions ``max(starts[b], lengths[b] - window) .. lengths[b] - 1``
+    (``window`` ``None`` means no limit). Rows of ``block_tables`` past a
+    sequence's last block hold arbitrary ids and must not be read.
+    """
+
+    keys: mx.array  # (num_blocks, block_size, n_kv_heads, k_head_dim)
+    values: mx.array  # (num_blocks, block_size, n_kv_heads, v_head_dim)
+    block_tables: mx.array  # (B, max_blocks) int32
+    starts: mx.array  # (B,) int32, multiples of block_size
+    lengths: mx.array  # (B,) int32
+    window: int | None
+
+    @property
+    def block_size(self) -> int:
+        return self.keys.shape[1]
+
+
+#: Fused paged decode kernels, tried in order. Each is called as
+#: ``kernel(queries, view, scale, sinks)`` with ``queries`` ``(B, n_heads, 1, D)``
+#: and returns ``(B, n_heads, 1, v_head_dim)`` or ``None`` to decline.
+KERNELS: list[Callable[[mx.array, PagedView, float, mx.array | None], mx.array | None]] = []
 
 #: How many attention calls each path served, e.g. ``{"gather": 96}``.
 path_counts: Counter[str] = Counter()
@@ -47,14 +76,18 @@ def paged_attention(
         queries: ``(B, n_heads, L, D)``.
         keys, values: what the layer's ``update_and_fetch`` returned (or the
             model's own transform of it, as in MLA), ``(B, n_kv_heads, T, D)``.
-        cache: the layer's ``PagedKVCache``.
+        cache: the layer's paged cache; it says whether ``keys``, ``values``
+            and ``mask`` are its own (``fetched``) and where its blocks lie
+            (``paged_view``).
         scale, mask, sinks: as in ``mx.fast.scaled_dot_product_attention``.
     """
-    for kernel in KERNELS:
-        out = kernel(queries, keys, values, cache, scale, mask, sinks)
-        if out is not None:
-            path_counts[getattr(kernel, "__name__", "kernel")] += 1
-            return out
+    if KERNELS and queries.shape[2] == 1 and cache.fetched(keys, values, mask):
+        view = cache.paged_view()
+        for kernel in KERNELS:
+            out = kernel(queries, view, scale, sinks)
+            if out is not None:
+                path_counts[getattr(kernel, "__name__", "kernel")] += 1
+                return out
     path_counts["gather"] += 1
     return mx.fast.scaled_dot_product_attention(
         queries, keys, values, scale=scale, mask=mask, sinks=sinks

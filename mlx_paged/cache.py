@@ -17,7 +17,7 @@ from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import CacheList
 
-from .attention import route_attention
+from .attention import PagedView, route_attention
 from .block_pool import check_block_size
 from .kv_pool import BlockTable, KVPool
 from .models import LayerKind, classify, default_caches, model_type
@@ -42,6 +42,7 @@ class PagedKVCache:
         self.table = table
         self.layer = layer
         self.window = window
+        self._fetched: tuple[mx.array, mx.array] | None = None
 
     # ---- mlx-lm protocol --------------------------------------------------
 
@@ -56,11 +57,13 @@ class PagedKVCache:
         Full attention returns every token; a sliding window returns tokens from
         the start of the block holding the oldest key any new query sees.
         """
+        self._fetched = None  # a stale lazy gather would pin the old pool array
         start = self.offset
         self.pool.write_prefill(self.table, self.layer, keys, values)
         keys, values = self.pool.gather(
             self.table, self.layer, self._read_start(start), self.offset
         )
+        self._fetched = (keys, values)
         if self.window is not None:
             # Once every layer has read this step's window, the next queries
             # (from min(lengths) on) will never look before this point.
@@ -84,8 +87,11 @@ class PagedKVCache:
         window = window_size or self.window
         before = self.offset - self._read_start(self.offset)  # keys older than the queries
         if not return_array and before + N <= window:
-            return None if N == 1 else "causal"
-        return create_causal_mask(N, before, window_size=window)
+            mask = None if N == 1 else "causal"
+        else:
+            mask = create_causal_mask(N, before, window_size=window)
+        self.table.mask = mask
+        return mask
 
     @property
     def state(self) -> tuple:
@@ -113,6 +119,7 @@ class PagedKVCache:
         pool = KVPool(1, int(block_size), None, None)
         table = pool.new_table()
         self.pool, self.table, self.layer = pool, table, 0
+        self._fetched = None
         self.window = None if window is None else int(window)
         table.first = int(first)
         table.lengths[0] = int(offset)
@@ -171,6 +178,29 @@ class PagedKVCache:
         return PagedKVCache(self.pool, memo[key], self.layer, self.window)
 
     # ---- paged extras -----------------------------------------------------
+
+    def fetched(self, keys: mx.array, values: mx.array, mask: object) -> bool:
+        """Whether attention got this layer's own K/V and mask, untouched by the model.
+
+        Only then may a fused kernel read the blocks instead. Forgets the K/V
+        either way, so an unused lazy gather does not pin the pool array.
+        """
+        own = self._fetched is not None and keys is self._fetched[0]
+        own = own and values is self._fetched[1] and (mask is None or mask is self.table.mask)
+        self._fetched = None
+        return own
+
+    def paged_view(self) -> PagedView:
+        """This layer's blocks as a batch of one, for fused kernels."""
+        p, t = self.pool, self.table
+        return PagedView(
+            keys=p.keys[self.layer],
+            values=p.values[self.layer],
+            block_tables=p.table_ids(t)[None],
+            starts=mx.array([t.first * p.block_size], dtype=mx.int32),
+            lengths=mx.array([self.offset], dtype=mx.int32),
+            window=self.window,
+        )
 
     def gather_visible(self) -> tuple[mx.array, mx.array]:
         """This layer's retained K/V as contiguous ``(1, H, T, D)`` arrays."""

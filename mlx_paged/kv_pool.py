@@ -35,6 +35,9 @@ class BlockTable:
     version: int = 0  # bumped whenever ``blocks`` or ``first`` changes
     ids: mx.array | None = field(default=None, repr=False)  # device copy of a span of blocks
     ids_key: tuple | None = field(default=None, repr=False)
+    # The mask make_mask last returned for this sequence's layers, so attention
+    # can tell it from a mask the model made itself.
+    mask: object = field(default=None, repr=False)
 
     @property
     def end(self) -> int:
@@ -185,6 +188,10 @@ class KVPool:
             return x if x.dtype == dtype else x.astype(dtype)
 
         return read(self.keys[layer]), read(self.values[layer])
+
+    def table_ids(self, table: BlockTable) -> mx.array:
+        """The retained block ids of a table as an int32 array (cached until it changes)."""
+        return self._block_ids(table, table.first, table.first + len(table.blocks))
 
     def gather_visible(self, table: BlockTable, layer: int) -> tuple[mx.array, mx.array]:
         """Every retained token of one layer: the bytes the dense cache would hold."""
