@@ -18,7 +18,7 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import CacheList
 
 from .attention import PagedView, route_attention
-from .block_pool import check_block_size
+from .block_pool import PagedCacheStats, check_block_size
 from .kv_pool import BlockTable, KVPool
 from .models import LayerKind, classify, default_caches, model_type
 
@@ -178,6 +178,10 @@ class PagedKVCache:
         return PagedKVCache(self.pool, memo[key], self.layer, self.window)
 
     # ---- paged extras -----------------------------------------------------
+
+    def stats(self) -> PagedCacheStats:
+        """Block counts and bytes of the pool this layer lives in."""
+        return self.pool.blocks.stats()
 
     def fetched(self, keys: mx.array, values: mx.array, mask: object) -> bool:
         """Whether attention got this layer's own K/V and mask, untouched by the model.
