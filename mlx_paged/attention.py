@@ -104,9 +104,10 @@ def scaled_dot_product_attention(
     sinks: mx.array | None = None,
 ) -> mx.array:
     """Drop-in for mlx-lm's function: paged caches go to ``paged_attention``."""
+    from .batch_cache import BatchPagedKVCache
     from .cache import PagedKVCache
 
-    if isinstance(cache, PagedKVCache):
+    if isinstance(cache, (PagedKVCache, BatchPagedKVCache)):
         return paged_attention(queries, keys, values, cache, scale, mask, sinks)
     return _original_sdpa(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
 

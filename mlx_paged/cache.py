@@ -8,7 +8,10 @@ same token slots in every one of those layers.
 
 from __future__ import annotations
 
+import copy
 from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -247,33 +250,78 @@ def make_paged_cache(
     check_block_size(block_size)
     if kv_dtype is not None and not isinstance(kv_dtype, mx.Dtype):
         raise ValueError(f"kv_dtype must be an mx.Dtype such as mx.float16, got {kv_dtype!r}.")
-    family = model_type(model)
-    caches = default_caches(model)
-
-    counts: Counter[LayerKind] = Counter()
-    _walk(caches, family, lambda kind: counts.update([kind]))
-    pools = {kind: KVPool(n, block_size, num_blocks, kv_dtype) for kind, n in counts.items()}
+    layout = PagedLayout.of(model)
+    pools = {kind: KVPool(n, block_size, num_blocks, kv_dtype) for kind, n in layout.counts.items()}
     tables = {kind: pool.new_table() for kind, pool in pools.items()}
-    next_layer: Counter[LayerKind] = Counter()
-
-    def paged(kind: LayerKind) -> PagedKVCache:
-        layer = next_layer[kind]
-        next_layer[kind] += 1
-        return PagedKVCache(pools[kind], tables[kind], layer, kind.window)
-
     route_attention()
-    return _walk(caches, family, paged)
+    return layout.bind(pools, tables)
 
 
-def _walk(caches: list, family: str, visit) -> list:
-    """Replace each pageable cache with ``visit(kind)``, recursing into CacheList."""
+@dataclass
+class PagedLayout:
+    """Which of a model's caches are paged, and in which pool.
+
+    ``template`` is what ``model.make_cache()`` (or mlx-lm's default) returns;
+    ``counts`` says how many paged layers each kind (full attention, or one
+    sliding window) has; ``native`` counts caches kept as they are.
+    """
+
+    template: list
+    family: str
+    counts: Counter[LayerKind]
+    native: int
+
+    @classmethod
+    def of(cls, model: nn.Module) -> PagedLayout:
+        """Classify ``model``'s caches; raises ValueError for layouts mlx_paged cannot page."""
+        family = model_type(model)
+        template = default_caches(model)
+        counts: Counter[LayerKind] = Counter()
+        native = 0
+
+        def count(kind: LayerKind | None) -> None:
+            nonlocal native
+            if kind is None:
+                native += 1
+            else:
+                counts[kind] += 1
+
+        _walk(template, family, count, keep_native=False)
+        return cls(template, family, counts, native)
+
+    def bind(
+        self,
+        pools: dict[LayerKind, KVPool],
+        tables: dict[LayerKind, Any],
+        factory: Callable[..., Any] = PagedKVCache,
+    ) -> list[Any]:
+        """A cache list shaped like ``template``: paged layers made by
+        ``factory(pool, table, layer, window)``, native caches fresh."""
+        next_layer: Counter[LayerKind] = Counter()
+
+        def paged(kind: LayerKind) -> Any:
+            layer = next_layer[kind]
+            next_layer[kind] += 1
+            return factory(pools[kind], tables[kind], layer, kind.window)
+
+        return _walk(copy.deepcopy(self.template), self.family, paged)
+
+
+def _walk(caches: list, family: str, visit, keep_native: bool = True) -> list:
+    """Replace each pageable cache with ``visit(kind)``, recursing into CacheList.
+
+    With ``keep_native=False``, native caches are passed to ``visit`` as ``None``.
+    """
     out = []
     for c in caches:
         if isinstance(c, CacheList):
-            out.append(CacheList(*_walk(list(c.caches), family, visit)))
+            out.append(CacheList(*_walk(list(c.caches), family, visit, keep_native)))
             continue
         kind = classify(c, family)
-        out.append(c if kind is None else visit(kind))
+        if kind is None and keep_native:
+            out.append(c)
+        else:
+            out.append(visit(kind))
     return out
 
 

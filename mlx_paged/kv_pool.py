@@ -125,14 +125,14 @@ class KVPool:
             keys: ``(1, n_kv_heads, n_new, k_head_dim)``.
             values: ``(1, n_kv_heads, n_new, v_head_dim)``.
         """
-        self._check_write(layer, keys, values)
+        self.check_write(layer, keys, values)
         start = table.lengths[layer]
         n = keys.shape[2]
         if n == 0:
             return
-        self._prepare_blocks(table, start, start + n)
-        k = self._to_storage(keys[0].swapaxes(0, 1))  # (n, H, Dk)
-        v = self._to_storage(values[0].swapaxes(0, 1))  # (n, H, Dv)
+        self.reserve(table, start, start + n)
+        k = self.to_storage(keys[0].swapaxes(0, 1))  # (n, H, Dk)
+        v = self.to_storage(values[0].swapaxes(0, 1))  # (n, H, Dv)
         bs = self.block_size
         if n == 1:
             b, s = table.blocks[start // bs - table.first], start % bs
@@ -212,7 +212,8 @@ class KVPool:
             table.ids_key = key
         return table.ids
 
-    def _check_write(self, layer: int, keys: mx.array, values: mx.array) -> None:
+    def check_write(self, layer: int, keys: mx.array, values: mx.array) -> None:
+        """Raise ValueError unless ``(1, H, n, D)`` K/V fit the layer; create it on first use."""
         for name, x in (("keys", keys), ("values", values)):
             if not isinstance(x, mx.array) or x.ndim != 4 or x.shape[0] != 1:
                 shape = getattr(x, "shape", type(x).__name__)
@@ -272,7 +273,8 @@ class KVPool:
                 total += self.block_size * per_token
         self.blocks.bytes_per_block = total
 
-    def _to_storage(self, x: mx.array) -> mx.array:
+    def to_storage(self, x: mx.array) -> mx.array:
+        """``x`` in the storage dtype."""
         return (
             x.astype(self.kv_dtype) if self.kv_dtype is not None and x.dtype != self.kv_dtype else x
         )
@@ -302,29 +304,47 @@ class KVPool:
                     pad = mx.zeros((extra, *x.shape[1:]), dtype=x.dtype)
                     arrays[layer] = mx.concatenate([x, pad])
 
-    def _prepare_blocks(self, table: BlockTable, start: int, end: int) -> None:
-        """Make sure tokens ``[start, end)`` have private blocks in ``table``."""
+    def blocks_needed(self, table: BlockTable, start: int, end: int) -> int:
+        """Blocks ``reserve(table, start, end)`` would take: new ones plus copies of shared ones."""
+        return len(self._shared_in(table, start, end)) + self._missing(table, end)
+
+    def reserve(self, table: BlockTable, start: int, end: int) -> None:
+        """Give tokens ``[start, end)`` private blocks in ``table``, copying shared ones.
+
+        Raises:
+            ValueError: if the table would need more blocks than the pool has.
+            PoolExhaustedError: if the blocks cannot be freed now; nothing changes.
+        """
         bs = self.block_size
-        need = -(-end // bs) - table.first - len(table.blocks)
-        if not self.blocks.growable and -(-end // bs) - table.first > self.blocks.capacity:
+        span = -(-end // bs) - table.first
+        if not self.blocks.growable and span > self.blocks.capacity:
             raise ValueError(
-                f"{end} tokens need {-(-end // bs) - table.first} blocks of {bs}, but the pool "
-                f"holds only {self.blocks.capacity}; pass a larger num_blocks (or None to grow)."
+                f"{end} tokens need {span} blocks of {bs}, but the pool holds only "
+                f"{self.blocks.capacity}; pass a larger num_blocks (or None to grow)."
             )
-        # Existing blocks we are about to write into must not be shared.
-        lo, hi = start // bs - table.first, min(len(table.blocks), -(-end // bs) - table.first)
-        shared = [i for i in range(lo, hi) if self.blocks.is_shared(table.blocks[i])]
-        if not self.blocks.can_allocate(len(shared) + max(need, 0)):
+        shared = self._shared_in(table, start, end)
+        missing = self._missing(table, end)
+        if not self.blocks.can_allocate(len(shared) + missing):
             raise PoolExhaustedError(
-                f"the pool needs {len(shared) + max(need, 0)} more blocks but only "
+                f"the pool needs {len(shared) + missing} more blocks but only "
                 f"{self.blocks.num_available} of {self.blocks.capacity} can be freed; "
                 "release sequences or build a larger pool."
             )
         for i in shared:
             self.copy_on_write_block(table, i)
-        if need > 0:
-            table.blocks.extend(self._allocate(need))
+        if missing:
+            table.blocks.extend(self._allocate(missing))
             table.version += 1
+
+    def _shared_in(self, table: BlockTable, start: int, end: int) -> list[int]:
+        """Indices into ``table.blocks`` of shared blocks that tokens ``[start, end)`` touch."""
+        bs = self.block_size
+        lo, hi = start // bs - table.first, min(len(table.blocks), -(-end // bs) - table.first)
+        return [i for i in range(lo, hi) if self.blocks.is_shared(table.blocks[i])]
+
+    def _missing(self, table: BlockTable, end: int) -> int:
+        """Blocks to append so that ``table`` reaches token ``end``."""
+        return max(0, -(-end // self.block_size) - table.first - len(table.blocks))
 
 
 def _release_quietly(pool: BlockPool, blocks: list[int]) -> None:

@@ -1,0 +1,136 @@
+"""Batched decode over block tables: one token per sequence, no padding in storage.
+
+``DecodeBatch`` describes, for one layer group, where the next token of each
+running sequence goes and which blocks its query reads. ``BatchPagedKVCache``
+is one layer's view of it in mlx-lm's cache protocol, so the model runs one
+forward over every running sequence with per-sequence offsets (array rope
+offsets) and lengths. Sequences join and leave between steps without anyone's
+K/V moving: only the small block-table arrays are rebuilt.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from .attention import PagedView
+from .kv_pool import BlockTable, KVPool
+
+
+class DecodeBatch:
+    """One decode step of ``B`` sequences in one layer group.
+
+    Every table must already hold a private block for its next token
+    (``KVPool.reserve``) and all layers of a table must be equally long.
+
+    Args:
+        pool: The group's storage.
+        tables: One per sequence, in batch order.
+        window: The group's sliding window, or ``None``.
+    """
+
+    def __init__(self, pool: KVPool, tables: list[BlockTable], window: int | None):
+        bs = pool.block_size
+        self.pool, self.tables, self.window = pool, tables, window
+        lengths = [t.lengths[0] for t in tables]
+        rows, starts, write_ids = [], [], []
+        for t, n in zip(tables, lengths, strict=True):
+            start = t.first if window is None else max(0, n - window + 1) // bs
+            assert start >= t.first, f"block {start} was given back before the query read it"
+            rows.append(t.blocks[start - t.first : n // bs - t.first + 1])
+            starts.append(start * bs)
+            write_ids.append(t.blocks[n // bs - t.first])
+        width = max(len(r) for r in rows)
+        # Pad rows with a real id; the mask (and kernels, by ``lengths``) ignore them.
+        table = [r + [r[-1]] * (width - len(r)) for r in rows]
+        self.block_tables = mx.array(table, dtype=mx.int32)  # (B, width)
+        self.starts = mx.array(starts, dtype=mx.int32)  # (B,)
+        self.offset = mx.array(lengths, dtype=mx.int32)  # (B,) positions of the new tokens
+        self.lengths = self.offset + 1
+        self.write_ids = mx.array(write_ids, dtype=mx.int32)
+        self.write_slots = self.offset % bs
+        self.width = width * bs
+        self.masks: dict[int | None, mx.array] = {}
+
+    def mask(self, window: int | None) -> mx.array:
+        """``(B, 1, 1, width)`` bool: which gathered keys each query may see."""
+        if window not in self.masks:
+            pos = self.starts[:, None] + mx.arange(self.width)[None]  # (B, width)
+            ok = pos <= self.offset[:, None]
+            if window is not None:
+                ok = ok & (pos > self.offset[:, None] - window)
+            self.masks[window] = ok[:, None, None, :]
+        return self.masks[window]
+
+    def finish(self) -> None:
+        """Record the step's token in every table (after the forward)."""
+        for t in self.tables:
+            n = t.lengths[0] + 1
+            t.lengths[:] = [n] * len(t.lengths)
+
+
+class BatchPagedKVCache:
+    """One layer's cache for a ``DecodeBatch`` (mlx-lm protocol, decode only)."""
+
+    def __init__(self, pool: KVPool, batch: DecodeBatch, layer: int, window: int | None = None):
+        self.pool, self.batch, self.layer, self.window = pool, batch, layer, window
+        self._fetched: tuple[mx.array, mx.array] | None = None
+
+    @property
+    def offset(self) -> mx.array:
+        """Positions of the new tokens, ``(B,)``."""
+        return self.batch.offset
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Write ``(B, H, 1, D)`` K/V; return ``(B, H, width, D)`` gathered K/V."""
+        if keys.ndim != 4 or keys.shape[2] != 1 or keys.shape[0] != len(self.batch.tables):
+            raise ValueError(
+                f"a decode batch of {len(self.batch.tables)} takes (B, H, 1, D) K/V; "
+                f"got {keys.shape}."
+            )
+        self._fetched = None
+        p, b, layer = self.pool, self.batch, self.layer
+        p.check_write(layer, keys[:1], values[:1])
+        p.keys[layer][b.write_ids, b.write_slots] = p.to_storage(keys[:, :, 0])  # (B, H, D)
+        p.values[layer][b.write_ids, b.write_slots] = p.to_storage(values[:, :, 0])
+        dtype = p.input_dtypes[layer]
+
+        def read(pool: mx.array) -> mx.array:
+            x = pool[b.block_tables]  # (B, width / bs, bs, H, D)
+            x = x.reshape(x.shape[0], -1, *x.shape[3:]).swapaxes(1, 2)  # (B, H, width, D)
+            return x if x.dtype == dtype else x.astype(dtype)
+
+        self._fetched = (read(p.keys[layer]), read(p.values[layer]))
+        return self._fetched
+
+    def make_mask(
+        self, N: int, return_array: bool = False, window_size: int | None = None
+    ) -> mx.array:
+        """The padding/causal/window mask for one query per sequence."""
+        if N != 1:
+            raise ValueError(f"a decode batch takes one token per sequence, got {N}.")
+        return self.batch.mask(window_size or self.window)
+
+    def fetched(self, keys: mx.array, values: mx.array, mask: object) -> bool:
+        """Whether attention got this layer's own K/V and a mask this batch made."""
+        own = self._fetched is not None and keys is self._fetched[0]
+        own = own and values is self._fetched[1]
+        own = own and any(mask is m for m in self.batch.masks.values())
+        self._fetched = None
+        return own
+
+    def paged_view(self) -> PagedView:
+        """Where this layer's K/V lie, for fused kernels."""
+        b = self.batch
+        return PagedView(
+            keys=self.pool.keys[self.layer],
+            values=self.pool.values[self.layer],
+            block_tables=b.block_tables,
+            starts=b.starts,
+            lengths=b.lengths,
+            window=self.window,
+        )
+
+    @property
+    def state(self) -> tuple:
+        """The layer's pool arrays, so ``mx.eval`` forces this step's writes."""
+        return (self.pool.keys[self.layer], self.pool.values[self.layer])

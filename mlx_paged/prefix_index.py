@@ -1,0 +1,234 @@
+"""Prefix index: a radix trie from token prefixes to parked blocks.
+
+Each trie node is one block of tokens: a full block (``block_size`` tokens) or
+a sequence's partially filled tail. A node holds one block id per *group* (a
+``BlockPool`` shared by a set of layers: the full-attention layers, or the
+sliding-window layers of one window). Sliding-window groups give early blocks
+back while a sequence runs, so their entries may be ``None``.
+
+Every block the index holds is parked in its pool (one reference). When a pool
+evicts a cached block it tells the index, which forgets it; a full-attention
+block takes its whole subtree with it, since no prefix through it can be
+rebuilt. Pure Python: no MLX here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from .block_pool import BlockPool
+
+
+@dataclass(eq=False)
+class _Node:
+    key: tuple[int, ...]  # this block's tokens; shorter than block_size for a partial tail
+    blocks: list[int | None]  # block id per group
+    parent: _Node | None
+    children: dict[tuple[int, ...], _Node] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PrefixMatch:
+    """The longest cached prefix of a prompt that every group can serve.
+
+    ``blocks[g]`` holds group ``g``'s block ids for logical blocks
+    ``firsts[g] ..`` up to the one holding token ``length - 1``. The last block
+    may be partially filled or shared: a writer must copy it first.
+    """
+
+    length: int
+    blocks: list[list[int]]
+    firsts: list[int]
+
+
+class PrefixIndex:
+    """Finds and parks blocks by the tokens they hold.
+
+    Args:
+        pools: One ``BlockPool`` per group, all with the same block size. The
+            index installs itself as each pool's ``on_evict`` hook.
+        windows: Per group, the sliding window in tokens, or ``None`` for full
+            attention.
+    """
+
+    def __init__(self, pools: Sequence[BlockPool], windows: Sequence[int | None]):
+        if len(pools) != len(windows) or not pools:
+            raise ValueError("give one window (or None) per pool, and at least one pool.")
+        sizes = {p.block_size for p in pools}
+        if len(sizes) != 1:
+            raise ValueError(f"all pools must share one block size, got {sorted(sizes)}.")
+        self.block_size = sizes.pop()
+        self.pools = list(pools)
+        self.windows = list(windows)
+        self._root = _Node((), [None] * len(pools), None)
+        self._owner: list[dict[int, _Node]] = [{} for _ in pools]
+        for g, pool in enumerate(pools):
+            pool.on_evict = lambda block_id, g=g: self._forget(g, block_id)
+
+    # ---- public API -------------------------------------------------------
+
+    def match(self, tokens: Sequence[int]) -> PrefixMatch | None:
+        """The longest prefix of ``tokens`` whose K/V is cached, at token granularity.
+
+        Returns ``None`` when nothing is cached. Does not take references:
+        the caller retains the blocks it adopts.
+        """
+        path, length = self._walk(tokens)
+        bs = self.block_size
+        # Try the full match, then shorter block-aligned lengths, until every
+        # group holds the blocks a continuation would read.
+        candidates = [length] + list(range((length - 1) // bs * bs, 0, -bs))
+        for m in candidates:
+            if m <= 0:
+                break
+            hi = -(-m // bs)
+            firsts = [self._first_needed(g, m) for g in range(len(self.pools))]
+            blocks = [[path[i].blocks[g] for i in range(firsts[g], hi)] for g in range(len(firsts))]
+            if all(b is not None for group in blocks for b in group):
+                return PrefixMatch(length=m, blocks=blocks, firsts=firsts)
+        return None
+
+    def insert(
+        self,
+        tokens: Sequence[int],
+        tables: Sequence[tuple[int, Sequence[int]]],
+        length: int | None = None,
+        partial: bool = True,
+    ) -> int:
+        """Park a sequence's blocks under the tokens they hold; return blocks newly parked.
+
+        Args:
+            tokens: The sequence's tokens; the first ``length`` have K/V written.
+            tables: Per group, ``(first, blocks)``: ``blocks[i]`` holds logical
+                block ``first + i``.
+            length: Tokens with K/V (default: all of ``tokens``).
+            partial: Also park a partially filled last block.
+
+        Blocks whose tokens are already indexed are left alone: the caller's
+        reference to them stays the caller's.
+        """
+        if len(tables) != len(self.pools):
+            raise ValueError(f"expected {len(self.pools)} tables, got {len(tables)}.")
+        length = len(tokens) if length is None else length
+        if not 0 <= length <= len(tokens):
+            raise ValueError(f"length {length} is outside 0..{len(tokens)}.")
+        bs = self.block_size
+        n_blocks = -(-length // bs) if partial else length // bs
+        node, parked = self._root, 0
+        for i in range(n_blocks):
+            key = tuple(tokens[i * bs : min((i + 1) * bs, length)])
+            child = node.children.get(key)
+            if child is None:
+                if len(key) < bs and any(k[: len(key)] == key for k in node.children):
+                    break  # a longer block already covers this partial tail
+                child = _Node(key, [None] * len(self.pools), node)
+                node.children[key] = child
+                # Partial tails this block extends are redundant now.
+                for k in [k for k in node.children if len(k) < len(key) and key[: len(k)] == k]:
+                    self._remove(node.children[k])
+            for g, (first, blocks) in enumerate(tables):
+                if i < first or i - first >= len(blocks) or child.blocks[g] is not None:
+                    continue
+                b = blocks[i - first]
+                if b in self._owner[g]:
+                    continue  # indexed under other tokens (a partial adoption)
+                self.pools[g].park(b)
+                child.blocks[g] = b
+                self._owner[g][b] = child
+                parked += 1
+            node = child
+        self._prune(node)  # a last node that got no block leads nowhere
+        return parked
+
+    def clear(self) -> None:
+        """Unpark every block."""
+        for child in list(self._root.children.values()):
+            self._remove(child)
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks the index holds, over all groups."""
+        return sum(len(owner) for owner in self._owner)
+
+    def check_invariants(self) -> None:
+        """Assert that the index and the pools agree on every parked block."""
+        for g, (pool, owner) in enumerate(zip(self.pools, self._owner, strict=True)):
+            assert set(owner) == pool.parked, (
+                f"group {g}: index holds {sorted(owner)}, pool has parked {sorted(pool.parked)}"
+            )
+            for b, node in owner.items():
+                assert node.blocks[g] == b, f"group {g}: block {b} owned by a node that lost it"
+        stack = [self._root]
+        while stack:
+            node = stack.pop()
+            for key, child in node.children.items():
+                assert child.key == key and child.parent is node, f"broken link at {key}"
+                assert 0 < len(key) <= self.block_size, f"bad key length {len(key)}"
+                assert len(key) == self.block_size or not child.children, "a partial has children"
+                stack.append(child)
+
+    # ---- internals --------------------------------------------------------
+
+    def _walk(self, tokens: Sequence[int]) -> tuple[list[_Node], int]:
+        """Nodes along the longest match and the tokens matched; the last node may match partly."""
+        bs, node, pos, path = self.block_size, self._root, 0, []
+        while True:
+            rest = tuple(tokens[pos : pos + bs])
+            child = node.children.get(rest) if len(rest) == bs else None
+            if child is None:
+                break
+            path.append(child)
+            node, pos = child, pos + bs
+        best, best_len = None, 0
+        for key, c in node.children.items():
+            n = _common_prefix(key, rest)
+            if n > best_len:
+                best, best_len = c, n
+        if best is not None:
+            path.append(best)
+        return path, pos + best_len
+
+    def _first_needed(self, group: int, length: int) -> int:
+        """First logical block a continuation after ``length`` tokens reads in a group."""
+        window = self.windows[group]
+        return 0 if window is None else max(0, length - window + 1) // self.block_size
+
+    def _forget(self, group: int, block_id: int) -> None:
+        """Pool hook: a cached block is being reclaimed."""
+        node = self._owner[group].pop(block_id, None)
+        if node is None:
+            return
+        node.blocks[group] = None
+        if self.windows[group] is None:
+            self._remove(node)
+        else:
+            self._prune(node)
+
+    def _remove(self, node: _Node) -> None:
+        """Drop a node and its subtree, unparking what they hold."""
+        for child in list(node.children.values()):
+            self._remove(child)
+        for g, b in enumerate(node.blocks):
+            if b is not None:
+                del self._owner[g][b]
+                node.blocks[g] = None
+                self.pools[g].unpark(b)
+        parent = node.parent
+        if parent is not None and parent.children.get(node.key) is node:
+            del parent.children[node.key]
+            self._prune(parent)
+
+    def _prune(self, node: _Node) -> None:
+        """Remove a node that holds no block and leads nowhere."""
+        if node is not self._root and not node.children and all(b is None for b in node.blocks):
+            self._remove(node)
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
