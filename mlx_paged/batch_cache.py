@@ -95,8 +95,10 @@ class BatchPagedKVCache:
         dtype = p.input_dtypes[layer]
 
         def read(pool: mx.array) -> mx.array:
-            x = pool[b.block_tables]  # (B, width / bs, bs, H, D)
-            x = x.reshape(x.shape[0], -1, *x.shape[3:]).swapaxes(1, 2)  # (B, H, width, D)
+            x = pool[b.block_tables]  # (B, M, bs, H, D)
+            B, M, bs, H, D = x.shape
+            # The reshape copies into the contiguous layout SDPA is fastest on.
+            x = x.transpose(0, 3, 1, 2, 4).reshape(B, H, M * bs, D)  # (B, H, width, D)
             return x if x.dtype == dtype else x.astype(dtype)
 
         self._fetched = (read(p.keys[layer]), read(p.values[layer]))

@@ -185,7 +185,8 @@ class KVPool:
             x = pool[ids]  # (m, bs, H, D)
             x = x.reshape(-1, *x.shape[2:])[off : off + end - start]  # (T, H, D)
             x = x.swapaxes(0, 1)[None]  # (1, H, T, D)
-            return x if x.dtype == dtype else x.astype(dtype)
+            # SDPA is several times slower on strided K/V than on a contiguous copy.
+            return mx.contiguous(x if x.dtype == dtype else x.astype(dtype))
 
         return read(self.keys[layer]), read(self.values[layer])
 
