@@ -153,13 +153,8 @@ class PagedEngine:
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens <= 0:
             raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}.")
         for kind, pool in self.pools.items():
-            if pool.blocks.growable:
-                continue
-            span = len(prompt) + max_tokens
-            if kind.window is not None:
-                span = min(span, kind.window + self.prefill_step_size)
-            need = -(-span // self.block_size) + 1
-            if need > pool.blocks.capacity:
+            need = self._peak_blocks(kind, len(prompt), len(prompt) + max_tokens)
+            if not pool.blocks.growable and need > pool.blocks.capacity:
                 raise ValueError(
                     f"a prompt of {len(prompt)} tokens plus max_tokens={max_tokens} needs up to "
                     f"{need} blocks of {self.block_size}, but the pool has "
@@ -235,6 +230,7 @@ class PagedEngine:
             event = self._prefill(req)
             if event is not None:
                 events.append(event)
+        assert self.running or not self.waiting, "an idle pool cannot take the next request"
         return events
 
     def _adopt(self, req: Request) -> bool:
@@ -267,10 +263,16 @@ class PagedEngine:
 
     def _blocks_to_write(self, kind: LayerKind, table: BlockTable, start: int, end: int) -> int:
         """Blocks a prefill of ``[start, end)`` takes; a window keeps only its last blocks."""
-        pool = self.pools[kind]
-        if kind.window is None or end - start <= kind.window:
-            return pool.blocks_needed(table, start, end)
-        return -(-(kind.window + self.prefill_step_size) // self.block_size) + 1
+        need = self.pools[kind].blocks_needed(table, start, end)
+        return min(need, self._peak_blocks(kind, end - start, end))
+
+    def _peak_blocks(self, kind: LayerKind, prefill: int, total: int) -> int:
+        """Most blocks one sequence holds at once, prefilling ``prefill`` of ``total`` tokens."""
+        span = -(-total // self.block_size) + 1
+        if kind.window is None:
+            return span
+        chunk = min(self.prefill_step_size, prefill)
+        return min(span, -(-(kind.window + chunk) // self.block_size) + 1)
 
     def _prefill(self, req: Request) -> Event | None:
         """Write K/V for the tokens nobody has computed; sample the first token if new."""

@@ -1,0 +1,313 @@
+"""PagedEngine against solo mlx-lm generation on the dense cache."""
+
+from __future__ import annotations
+
+import random
+from functools import cache
+
+import mlx.core as mx
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
+from tiny_models import VOCAB, tiny_model
+
+from mlx_paged import PagedEngine
+from mlx_paged.engine import Event
+
+BS = 8
+MAX_TOKENS = 10
+FAMILIES = ["llama", "qwen3", "gemma3_text"]  # gemma3_text: sliding-window layers
+
+
+@cache
+def model_of(family: str):
+    return tiny_model(family)
+
+
+@cache
+def solo(family: str, prompt: tuple[int, ...], max_tokens: int = MAX_TOKENS) -> list[int]:
+    """Greedy tokens of one request alone, on mlx-lm's own cache."""
+    model = model_of(family)
+    steps = generate_step(
+        mx.array(prompt), model, prompt_cache=make_prompt_cache(model), max_tokens=max_tokens
+    )
+    return [tok for tok, _ in steps]
+
+
+def mixed_prompts(seed: int = 0) -> list[list[int]]:
+    """Shared prefixes ending mid-block, an exact block-aligned one, and unshared prompts."""
+    rng = random.Random(seed)
+
+    def toks(n):
+        return [rng.randrange(VOCAB) for _ in range(n)]
+
+    system = toks(29)  # ends mid-block (29 = 3 * 8 + 5)
+    other = toks(16)  # block-aligned shared prefix
+    return [
+        system + toks(7),
+        system + toks(1),
+        system + toks(20),
+        other + toks(3),
+        other + toks(11),
+        toks(5),
+        toks(33),
+        system,  # the whole shared prefix, nothing after it
+    ]
+
+
+def run_all(engine: PagedEngine, prompts, late=(), late_after=3, max_tokens=MAX_TOKENS):
+    """Add ``prompts``, step; add ``late`` prompts after ``late_after`` steps; collect tokens."""
+    uids = [engine.add_request(p, max_tokens) for p in prompts]
+    out: dict[int, list[int]] = {u: [] for u in uids}
+    reasons: dict[int, str] = {}
+    steps = 0
+    while engine.waiting or engine.running:
+        for e in engine.step():
+            out.setdefault(e.uid, []).append(e.token)
+            if e.finish_reason:
+                reasons[e.uid] = e.finish_reason
+        engine.check_invariants()
+        steps += 1
+        if steps == late_after:
+            uids += [engine.add_request(p, max_tokens) for p in late]
+    assert set(reasons) == set(uids), "a request never finished"
+    return [out[u] for u in uids]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_mixed_batch_equals_solo(family):
+    prompts = mixed_prompts()
+    late = [prompts[0][:29] + [3, 1, 4], [9] * 12]
+    engine = PagedEngine(model_of(family), block_size=BS, max_batch_size=6, prefill_step_size=16)
+    outputs = run_all(engine, prompts, late=late)
+    for prompt, got in zip(prompts + late, outputs, strict=True):
+        assert got == solo(family, tuple(prompt))
+    stats = engine.stats()
+    assert stats.prefix_hit_tokens > 0
+    assert stats.generated_tokens == MAX_TOKENS * len(outputs)
+    assert stats.live_blocks == 0 and stats.preemptions == 0
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_second_run_prefills_only_what_is_new(family):
+    prompts = mixed_prompts(seed=1)
+    engine = PagedEngine(model_of(family), block_size=BS, num_blocks=400, prefill_step_size=16)
+    first = engine.generate(prompts, max_tokens=MAX_TOKENS)
+    before = engine.stats()
+    second = engine.generate(prompts, max_tokens=MAX_TOKENS)
+    after = engine.stats()
+    assert second == first
+    # Each prompt's K/V is cached but its last token must run again for logits.
+    assert after.prefilled_tokens - before.prefilled_tokens == len(prompts)
+    assert after.prefix_hit_tokens - before.prefix_hit_tokens == sum(len(p) - 1 for p in prompts)
+    engine.check_invariants()
+
+
+def test_second_run_allocates_only_suffix_blocks():
+    system = list(range(1, 41))  # 5 full blocks
+    engine = PagedEngine(model_of("llama"), block_size=BS, num_blocks=64, max_batch_size=1)
+    engine.generate([system + [50]], max_tokens=4)
+    cached = engine.stats().cached_blocks
+    assert cached == 6  # 41 prompt + 3 decoded tokens
+    engine.add_request(system + [60, 61], max_tokens=4)
+    engine.step()  # admit + prefill + first decode
+    stats = engine.stats()
+    # It holds the 5 system blocks by reference plus one block of its own.
+    assert stats.live_blocks == 6 and stats.prefix_hit_tokens == 40
+    (req,) = engine.running
+    (table,) = req.tables.values()
+    assert table.blocks[:5] == [0, 1, 2, 3, 4]
+
+
+def test_tiny_pool_preempts_and_still_matches():
+    prompts = mixed_prompts(seed=2)
+    longest = max(len(p) for p in prompts) + MAX_TOKENS
+    num_blocks = -(-longest // BS) + 2  # barely more than one request
+    engine = PagedEngine(model_of("llama"), block_size=BS, num_blocks=num_blocks)
+    outputs = run_all(engine, prompts)
+    for prompt, got in zip(prompts, outputs, strict=True):
+        assert got == solo("llama", tuple(prompt))
+    assert engine.stats().total_blocks == num_blocks
+
+
+def test_decode_growth_preempts_and_resumes():
+    rng = random.Random(5)
+    prompts = [[rng.randrange(VOCAB) for _ in range(7)] for _ in range(5)]
+    # Three start together in one block each; each needs three by the end.
+    engine = PagedEngine(model_of("llama"), block_size=BS, num_blocks=6)
+    outputs = run_all(engine, prompts, max_tokens=14)
+    for prompt, got in zip(prompts, outputs, strict=True):
+        assert got == solo("llama", tuple(prompt), 14)
+    stats = engine.stats()
+    assert stats.preemptions > 0
+    # The preempted request's K/V was recomputed (or adopted) on its return.
+    assert stats.prefilled_tokens + stats.prefix_hit_tokens > sum(map(len, prompts))
+    assert stats.peak_live_blocks == 6
+
+
+def test_tiny_pool_with_sliding_layers():
+    prompts = mixed_prompts(seed=3)[:5]
+    engine = PagedEngine(model_of("gemma3_text"), block_size=BS, num_blocks=10)
+    outputs = run_all(engine, prompts)
+    for prompt, got in zip(prompts, outputs, strict=True):
+        assert got == solo("gemma3_text", tuple(prompt))
+
+
+def test_per_request_settings():
+    family = "qwen3"
+    engine = PagedEngine(model_of(family), block_size=BS)
+    prompts = mixed_prompts(seed=4)[:3]
+    greedy = solo(family, tuple(prompts[1]))
+
+    def only_seven(tokens, logits):
+        return mx.where(mx.arange(logits.shape[-1]) == 7, 0.0, -1e9)[None]
+
+    uids = [
+        engine.add_request(prompts[0], 4),
+        engine.add_request(prompts[1], MAX_TOKENS, stop_tokens=[greedy[2]]),
+        engine.add_request(prompts[2], 5, logits_processors=[only_seven]),
+        engine.add_request(prompts[2], 3, sampler=lambda lp: mx.array([11])),
+    ]
+    events: dict[int, list[Event]] = {u: [] for u in uids}
+    for e in engine.stream():
+        events[e.uid].append(e)
+    tokens = {u: [e.token for e in ev] for u, ev in events.items()}
+    assert tokens[uids[0]] == solo(family, tuple(prompts[0]))[:4]
+    stop_at = greedy.index(greedy[2]) + 1
+    assert tokens[uids[1]] == greedy[:stop_at] and events[uids[1]][-1].finish_reason == "stop"
+    assert tokens[uids[2]] == [7] * 5 and events[uids[2]][-1].finish_reason == "length"
+    assert tokens[uids[3]] == [11] * 3
+    assert all(e.finish_reason is None for ev in events.values() for e in ev[:-1])
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(tokens=[], max_tokens=4), "empty"),
+        (dict(tokens=[1, 2], max_tokens=0), "max_tokens"),
+        (dict(tokens=[1, 2], max_tokens=-3), "max_tokens"),
+        (dict(tokens=[1, 2], max_tokens=2.5), "max_tokens"),
+        (dict(tokens=list(range(100)), max_tokens=4), "needs up to .* blocks"),
+    ],
+)
+def test_bad_requests(kwargs, match):
+    engine = PagedEngine(model_of("llama"), block_size=BS, num_blocks=8)
+    with pytest.raises(ValueError, match=match):
+        engine.add_request(**kwargs)
+    assert not engine.waiting
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(block_size=0), "block_size"),
+        (dict(max_batch_size=0), "max_batch_size"),
+        (dict(prefill_step_size=-1), "prefill_step_size"),
+        (dict(num_blocks=0), "num_blocks"),
+    ],
+)
+def test_bad_engine_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        PagedEngine(model_of("llama"), **kwargs)
+
+
+def test_recurrent_layers_are_refused():
+    from mlx_lm.models.cache import ArraysCache, KVCache
+
+    class Hybrid:
+        model_type = "hybrid_test"
+        layers = [None, None]
+
+        def make_cache(self):
+            return [ArraysCache(2), KVCache()]
+
+    with pytest.raises(ValueError, match="hybrid_test.*recurrent"):
+        PagedEngine(Hybrid())
+
+
+# ---- property test --------------------------------------------------------
+
+_rng = random.Random(7)
+_SYSTEM = [_rng.randrange(VOCAB) for _ in range(13)]
+PROMPTS = st.builds(
+    lambda shared, tail: (_SYSTEM[:shared] if shared else []) + tail,
+    st.sampled_from([0, 5, 13]),
+    st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=9),
+)
+
+
+class EngineMachine(RuleBasedStateMachine):
+    """Random arrivals and steps on a small pool; every output equals the solo one."""
+
+    family = "llama"
+
+    def __init__(self):
+        super().__init__()
+        self.engine: PagedEngine | None = None
+        self.prompts: dict[int, list[int]] = {}
+        self.max_tokens: dict[int, int] = {}
+        self.out: dict[int, list[int]] = {}
+        self.done: set[int] = set()
+
+    @rule(num_blocks=st.integers(5, 12), batch=st.integers(1, 4))
+    def build(self, num_blocks, batch):
+        if self.engine is None:
+            self.engine = PagedEngine(
+                model_of(self.family),
+                block_size=4,
+                num_blocks=num_blocks,
+                max_batch_size=batch,
+                prefill_step_size=8,
+            )
+
+    @rule(prompt=PROMPTS, max_tokens=st.integers(1, 4))
+    def arrive(self, prompt, max_tokens):
+        if self.engine is None:
+            return
+        try:
+            uid = self.engine.add_request(prompt, max_tokens)
+        except ValueError:
+            return  # longer than the pool allows: refused up front
+        self.prompts[uid], self.max_tokens[uid], self.out[uid] = prompt, max_tokens, []
+
+    @rule()
+    def step(self):
+        if self.engine is not None:
+            self.record(self.engine.step())
+
+    def record(self, events):
+        for e in events:
+            assert e.uid not in self.done
+            self.out[e.uid].append(e.token)
+            if e.finish_reason:
+                self.done.add(e.uid)
+
+    @invariant()
+    def invariants_hold(self):
+        if self.engine is not None:
+            self.engine.check_invariants()
+
+    def teardown(self):
+        if self.engine is None:
+            return
+        for _ in range(200):
+            if not (self.engine.waiting or self.engine.running):
+                break
+            self.record(self.engine.step())
+            self.engine.check_invariants()
+        assert self.done == set(self.prompts), "a request was lost"
+        for uid, prompt in self.prompts.items():
+            want = solo(self.family, tuple(prompt), self.max_tokens[uid])
+            assert self.out[uid] == want, f"request {uid} diverged"
+
+
+EngineMachine.TestCase.settings = settings(
+    max_examples=25,
+    stateful_step_count=20,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+test_engine_machine = EngineMachine.TestCase
