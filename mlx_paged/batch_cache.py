@@ -1,7 +1,8 @@
-"""Batched decode over block tables: one token per sequence, no padding in storage.
+"""Batched steps over block tables: ``n`` new tokens per sequence, no padding in storage.
 
-``DecodeBatch`` describes, for one layer group, where the next token of each
-running sequence goes and which blocks its query reads. ``BatchPagedKVCache``
+``DecodeBatch`` describes, for one layer group, where the new tokens of each
+sequence go and which blocks their queries read (``n = 1`` for decode; equal
+suffixes of newly admitted requests are prefilled together the same way). ``BatchPagedKVCache``
 is one layer's view of it in mlx-lm's cache protocol, so the model runs one
 forward over every running sequence with per-sequence offsets (array rope
 offsets) and lengths. Sequences join and leave between steps without anyone's
@@ -17,59 +18,62 @@ from .kv_pool import BlockTable, KVPool
 
 
 class DecodeBatch:
-    """One decode step of ``B`` sequences in one layer group.
+    """One step of ``B`` sequences in one layer group, ``n_new`` tokens each.
 
-    Every table must already hold a private block for its next token
+    Every table must already hold private blocks for its new tokens
     (``KVPool.reserve``) and all layers of a table must be equally long.
 
     Args:
         pool: The group's storage.
         tables: One per sequence, in batch order.
         window: The group's sliding window, or ``None``.
+        n_new: New tokens per sequence.
     """
 
-    def __init__(self, pool: KVPool, tables: list[BlockTable], window: int | None):
+    def __init__(self, pool: KVPool, tables: list[BlockTable], window: int | None, n_new: int = 1):
         bs = pool.block_size
-        self.pool, self.tables, self.window = pool, tables, window
+        self.pool, self.tables, self.window, self.n_new = pool, tables, window, n_new
         lengths = [t.lengths[0] for t in tables]
         rows, starts, write_ids = [], [], []
         for t, n in zip(tables, lengths, strict=True):
             start = t.first if window is None else max(0, n - window + 1) // bs
             assert start >= t.first, f"block {start} was given back before the query read it"
-            rows.append(t.blocks[start - t.first : n // bs - t.first + 1])
+            last = (n + n_new - 1) // bs
+            rows.append(t.blocks[start - t.first : last - t.first + 1])
             starts.append(start * bs)
-            write_ids.append(t.blocks[n // bs - t.first])
+            write_ids.append([t.blocks[p // bs - t.first] for p in range(n, n + n_new)])
         width = max(len(r) for r in rows)
         # Pad rows with a real id; the mask (and kernels, by ``lengths``) ignore them.
         table = [r + [r[-1]] * (width - len(r)) for r in rows]
         self.block_tables = mx.array(table, dtype=mx.int32)  # (B, width)
         self.starts = mx.array(starts, dtype=mx.int32)  # (B,)
-        self.offset = mx.array(lengths, dtype=mx.int32)  # (B,) positions of the new tokens
-        self.lengths = self.offset + 1
-        self.write_ids = mx.array(write_ids, dtype=mx.int32)
-        self.write_slots = self.offset % bs
+        self.offset = mx.array(lengths, dtype=mx.int32)  # (B,) position of the first new token
+        self.lengths = self.offset + n_new
+        self.write_ids = mx.array(write_ids, dtype=mx.int32)  # (B, n_new)
+        self.write_slots = (self.offset[:, None] + mx.arange(n_new)[None]) % bs  # (B, n_new)
         self.width = width * bs
         self.masks: dict[int | None, mx.array] = {}
 
     def mask(self, window: int | None) -> mx.array:
-        """``(B, 1, 1, width)`` bool: which gathered keys each query may see."""
+        """``(B, 1, n_new, width)`` bool: which gathered keys each query may see."""
         if window not in self.masks:
-            pos = self.starts[:, None] + mx.arange(self.width)[None]  # (B, width)
-            ok = pos <= self.offset[:, None]
+            pos = self.starts[:, None, None] + mx.arange(self.width)[None, None]  # (B, 1, W)
+            query = self.offset[:, None, None] + mx.arange(self.n_new)[None, :, None]  # (B, n, 1)
+            ok = pos <= query
             if window is not None:
-                ok = ok & (pos > self.offset[:, None] - window)
-            self.masks[window] = ok[:, None, None, :]
+                ok = ok & (pos > query - window)
+            self.masks[window] = ok[:, None]
         return self.masks[window]
 
     def finish(self) -> None:
-        """Record the step's token in every table (after the forward)."""
+        """Record the step's tokens in every table (after the forward)."""
         for t in self.tables:
-            n = t.lengths[0] + 1
+            n = t.lengths[0] + self.n_new
             t.lengths[:] = [n] * len(t.lengths)
 
 
 class BatchPagedKVCache:
-    """One layer's cache for a ``DecodeBatch`` (mlx-lm protocol, decode only)."""
+    """One layer's cache for a ``DecodeBatch`` (mlx-lm protocol)."""
 
     def __init__(self, pool: KVPool, batch: DecodeBatch, layer: int, window: int | None = None):
         self.pool, self.batch, self.layer, self.window = pool, batch, layer, window
@@ -81,17 +85,19 @@ class BatchPagedKVCache:
         return self.batch.offset
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """Write ``(B, H, 1, D)`` K/V; return ``(B, H, width, D)`` gathered K/V."""
-        if keys.ndim != 4 or keys.shape[2] != 1 or keys.shape[0] != len(self.batch.tables):
+        """Write ``(B, H, n_new, D)`` K/V; return ``(B, H, width, D)`` gathered K/V."""
+        b = self.batch
+        if keys.ndim != 4 or keys.shape[0] != len(b.tables) or keys.shape[2] != b.n_new:
             raise ValueError(
-                f"a decode batch of {len(self.batch.tables)} takes (B, H, 1, D) K/V; "
-                f"got {keys.shape}."
+                f"this batch takes (B={len(b.tables)}, H, {b.n_new}, D) K/V; got {keys.shape}."
             )
         self._fetched = None
-        p, b, layer = self.pool, self.batch, self.layer
+        p, layer = self.pool, self.layer
         p.check_write(layer, keys[:1], values[:1])
-        p.keys[layer][b.write_ids, b.write_slots] = p.to_storage(keys[:, :, 0])  # (B, H, D)
-        p.values[layer][b.write_ids, b.write_slots] = p.to_storage(values[:, :, 0])
+        k = p.to_storage(keys.swapaxes(1, 2))  # (B, n_new, H, D)
+        v = p.to_storage(values.swapaxes(1, 2))
+        p.keys[layer][b.write_ids, b.write_slots] = k
+        p.values[layer][b.write_ids, b.write_slots] = v
         dtype = p.input_dtypes[layer]
 
         def read(pool: mx.array) -> mx.array:
@@ -107,9 +113,9 @@ class BatchPagedKVCache:
     def make_mask(
         self, N: int, return_array: bool = False, window_size: int | None = None
     ) -> mx.array:
-        """The padding/causal/window mask for one query per sequence."""
-        if N != 1:
-            raise ValueError(f"a decode batch takes one token per sequence, got {N}.")
+        """The padding/causal/window mask for the batch's queries."""
+        if N != self.batch.n_new:
+            raise ValueError(f"this batch takes {self.batch.n_new} tokens per sequence, got {N}.")
         return self.batch.mask(window_size or self.window)
 
     def fetched(self, keys: mx.array, values: mx.array, mask: object) -> bool:

@@ -224,7 +224,9 @@ class PagedEngine:
         events: list[Event] = []
         while self.waiting and len(self.running) < self.max_batch_size:
             req = self.waiting[0]
-            if not self._adopt(req):
+            # Adopting a shared partial tail costs a copy; an idle pool always
+            # fits the request computed from scratch (add_request checked).
+            if not self._adopt(req) and (self.running or not self._adopt(req, use_cache=False)):
                 break
             self.waiting.popleft()
             event = self._prefill(req)
@@ -233,11 +235,11 @@ class PagedEngine:
         assert self.running or not self.waiting, "an idle pool cannot take the next request"
         return events
 
-    def _adopt(self, req: Request) -> bool:
+    def _adopt(self, req: Request, use_cache: bool = True) -> bool:
         """Give ``req`` tables holding its cached prefix and room for the rest, or wait."""
         tokens = req.tokens
         target = len(tokens) - 1 if req.generated else len(tokens)  # tokens that need K/V
-        match = self.index.match(tokens[: len(tokens) - 1])
+        match = self.index.match(tokens[: len(tokens) - 1]) if use_cache else None
         hit = match.length if match else 0
         tables = {}
         for g, kind in enumerate(self.kinds):
