@@ -18,7 +18,7 @@ it resumes later from the cached prefix (usually all of it).
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -221,7 +221,17 @@ class PagedEngine:
     # ---- admission and prefill --------------------------------------------
 
     def _admit(self) -> list[Event]:
+        """Admit waiting requests in order while blocks and batch slots allow.
+
+        A request is prefilled at once, chunk by chunk, when its suffix is
+        long or when a request behind it starts with the same block: those can
+        then adopt its blocks. The others (one chunk or less) are grouped by
+        length and prefilled together in batched forwards.
+        """
         events: list[Event] = []
+        short: dict[int, list[Request]] = {}
+        bs = self.block_size
+        heads = Counter(tuple(r.tokens[:bs]) for r in self.waiting)
         while self.waiting and len(self.running) < self.max_batch_size:
             req = self.waiting[0]
             # Adopting a shared partial tail costs a copy; an idle pool always
@@ -229,16 +239,30 @@ class PagedEngine:
             if not self._adopt(req) and (self.running or not self._adopt(req, use_cache=False)):
                 break
             self.waiting.popleft()
-            event = self._prefill(req)
-            if event is not None:
-                events.append(event)
+            self.running.append(req)
+            n = self._kv_target(req) - self._kv_length(req)
+            head = tuple(req.tokens[:bs])
+            heads[head] -= 1
+            shared = self._kv_length(req) < bs <= n and heads[head] > 0
+            if n > self.prefill_step_size or shared:
+                events += self._prefill(req)
+            elif n > 0:
+                # Take the blocks now, so the next admission sees them gone.
+                for kind in self.kinds:
+                    t = req.tables[kind]
+                    self.pools[kind].reserve(t, t.lengths[0], t.lengths[0] + n)
+                short.setdefault(n, []).append(req)
         assert self.running or not self.waiting, "an idle pool cannot take the next request"
+        for n, reqs in short.items():
+            per_forward = max(1, self.prefill_step_size // n)
+            for i in range(0, len(reqs), per_forward):
+                events += self._prefill_batch(reqs[i : i + per_forward], n)
         return events
 
     def _adopt(self, req: Request, use_cache: bool = True) -> bool:
         """Give ``req`` tables holding its cached prefix and room for the rest, or wait."""
         tokens = req.tokens
-        target = len(tokens) - 1 if req.generated else len(tokens)  # tokens that need K/V
+        target = self._kv_target(req)
         match = self.index.match(tokens[: len(tokens) - 1]) if use_cache else None
         hit = match.length if match else 0
         tables = {}
@@ -276,14 +300,11 @@ class PagedEngine:
         chunk = min(self.prefill_step_size, prefill)
         return min(span, -(-(kind.window + chunk) // self.block_size) + 1)
 
-    def _prefill(self, req: Request) -> Event | None:
-        """Write K/V for the tokens nobody has computed; sample the first token if new."""
+    def _prefill(self, req: Request) -> list[Event]:
+        """Write K/V for one request's uncomputed tokens, chunk by chunk."""
         tokens = req.tokens
-        fresh = not req.generated
-        end = len(tokens) if fresh else len(tokens) - 1
-        start = req.tables[self.kinds[0]].lengths[0]
+        start, end = self._kv_length(req), self._kv_target(req)
         caches = self.layout.bind(self.pools, req.tables, PagedKVCache)
-        logits = None
         for lo in range(start, end, self.prefill_step_size):
             hi = min(end, lo + self.prefill_step_size)
             logits = self.model(mx.array(tokens[lo:hi])[None], cache=caches)[:, -1, :]
@@ -292,11 +313,44 @@ class PagedEngine:
             # them, and sliding-window blocks stay cached after the window passes.
             self.index.insert(tokens, self._table_spans(req), length=hi, partial=False)
         self._counters["prefilled_tokens"] += end - start
-        self.running.append(req)
+        return self._first_tokens([req], logits)
+
+    def _prefill_batch(self, reqs: list[Request], n: int) -> list[Event]:
+        """Prefill ``n`` uncomputed tokens of each request in one batched forward."""
+        starts = [self._kv_length(r) for r in reqs]
+        batches = {}
+        for kind in self.kinds:
+            tables = [r.tables[kind] for r in reqs]  # blocks reserved on admission
+            batches[kind] = DecodeBatch(self.pools[kind], tables, kind.window, n_new=n)
+        caches = self.layout.bind(self.pools, batches, BatchPagedKVCache)
+        inputs = mx.array([r.tokens[s : s + n] for r, s in zip(reqs, starts, strict=True)])
+        logits = self.model(inputs, cache=caches)[:, -1, :]  # (B, V)
+        mx.eval(logits, [c.state for c in caches])
+        for batch in batches.values():
+            batch.finish()
+        for r, s in zip(reqs, starts, strict=True):
+            self.index.insert(r.tokens, self._table_spans(r), length=s + n, partial=False)
+        self._counters["prefilled_tokens"] += n * len(reqs)
+        return self._first_tokens(reqs, logits)
+
+    def _first_tokens(self, reqs: list[Request], logits: mx.array) -> list[Event]:
+        """Sample the first token of new requests (resumed ones already have theirs)."""
+        fresh = [i for i, r in enumerate(reqs) if not r.generated]
         if not fresh:
-            return None
-        token = self._sample([req], logits)[0]
-        return self._emit(req, token)
+            return []
+        chosen = [reqs[i] for i in fresh]
+        rows = logits if len(fresh) == len(reqs) else logits[mx.array(fresh)]
+        tokens = self._sample(chosen, rows)
+        return [self._emit(r, t) for r, t in zip(chosen, tokens, strict=True)]
+
+    def _kv_length(self, req: Request) -> int:
+        """Tokens of ``req`` whose K/V is written."""
+        return req.tables[self.kinds[0]].lengths[0]
+
+    def _kv_target(self, req: Request) -> int:
+        """Tokens that need K/V before decoding: all of a new prompt, all but the
+        last token of a resumed request (the decode step feeds that one)."""
+        return len(req.tokens) - 1 if req.generated else len(req.tokens)
 
     # ---- decode -----------------------------------------------------------
 
@@ -380,8 +434,7 @@ class PagedEngine:
 
     def _detach(self, req: Request) -> None:
         """Park a sequence's blocks in the prefix index and drop its tables."""
-        length = req.tables[self.kinds[0]].lengths[0]
-        self.index.insert(req.tokens, self._table_spans(req), length=length)
+        self.index.insert(req.tokens, self._table_spans(req), length=self._kv_length(req))
         for kind, table in req.tables.items():
             self.pools[kind].release(table)
         req.tables = None

@@ -1,0 +1,237 @@
+"""Many requests sharing a system prompt: PagedEngine against mlx-lm's BatchGenerator.
+
+Workload W: N requests, each a shared ``--system`` token system prompt plus
+``--unique`` tokens of its own, generating ``--gen`` tokens, all arriving at
+once. Compared in the same run:
+
+- ``batchgen``: mlx-lm's ``BatchGenerator``, every request prefilled in full;
+- ``batchgen+prefix``: ``BatchGenerator`` with the system prompt prefilled once
+  and ``copy.deepcopy``'d into each request's cache (what mlx_lm.server does);
+- ``paged``: ``PagedEngine``, which adopts the shared blocks by reference.
+
+The mixed workload draws prompt lengths from 64 to 4096 and staggers arrivals.
+Reports wall time, generated tok/s, time to first token (p50 and max) and peak
+memory (``mx.get_peak_memory``, which includes the model's weights).
+
+Usage:
+    python benchmarks/engine.py --dtype float16                 # on a GPU
+    python benchmarks/engine.py --layers 2 --hidden 256 --n 4 --system 128 --gen 8   # quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import random
+import statistics
+import time
+from collections.abc import Callable
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+from mlx_lm.generate import BatchGenerator
+from mlx_lm.models import llama
+from mlx_lm.models.cache import make_prompt_cache
+
+from mlx_paged import PagedEngine
+
+
+def build_model(args) -> llama.Model:
+    heads = max(1, args.hidden // 64)
+    model = llama.Model(
+        llama.ModelArgs(
+            model_type="llama",
+            hidden_size=args.hidden,
+            num_hidden_layers=args.layers,
+            intermediate_size=args.hidden * 4,
+            num_attention_heads=heads,
+            num_key_value_heads=max(1, heads // 4),
+            rms_norm_eps=1e-5,
+            vocab_size=args.vocab,
+            rope_theta=500000.0,
+            tie_word_embeddings=True,
+        )
+    )
+    model.set_dtype(getattr(mx, args.dtype))
+    mx.eval(model.parameters())
+    return model
+
+
+class Recorder:
+    """First-token times and token counts per request."""
+
+    def __init__(self):
+        self.start = time.perf_counter()
+        self.arrival: dict[int, float] = {}
+        self.first: dict[int, float] = {}
+        self.tokens = 0
+
+    def arrived(self, uid: int) -> None:
+        self.arrival[uid] = time.perf_counter()
+
+    def token(self, uid: int) -> None:
+        self.tokens += 1
+        self.first.setdefault(uid, time.perf_counter())
+
+    def result(self, name: str) -> dict:
+        wall = time.perf_counter() - self.start
+        ttft = sorted(self.first[u] - self.arrival[u] for u in self.first)
+        return dict(
+            case=name,
+            wall_s=wall,
+            tok_s=self.tokens / wall,
+            ttft_p50_s=statistics.median(ttft),
+            ttft_max_s=ttft[-1],
+            peak_gb=mx.get_peak_memory() / 1e9,
+            requests=len(self.first),
+        )
+
+
+def run_batchgen(model, prompts, arrivals, gen, prefix=None, batch=64) -> Recorder:
+    """BatchGenerator; with ``prefix``, each request starts from a deepcopy of its cache."""
+    rec = Recorder()
+    bg = BatchGenerator(
+        model, max_tokens=gen, completion_batch_size=batch, prefill_batch_size=min(batch, 8)
+    )
+    base = None
+    if prefix:
+        base = make_prompt_cache(model)
+        model(mx.array(prefix)[None], cache=base)
+        mx.eval([c.state for c in base])
+    pending = list(range(len(prompts)))
+    done = 0
+    while done < len(prompts):
+        now = time.perf_counter() - rec.start
+        ready = [i for i in pending if arrivals[i] <= now]
+        if ready:
+            pending = [i for i in pending if arrivals[i] > now]
+            suffixes = [prompts[i][len(prefix) :] if prefix else prompts[i] for i in ready]
+            caches = [copy.deepcopy(base) for _ in ready] if prefix else None
+            uids = bg.insert(suffixes, [gen] * len(ready), caches=caches)
+            for uid in uids:
+                rec.arrived(uid)
+        if not (bg._unprocessed_sequences or bg._prompt_batch.uids or bg._generation_batch.uids):
+            time.sleep(0.001)
+            continue
+        for r in bg.next_generated():
+            rec.token(r.uid)
+            done += r.finish_reason is not None
+    bg.close()
+    return rec
+
+
+def run_paged(model, prompts, arrivals, gen, args) -> tuple[Recorder, dict]:
+    rec = Recorder()
+    engine = PagedEngine(
+        model,
+        block_size=args.block_size,
+        max_batch_size=args.batch,
+        prefill_step_size=args.prefill_step_size,
+    )
+    pending = list(range(len(prompts)))
+    done = 0
+    while done < len(prompts):
+        now = time.perf_counter() - rec.start
+        for i in [i for i in pending if arrivals[i] <= now]:
+            rec.arrived(engine.add_request(prompts[i], gen))
+        pending = [i for i in pending if arrivals[i] > now]
+        if not (engine.waiting or engine.running):
+            time.sleep(0.001)
+            continue
+        for e in engine.step():
+            rec.token(e.uid)
+            done += e.finish_reason is not None
+    return rec, engine.stats().__dict__
+
+
+def measure(name: str, fn: Callable, results: list) -> None:
+    gc.collect()
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    out = fn()
+    rec, extra = out if isinstance(out, tuple) else (out, {})
+    r = rec.result(name)
+    r.update({k: extra[k] for k in ("prefix_hit_tokens", "prefilled_tokens") if k in extra})
+    results.append(r)
+    print(
+        f"{r['case']:28s} wall {r['wall_s']:7.2f} s  {r['tok_s']:8.1f} tok/s  "
+        f"TTFT p50 {r['ttft_p50_s']:6.3f} s max {r['ttft_max_s']:6.3f} s  "
+        f"peak {r['peak_gb']:6.2f} GB",
+        flush=True,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--vocab", type=int, default=128256)
+    parser.add_argument("--n", type=int, nargs="+", default=[32, 64])
+    parser.add_argument("--system", type=int, default=2048)
+    parser.add_argument("--unique", type=int, default=64)
+    parser.add_argument("--gen", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--prefill-step-size", type=int, default=2048)
+    parser.add_argument("--mixed", type=int, default=32, help="requests in the mixed run (0: skip)")
+    parser.add_argument("--mixed-max", type=int, default=4096)
+    parser.add_argument("--mixed-gap", type=float, default=0.05, help="seconds between arrivals")
+    parser.add_argument("--cases", nargs="+", default=["batchgen", "batchgen+prefix", "paged"])
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args()
+
+    model = build_model(args)
+    weights_gb = sum(v.nbytes for _, v in tree_flatten(model.parameters())) / 1e9
+    print(
+        f"device={mx.default_device()} dtype={args.dtype} layers={args.layers} "
+        f"hidden={args.hidden} weights={weights_gb:.2f} GB block_size={args.block_size}",
+        flush=True,
+    )
+    rng = random.Random(0)
+
+    def toks(n: int) -> list[int]:
+        return [rng.randrange(args.vocab) for _ in range(n)]
+
+    # Warm up kernels on a small run of each path.
+    warm = [toks(40) for _ in range(2)]
+    run_batchgen(model, warm, [0, 0], 2)
+    run_paged(model, warm, [0, 0], 2, args)
+
+    results: list[dict] = []
+    system = toks(args.system)
+    for n in args.n:
+        prompts = [system + toks(args.unique) for _ in range(n)]
+        at = [0.0] * n
+        cases = {
+            "batchgen": lambda p=prompts, a=at, n=n: run_batchgen(model, p, a, args.gen, batch=n),
+            "batchgen+prefix": lambda p=prompts, a=at, n=n: run_batchgen(
+                model, p, a, args.gen, prefix=system, batch=n
+            ),
+            "paged": lambda p=prompts, a=at: run_paged(model, p, a, args.gen, args),
+        }
+        for name in args.cases:
+            measure(f"W N={n} {name}", cases[name], results)
+
+    if args.mixed:
+        prompts = [toks(rng.randrange(64, args.mixed_max + 1)) for _ in range(args.mixed)]
+        at = [i * args.mixed_gap for i in range(args.mixed)]
+        for name in args.cases:
+            if name == "batchgen+prefix":
+                continue  # no shared prefix in this workload
+            fn = (
+                (lambda: run_paged(model, prompts, at, args.gen, args))
+                if name == "paged"
+                else (lambda: run_batchgen(model, prompts, at, args.gen, batch=args.batch))
+            )
+            measure(f"mixed N={args.mixed} {name}", fn, results)
+
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(weights_gb=weights_gb, results=results), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
