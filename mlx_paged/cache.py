@@ -286,7 +286,7 @@ class PagedLayout:
             else:
                 counts[kind] += 1
 
-        _walk(template, family, count, keep_native=False)
+        _walk(template, family, count)
         return cls(template, family, counts, native)
 
     def bind(
@@ -304,24 +304,22 @@ class PagedLayout:
             next_layer[kind] += 1
             return factory(pools[kind], tables[kind], layer, kind.window)
 
-        return _walk(copy.deepcopy(self.template), self.family, paged)
+        return _walk(self.template, self.family, paged, native=copy.deepcopy)
 
 
-def _walk(caches: list, family: str, visit, keep_native: bool = True) -> list:
+def _walk(caches: list, family: str, visit, native=None) -> list:
     """Replace each pageable cache with ``visit(kind)``, recursing into CacheList.
 
-    With ``keep_native=False``, native caches are passed to ``visit`` as ``None``.
+    Native caches become ``native(cache)``; without ``native`` they are passed
+    to ``visit`` as ``None``.
     """
     out = []
     for c in caches:
         if isinstance(c, CacheList):
-            out.append(CacheList(*_walk(list(c.caches), family, visit, keep_native)))
+            out.append(CacheList(*_walk(list(c.caches), family, visit, native)))
             continue
         kind = classify(c, family)
-        if kind is None and keep_native:
-            out.append(c)
-        else:
-            out.append(visit(kind))
+        out.append(native(c) if kind is None and native is not None else visit(kind))
     return out
 
 
