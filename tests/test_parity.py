@@ -30,6 +30,8 @@ TOL = 1e-4
 # Families whose sliding layers use mlx-lm's RotatingKVCache, which orders keys
 # differently once it wraps: sums then differ in the last bits.
 ROTATING = {"ministral3", "gemma3_text", "gpt_oss"}
+# Families with recurrent layers, whose native ArraysCache is not trimmable.
+RECURRENT = {"lfm2"}
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -147,7 +149,10 @@ def test_trim_matches_dense(family_model):
         feed(model, cache, prompt)
         for t in (3, 9, 27, 81, 5, 6):
             feed(model, cache, [t])
-    assert can_trim_prompt_cache(dense) and can_trim_prompt_cache(paged)
+    assert can_trim_prompt_cache(dense) == can_trim_prompt_cache(paged)
+    if not can_trim_prompt_cache(dense):
+        assert family in RECURRENT  # recurrent state cannot be rolled back
+        return
     assert trim_prompt_cache(dense, 4) == trim_prompt_cache(paged, 4) == 4
     assert paged[0].offset == dense[0].offset == 13
     worst = 0.0

@@ -94,6 +94,20 @@ CONFIGS: dict[str, dict] = {
         n_group=1,
         topk_group=1,
     ),
+    # Hybrid: short-convolution layers keep mlx-lm's ArraysCache, attention layers page.
+    "lfm2": dict(
+        _COMMON,
+        model_type="lfm2",
+        max_position_embeddings=512,
+        norm_eps=1e-5,
+        conv_bias=False,
+        conv_L_cache=3,
+        block_dim=64,
+        block_multiple_of=16,
+        block_ffn_dim_multiplier=1.0,
+        block_auto_adjust_ff_dim=False,
+        layer_types=["conv", "full_attention", "conv", "full_attention"],
+    ),
 }
 
 FAMILIES = list(CONFIGS)
