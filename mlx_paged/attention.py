@@ -12,10 +12,18 @@ kernel returns the output or ``None`` to decline. The portable gather path runs
 when none takes it: ``update_and_fetch`` already returned the layer's K/V
 gathered from the blocks, and MLX's SDPA runs on them. Calls whose K/V the
 model transformed (MLA) or whose mask it edited always take the gather path.
+
+Which path runs is chosen by ``set_attention_path`` or the environment variable
+``MLX_PAGED_ATTENTION``: ``auto`` (default: fused kernels where the device has
+one and it passed its self-check), ``kernel`` (always offer eligible calls to
+the kernels; if none runs on this device, warn once and gather) or ``gather``.
+The CUDA and Metal kernels of ``mlx_paged.kernels`` are registered at import.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import sys
 from collections import Counter
 from collections.abc import Callable
@@ -26,6 +34,9 @@ import mlx.core as mx
 from mlx_lm.models import base
 
 _original_sdpa = base.scaled_dot_product_attention
+logger = logging.getLogger("mlx_paged.attention")
+
+ATTENTION_PATHS = ("auto", "kernel", "gather")
 
 
 @dataclass(frozen=True)
@@ -61,6 +72,51 @@ KERNELS: list[Callable[[mx.array, PagedView, float, mx.array | None], mx.array |
 path_counts: Counter[str] = Counter()
 
 
+def _initial_path() -> str:
+    path = os.environ.get("MLX_PAGED_ATTENTION", "auto").strip().lower() or "auto"
+    if path not in ATTENTION_PATHS:
+        logger.warning(
+            "mlx_paged: MLX_PAGED_ATTENTION=%r is not one of %s; using 'auto'.",
+            path,
+            "/".join(ATTENTION_PATHS),
+        )
+        return "auto"
+    return path
+
+
+_path = _initial_path()
+_warned_no_kernel = False
+
+
+def set_attention_path(path: str) -> None:
+    """Choose the decode attention path: ``"auto"``, ``"kernel"`` or ``"gather"``.
+
+    Overrides ``MLX_PAGED_ATTENTION``. ``"kernel"`` still falls back to the
+    gather path (with one warning) where no kernel runs, e.g. on the CPU.
+    """
+    global _path, _warned_no_kernel
+    if path not in ATTENTION_PATHS:
+        raise ValueError(f"attention path must be one of {ATTENTION_PATHS}, got {path!r}.")
+    _path = path
+    _warned_no_kernel = False
+
+
+def attention_path() -> str:
+    """The decode attention path in force (see ``set_attention_path``)."""
+    return _path
+
+
+def _warn_no_kernel() -> None:
+    global _warned_no_kernel
+    if not _warned_no_kernel:
+        _warned_no_kernel = True
+        logger.warning(
+            "mlx_paged: attention path 'kernel' was requested but no fused kernel runs here "
+            "(device %s); using the gather path.",
+            mx.default_device(),
+        )
+
+
 def paged_attention(
     queries: mx.array,
     keys: mx.array,
@@ -81,17 +137,35 @@ def paged_attention(
             (``paged_view``).
         scale, mask, sinks: as in ``mx.fast.scaled_dot_product_attention``.
     """
-    if KERNELS and queries.shape[2] == 1 and cache.fetched(keys, values, mask):
+    own = queries.shape[2] == 1 and cache.fetched(keys, values, mask)
+    if own and KERNELS and _path != "gather" and _view_covers_window(cache):
         view = cache.paged_view()
         for kernel in KERNELS:
             out = kernel(queries, view, scale, sinks)
             if out is not None:
                 path_counts[getattr(kernel, "__name__", "kernel")] += 1
                 return out
+        if _path == "kernel":
+            _warn_no_kernel()
     path_counts["gather"] += 1
     return mx.fast.scaled_dot_product_attention(
         queries, keys, values, scale=scale, mask=mask, sinks=sinks
     )
+
+
+def _view_covers_window(cache: Any) -> bool:
+    """Whether the cache still holds every key this step's query sees.
+
+    ``PagedKVCache.update_and_fetch`` gives back blocks that only later queries
+    no longer need, before attention runs; on the step that drops a block, the
+    last sliding layer's view lacks the oldest key of its own window (the lazy
+    gather was taken before the drop, so the gather path is right). Such calls
+    gather until the cache keeps those blocks through the step.
+    """
+    window, table = getattr(cache, "window", None), getattr(cache, "table", None)
+    if window is None or table is None:
+        return True
+    return table.first * cache.pool.block_size <= max(0, cache.offset - window)
 
 
 def scaled_dot_product_attention(
@@ -126,3 +200,14 @@ def route_attention() -> int:
                 setattr(module, attr, scaled_dot_product_attention)
                 changed += 1
     return changed
+
+
+def _register_device_kernels() -> None:
+    from .kernels import DEVICE_KERNELS
+
+    for kernel in DEVICE_KERNELS:
+        if kernel not in KERNELS:
+            KERNELS.append(kernel)
+
+
+_register_device_kernels()

@@ -1,0 +1,148 @@
+"""Device kernels as ``KERNELS`` entries: used only where they run and were verified.
+
+Each entry declines (returns ``None``) unless the default device is the GPU of
+its backend and the call's shapes are supported. Before the first use of each
+compiled variant (dtype, head dims, heads per block, block size, window, sinks),
+it runs once on random inputs of the same shape class and is compared with the
+reference; on a compile error or a mismatch it logs a warning and that variant
+declines from then on, so the gather path serves those calls.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import mlx.core as mx
+
+from .cuda import paged_decode_cuda
+from .metal import paged_decode_metal
+from .plan import plan_decode
+from .reference import reference_paged_decode
+
+if TYPE_CHECKING:
+    from ..attention import PagedView
+
+logger = logging.getLogger("mlx_paged.kernels")
+
+TOLERANCE = {mx.float32: 1e-4, mx.float16: 4e-3, mx.bfloat16: 3e-2}
+
+Runner = Callable[..., "mx.array | None"]
+_verdicts: dict[tuple, bool] = {}  # (backend, variant) -> passed self-check
+_backend_ok: dict[str, bool] = {}
+
+
+def backend_available(backend: str) -> bool:
+    """Whether the default device is a GPU of ``backend`` ("cuda" or "metal")."""
+    if mx.default_device() != mx.gpu:
+        return False
+    if backend not in _backend_ok:
+        module = getattr(mx, backend, None)
+        _backend_ok[backend] = bool(module is not None and module.is_available())
+    return _backend_ok[backend]
+
+
+def self_check(
+    run: Runner, queries: mx.array, view: PagedView, scale: float, sinks: mx.array | None
+) -> float:
+    """Max abs difference of ``run`` against the reference on random inputs shaped like the call.
+
+    Uses the call's heads, head dims, dtypes, block size, window and scale, so
+    the variants compiled here are the ones the call will use; tries split-K
+    off and on. Raises whatever compiling or running the kernel raises.
+    """
+    from .synthetic import random_paged_batch
+
+    bs = view.block_size
+    reach = (view.window or 4 * bs) + 3 * bs + 5  # crosses the window and ends mid-block
+    batch = random_paged_batch(
+        [reach, 1, 2 * bs],
+        n_heads=queries.shape[1],
+        n_kv_heads=view.keys.shape[2],
+        dk=queries.shape[-1],
+        dv=view.values.shape[-1],
+        block_size=bs,
+        dtype=view.keys.dtype,
+        window=view.window,
+        sinks=sinks is not None,
+        first_blocks=[1, 0, 0],
+        seed=7,
+    )
+    q = batch.queries.astype(queries.dtype)
+    # The spec runs on the CPU: GPU float32 matmuls may round through TF32.
+    with mx.stream(mx.cpu):
+        want = reference_paged_decode(q, batch.view, scale, batch.sinks).astype(mx.float32)
+        mx.eval(want)
+    worst = 0.0
+    for splits in (1, 3):
+        got = run(q, batch.view, scale, batch.sinks, splits)
+        if got is None:
+            raise RuntimeError("the kernel declined its own self-check inputs")
+        worst = max(worst, mx.abs(got.astype(mx.float32) - want).max().item())
+    return worst
+
+
+def _verified(backend: str, run: Runner, queries, view, scale, sinks) -> bool:
+    plan = plan_decode(queries, view)
+    variant = (
+        backend,
+        view.keys.dtype,
+        queries.dtype,
+        queries.shape[1],
+        plan.n_kv_heads,
+        plan.dk,
+        plan.dv,
+        view.block_size,
+        view.window,
+        sinks is not None,
+        scale,
+    )
+    if variant not in _verdicts:
+        tol = max(TOLERANCE[view.keys.dtype], TOLERANCE[queries.dtype])
+        try:
+            err = self_check(run, queries, view, scale, sinks)
+            ok = err <= tol  # False for NaN too
+            if not ok:
+                logger.warning(
+                    "mlx_paged: %s paged decode kernel differs from the reference by %.3g "
+                    "(tolerance %.3g) for %s; using the gather path for it.",
+                    backend,
+                    err,
+                    tol,
+                    variant[1:],
+                )
+        except Exception as e:  # compile errors surface here, at the first eval
+            ok = False
+            logger.warning(
+                "mlx_paged: %s paged decode kernel failed its self-check (%s: %s); "
+                "using the gather path for it.",
+                backend,
+                type(e).__name__,
+                str(e).splitlines()[0] if str(e) else "",
+            )
+        _verdicts[variant] = ok
+    return _verdicts[variant]
+
+
+def _device_kernel(backend: str, run: Runner, name: str):
+    def kernel(
+        queries: mx.array, view: PagedView, scale: float, sinks: mx.array | None
+    ) -> mx.array | None:
+        if not backend_available(backend) or plan_decode(queries, view).reason:
+            return None
+        if not _verified(backend, run, queries, view, scale, sinks):
+            return None
+        return run(queries, view, scale, sinks)
+
+    kernel.__name__ = kernel.__qualname__ = name
+    kernel.__doc__ = f"``KERNELS`` entry for the {backend} paged decode kernel (self-checked)."
+    return kernel
+
+
+#: The CUDA kernel as a ``KERNELS`` entry; its name is what ``path_counts`` shows.
+cuda_paged_decode = _device_kernel("cuda", paged_decode_cuda, "cuda_paged_decode")
+#: The Metal kernel (never run here; see ``metal.py``) as a ``KERNELS`` entry.
+metal_paged_decode = _device_kernel("metal", paged_decode_metal, "metal_paged_decode")
+
+DEVICE_KERNELS = [cuda_paged_decode, metal_paged_decode]

@@ -1,0 +1,70 @@
+"""Shape checks and work split shared by the CUDA and Metal kernels."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import mlx.core as mx
+
+if TYPE_CHECKING:
+    from ..attention import PagedView
+
+FLOAT_TYPES = (mx.float16, mx.bfloat16, mx.float32)
+
+
+@dataclass
+class DecodePlan:
+    """What a fused decode kernel needs to know about one call.
+
+    ``reason`` is set (and the rest meaningless) when the kernels cannot run it.
+    """
+
+    batch: int = 0
+    n_heads: int = 0
+    n_kv_heads: int = 0
+    group: int = 0  # query heads per KV head
+    heads_per_block: int = 0  # query heads one thread block handles (divides group)
+    dk: int = 0
+    dv: int = 0
+    num_splits: int = 1
+    reason: str | None = None
+
+
+def _lanes_ok(dim: int, vec: int) -> bool:
+    """A row of ``dim`` elements splits evenly into 16-byte loads over 1..32 lanes, or k*32."""
+    if dim % vec:
+        return False
+    n = dim // vec
+    return (n <= 32 and n & (n - 1) == 0) or n % 32 == 0
+
+
+def plan_decode(queries: mx.array, view: PagedView, max_lanes_elems: int = 32) -> DecodePlan:
+    """Check a decode call against what the kernels support and size the thread blocks.
+
+    Args:
+        max_lanes_elems: register budget: query-head slices times elements per
+            lane that one thread may hold.
+    """
+    if queries.ndim != 4 or queries.shape[2] != 1:
+        return DecodePlan(reason=f"not a decode call: queries {queries.shape}")
+    B, n_heads, _, dk = queries.shape
+    nb, bs, n_kv, kdim = view.keys.shape
+    dv = view.values.shape[-1]
+    if kdim != dk or view.values.shape[:3] != view.keys.shape[:3]:
+        return DecodePlan(reason="pool shapes do not match the queries")
+    if n_heads % n_kv:
+        return DecodePlan(reason=f"{n_heads} query heads over {n_kv} KV heads")
+    dtype = view.keys.dtype
+    if dtype not in FLOAT_TYPES or view.values.dtype != dtype or queries.dtype not in FLOAT_TYPES:
+        return DecodePlan(reason=f"dtypes {queries.dtype}/{dtype}/{view.values.dtype}")
+    vec = 16 // dtype.size
+    if not (_lanes_ok(dk, vec) and _lanes_ok(dv, vec)) or max(dk, dv) > 512:
+        return DecodePlan(reason=f"head dims {dk}/{dv} do not split into 16-byte lanes")
+    if view.block_tables.ndim != 2 or view.block_tables.shape[0] != B:
+        return DecodePlan(reason=f"block_tables {view.block_tables.shape} for batch {B}")
+    # Elements one lane holds per head: a 16-byte vector, more when a row exceeds 32 lanes.
+    per_lane = max(vec, dk // 32, dv // 32)
+    group = n_heads // n_kv
+    hg = max(h for h in range(1, group + 1) if group % h == 0 and h * per_lane <= max_lanes_elems)
+    return DecodePlan(B, n_heads, n_kv, group, hg, dk, dv)

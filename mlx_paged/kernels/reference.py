@@ -1,0 +1,74 @@
+"""Paged decode attention in plain MLX ops: the spec every fused kernel is checked against.
+
+It reads through a ``PagedView`` exactly as a kernel would (block tables,
+per-sequence ``starts``/``lengths``, sliding ``window``, ``sinks``), but
+materialises the gathered K/V, so it is for tests and self-checks, not speed.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import mlx.core as mx
+
+if TYPE_CHECKING:
+    from ..attention import PagedView
+
+
+def visible_range(view: PagedView) -> tuple[mx.array, mx.array]:
+    """First and one-past-last visible position of each sequence, ``(B,)`` int32 each."""
+    lo = view.starts
+    if view.window is not None:
+        lo = mx.maximum(lo, view.lengths - view.window)
+    return lo, view.lengths
+
+
+def reference_paged_decode(
+    queries: mx.array, view: PagedView, scale: float, sinks: mx.array | None
+) -> mx.array:
+    """Decode attention of one query per sequence over its blocks, computed in float32.
+
+    Args:
+        queries: ``(B, n_heads, 1, k_head_dim)``; ``n_heads`` a multiple of ``n_kv_heads``.
+        view: where the K/V of each sequence lie in the pool.
+        scale: multiplies ``q @ k``.
+        sinks: ``(n_heads,)`` extra softmax logits, or ``None``.
+
+    Returns:
+        ``(B, n_heads, 1, v_head_dim)`` in ``queries.dtype``.
+    """
+    B, n_heads, _, dk = queries.shape
+    _, bs, n_kv, _ = view.keys.shape
+    dv = view.values.shape[-1]
+    group = n_heads // n_kv
+    max_blocks = view.block_tables.shape[1]
+    T = max_blocks * bs
+
+    # Table entries past a sequence's last block may be anything: read block 0 instead.
+    needed = (view.lengths - view.starts + bs - 1) // bs  # (B,)
+    cols = mx.arange(max_blocks)[None]  # (1, max_blocks)
+    tables = mx.where(cols < needed[:, None], view.block_tables, 0)  # (B, max_blocks)
+
+    pos = view.starts[:, None] + mx.arange(T)[None]  # (B, T) token position of each slot
+    lo, hi = visible_range(view)
+    valid = (pos >= lo[:, None]) & (pos < hi[:, None])  # (B, T)
+
+    def gather(pool: mx.array, d: int) -> mx.array:
+        x = pool[tables].astype(mx.float32)  # (B, max_blocks, bs, n_kv, d)
+        x = x.reshape(B, T, n_kv, d).transpose(0, 2, 1, 3)  # (B, n_kv, T, d)
+        # Unwritten slots may hold NaN/inf; zero them so 0 * garbage stays 0.
+        return mx.where(valid[:, None, :, None], x, 0.0)
+
+    k = gather(view.keys, dk)  # (B, n_kv, T, dk)
+    v = gather(view.values, dv)  # (B, n_kv, T, dv)
+    q = queries.astype(mx.float32).reshape(B, n_kv, group, dk)  # (B, n_kv, group, dk)
+    scores = (q @ k.swapaxes(-1, -2)) * scale  # (B, n_kv, group, T)
+    scores = mx.where(valid[:, None, None, :], scores, -mx.inf)
+    if sinks is not None:
+        sink = mx.broadcast_to(
+            sinks.astype(mx.float32).reshape(1, n_kv, group, 1), (B, n_kv, group, 1)
+        )
+        scores = mx.concatenate([scores, sink], axis=-1)  # (B, n_kv, group, T + 1)
+    probs = mx.softmax(scores, axis=-1)[..., :T]  # (B, n_kv, group, T)
+    out = probs @ v  # (B, n_kv, group, dv)
+    return out.reshape(B, n_heads, 1, dv).astype(queries.dtype)

@@ -1,0 +1,105 @@
+"""Random paged batches for self-checks, tests and benchmarks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from ..attention import PagedView
+
+
+@dataclass
+class PagedBatch:
+    """A decode batch laid out in a pool, plus its K/V as dense arrays for comparison."""
+
+    queries: mx.array  # (B, n_heads, 1, dk)
+    view: PagedView
+    sinks: mx.array | None  # (n_heads,)
+    dense_keys: list[mx.array]  # per sequence (1, n_kv, T_b, dk): its retained tokens
+    dense_values: list[mx.array]  # per sequence (1, n_kv, T_b, dv)
+
+
+def random_paged_batch(
+    lengths: list[int],
+    n_heads: int = 4,
+    n_kv_heads: int = 2,
+    dk: int = 64,
+    dv: int | None = None,
+    block_size: int = 16,
+    dtype: mx.Dtype = mx.float32,
+    window: int | None = None,
+    sinks: bool = False,
+    first_blocks: list[int] | None = None,
+    shuffle: bool = True,
+    spare_blocks: int = 3,
+    seed: int = 0,
+) -> PagedBatch:
+    """Build a pool holding ``len(lengths)`` sequences in (optionally shuffled) blocks.
+
+    Args:
+        lengths: tokens written per sequence (the query sits at ``length - 1``).
+        first_blocks: leading blocks each sequence already gave back (sliding
+            layers); their tokens are not in the pool.
+        shuffle: scatter blocks over the pool in random order (fragmentation).
+        spare_blocks: unused blocks filled with huge values, so a kernel that
+            reads outside the tables shows it.
+    """
+    dv = dk if dv is None else dv
+    B = len(lengths)
+    first_blocks = first_blocks or [0] * B
+    key = mx.random.key(seed)
+    kq, kk, kv, ks, kp = mx.random.split(key, 5)
+    counts = [-(-n // block_size) - f for n, f in zip(lengths, first_blocks, strict=True)]
+    total = sum(counts) + spare_blocks
+    order = mx.random.permutation(total, key=kp).tolist() if shuffle else list(range(total))
+    keys = mx.random.normal((total, block_size, n_kv_heads, dk), key=kk).astype(dtype)
+    values = mx.random.normal((total, block_size, n_kv_heads, dv), key=kv).astype(dtype)
+    # Slots past each sequence's length, and spare blocks, hold garbage.
+    junk_ids = mx.array(order[sum(counts) :], dtype=mx.int32)
+    if spare_blocks:
+        keys[junk_ids] = mx.array(6e4, dtype=dtype)
+        values[junk_ids] = mx.array(6e4, dtype=dtype)
+    max_blocks = max(max(counts), 1)
+    tables, dense_k, dense_v, at = [], [], [], 0
+    for n, f, c in zip(lengths, first_blocks, counts, strict=True):
+        ids = order[at : at + c]
+        at += c
+        # Rows past the last block hold arbitrary ids (here: spare or other sequences' blocks).
+        tables.append(ids + [order[(at + 7 * j) % total] for j in range(max_blocks - c)])
+        idx = mx.array(ids, dtype=mx.int32)
+        tail = n - (f + c - 1) * block_size  # tokens in the last block
+        if tail < block_size:
+            keys[idx[-1], tail:] = mx.array(6e4, dtype=dtype)
+            values[idx[-1], tail:] = mx.array(6e4, dtype=dtype)
+        t = n - f * block_size
+        dense_k.append(keys[idx].reshape(-1, n_kv_heads, dk)[:t].swapaxes(0, 1)[None])
+        dense_v.append(values[idx].reshape(-1, n_kv_heads, dv)[:t].swapaxes(0, 1)[None])
+    view = PagedView(
+        keys=keys,
+        values=values,
+        block_tables=mx.array(tables, dtype=mx.int32),
+        starts=mx.array([f * block_size for f in first_blocks], dtype=mx.int32),
+        lengths=mx.array(lengths, dtype=mx.int32),
+        window=window,
+    )
+    queries = mx.random.normal((B, n_heads, 1, dk), key=kq).astype(dtype)
+    sink_arr = mx.random.normal((n_heads,), key=ks) if sinks else None
+    mx.eval(view.keys, view.values, queries, *dense_k, *dense_v)
+    return PagedBatch(queries, view, sink_arr, dense_k, dense_v)
+
+
+def dense_decode(batch: PagedBatch, scale: float) -> mx.array:
+    """The batch's attention computed per sequence with MLX's SDPA on contiguous K/V."""
+    outs = []
+    sinks = None if batch.sinks is None else batch.sinks.astype(batch.queries.dtype)
+    window = batch.view.window
+    for b, (k, v) in enumerate(zip(batch.dense_keys, batch.dense_values, strict=True)):
+        if window is not None and k.shape[2] > window:
+            k, v = k[:, :, -window:], v[:, :, -window:]
+        outs.append(
+            mx.fast.scaled_dot_product_attention(
+                batch.queries[b : b + 1], k, v, scale=scale, sinks=sinks
+            )
+        )
+    return mx.concatenate(outs)

@@ -1,0 +1,169 @@
+"""Paged decode kernels: the MLX reference against SDPA, model parity through KERNELS,
+path selection, self-check fallbacks, and (on a CUDA GPU only) the CUDA kernel."""
+
+from __future__ import annotations
+
+import logging
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+from test_parity import BLOCK, DECODE_STEPS, max_diff, prompt_tokens, run_generate_step
+from tiny_models import tiny_model
+
+from mlx_paged import attention, make_paged_cache
+from mlx_paged.attention import path_counts, set_attention_path
+from mlx_paged.kernels import dispatch
+from mlx_paged.kernels.cuda import paged_decode_cuda
+from mlx_paged.kernels.plan import plan_decode
+from mlx_paged.kernels.reference import reference_paged_decode
+from mlx_paged.kernels.synthetic import dense_decode, random_paged_batch
+
+# (lengths, n_heads, n_kv_heads, dk, dv, block_size, window, sinks, first_blocks)
+CONFIGS = [
+    ([1], 4, 2, 64, 64, 16, None, False, None),
+    ([16, 17, 1, 40], 4, 2, 64, 64, 16, None, False, None),  # block edges, mid-block
+    ([100, 33, 7], 8, 2, 128, 128, 16, None, True, None),  # sinks
+    ([50, 9], 4, 4, 256, 256, 8, None, False, None),
+    ([70, 20], 6, 2, 128, 64, 16, None, True, None),  # K and V head dims differ
+    ([90, 45, 12], 4, 1, 64, 64, 8, 20, False, [8, 2, 0]),  # window, dropped blocks
+    ([200, 31], 8, 2, 64, 64, 16, 64, True, [8, 0]),  # window + sinks
+    ([64, 65], 2, 2, 64, 64, 32, 1000, False, None),  # window wider than the context
+]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"L{c[0]}-d{c[3]}-w{c[6]}-s{c[7]}")
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_reference_matches_sdpa_on_contiguous_kv(config, shuffle):
+    lengths, hq, hkv, dk, dv, bs, window, sinks, first = config
+    batch = random_paged_batch(
+        lengths, hq, hkv, dk, dv, bs, mx.float32, window, sinks, first, shuffle=shuffle
+    )
+    scale = dk**-0.5
+    got = reference_paged_decode(batch.queries, batch.view, scale, batch.sinks)
+    assert got.shape == (len(lengths), hq, 1, dv) and got.dtype == mx.float32
+    assert max_diff(got, dense_decode(batch, scale)) < 1e-5
+
+
+@pytest.fixture
+def reference_kernel(monkeypatch):
+    """Offer decode calls to the reference only, as a device kernel would be offered them."""
+    monkeypatch.setattr(attention, "KERNELS", [reference_paged_decode])
+    set_attention_path("auto")
+    yield
+    set_attention_path("auto")
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", "gpt_oss"])
+def test_reference_kernel_in_models_matches_dense(family, reference_kernel):
+    model = tiny_model(family)
+    prompt = prompt_tokens(45)
+    before = path_counts["reference_paged_decode"]
+    dense_tokens, dense = run_generate_step(model, prompt, make_prompt_cache(model))
+    tokens, paged = run_generate_step(model, prompt, make_paged_cache(model, BLOCK))
+    used = path_counts["reference_paged_decode"] - before
+    assert tokens == dense_tokens
+    assert max_diff(dense, paged) <= 1e-4
+    n_attn = len(make_paged_cache(model, BLOCK))
+    calls = n_attn * (DECODE_STEPS + 1)  # generate_step runs one step ahead
+    if family == "llama":
+        assert used == calls
+    else:
+        # Sliding layers gather on the steps their cache gives a block back early.
+        assert calls * 0.8 < used < calls
+
+
+def test_mla_is_never_offered_to_kernels(reference_kernel):
+    model = tiny_model("deepseek_v3")
+    before = dict(path_counts)
+    run_generate_step(model, prompt_tokens(20), make_paged_cache(model, BLOCK), steps=4)
+    assert path_counts["reference_paged_decode"] == before.get("reference_paged_decode", 0)
+    assert path_counts["gather"] > before.get("gather", 0)
+
+
+def test_gather_path_forced(reference_kernel):
+    set_attention_path("gather")
+    model = tiny_model("llama")
+    before = path_counts["reference_paged_decode"]
+    run_generate_step(model, prompt_tokens(20), make_paged_cache(model, BLOCK), steps=3)
+    assert path_counts["reference_paged_decode"] == before
+
+
+def test_kernel_path_forced_on_cpu_falls_back_once(caplog):
+    """With only the device kernels registered, the CPU has none: warn once, then gather."""
+    assert attention.KERNELS == dispatch.DEVICE_KERNELS
+    model = tiny_model("llama")
+    set_attention_path("kernel")
+    try:
+        before = path_counts["gather"]
+        with caplog.at_level(logging.WARNING, logger="mlx_paged.attention"):
+            run_generate_step(model, prompt_tokens(20), make_paged_cache(model, BLOCK), steps=3)
+        warnings = [r for r in caplog.records if "no fused kernel runs here" in r.message]
+        assert len(warnings) == 1
+        assert path_counts["gather"] > before
+    finally:
+        set_attention_path("auto")
+
+
+def test_set_attention_path_rejects_unknown():
+    with pytest.raises(ValueError, match="attention path"):
+        set_attention_path("fast")
+
+
+def test_device_kernels_decline_off_their_device():
+    if mx.default_device() == mx.gpu:
+        pytest.skip("runs on the CPU only")
+    batch = random_paged_batch([20], 4, 2, 64)
+    for kernel in dispatch.DEVICE_KERNELS:
+        assert kernel(batch.queries, batch.view, 0.125, None) is None
+
+
+def test_plan_declines_unsupported_shapes():
+    batch = random_paged_batch([20], 4, 2, 80, dtype=mx.float16)  # 80 halves: 10 loads
+    assert plan_decode(batch.queries, batch.view).reason
+    ok = random_paged_batch([20], 32, 8, 128, dtype=mx.float16)
+    plan = plan_decode(ok.queries, ok.view)
+    assert plan.reason is None and plan.group == 4 and plan.heads_per_block == 4
+
+
+def test_self_check_failures_decline_and_warn(caplog, monkeypatch):
+    monkeypatch.setattr(dispatch, "_verdicts", {})
+    batch = random_paged_batch([30], 4, 2, 64, seed=3)
+
+    def wrong(q, view, scale, sinks, splits=None):
+        return reference_paged_decode(q, view, scale, sinks) + 1.0
+
+    def broken(q, view, scale, sinks, splits=None):
+        raise RuntimeError("Failed to compile kernel: boom")
+
+    with caplog.at_level(logging.WARNING, logger="mlx_paged.kernels"):
+        for run in (wrong, broken):
+            args = (batch.queries, batch.view, 0.125, None)
+            assert not dispatch._verified(f"fake-{run.__name__}", run, *args)
+    assert "differs from the reference" in caplog.text
+    assert "failed its self-check (RuntimeError" in caplog.text
+
+    def right(q, view, scale, sinks, splits=None):
+        return reference_paged_decode(q, view, scale, sinks)
+
+    assert dispatch._verified("fake-right", right, batch.queries, batch.view, 0.125, None)
+
+
+CUDA = pytest.mark.skipif(
+    not (mx.cuda.is_available() and mx.default_device() == mx.gpu), reason="needs a CUDA GPU"
+)
+
+
+@CUDA
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"L{c[0]}-d{c[3]}-w{c[6]}-s{c[7]}")
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_cuda_kernel_matches_reference(config, dtype, splits):
+    lengths, hq, hkv, dk, dv, bs, window, sinks, first = config
+    batch = random_paged_batch(lengths, hq, hkv, dk, dv, bs, dtype, window, sinks, first)
+    scale = dk**-0.5
+    with mx.stream(mx.cpu):
+        want = reference_paged_decode(batch.queries, batch.view, scale, batch.sinks)
+        want = want.astype(mx.float32)
+    got = paged_decode_cuda(batch.queries, batch.view, scale, batch.sinks, splits)
+    assert max_diff(got.astype(mx.float32), want) <= dispatch.TOLERANCE[dtype]
