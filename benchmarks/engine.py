@@ -9,6 +9,10 @@ once. Compared in the same run:
   and ``copy.deepcopy``'d into each request's cache (what mlx_lm.server does);
 - ``paged``: ``PagedEngine``, which adopts the shared blocks by reference.
 
+Time to first token counts from a request's arrival. Cold cases compute the
+system prompt inside the clock; ``-warm`` cases start with it cached (a server
+that has served it before).
+
 The mixed workload draws prompt lengths from 64 to 4096 and staggers arrivals.
 Reports wall time, generated tok/s, time to first token (p50 and max) and peak
 memory (``mx.get_peak_memory``, which includes the model's weights).
@@ -68,8 +72,9 @@ class Recorder:
         self.first: dict[int, float] = {}
         self.tokens = 0
 
-    def arrived(self, uid: int) -> None:
-        self.arrival[uid] = time.perf_counter()
+    def arrived(self, uid: int, at: float) -> None:
+        """``uid`` was due ``at`` seconds after the start (TTFT counts from then)."""
+        self.arrival[uid] = self.start + at
 
     def token(self, uid: int) -> None:
         self.tokens += 1
@@ -89,17 +94,26 @@ class Recorder:
         )
 
 
-def run_batchgen(model, prompts, arrivals, gen, prefix=None, batch=64) -> Recorder:
-    """BatchGenerator; with ``prefix``, each request starts from a deepcopy of its cache."""
+def prefill_prefix(model, prefix: list[int]) -> list:
+    cache = make_prompt_cache(model)
+    model(mx.array(prefix)[None], cache=cache)
+    mx.eval([c.state for c in cache])
+    return cache
+
+
+def run_batchgen(model, prompts, arrivals, gen, prefix=None, batch=64, warm=False) -> Recorder:
+    """BatchGenerator; with ``prefix``, each request starts from a deepcopy of its cache.
+
+    ``warm``: the prefix cache exists before the clock starts (a server that
+    has seen the system prompt); otherwise its prefill counts.
+    """
+    base = prefill_prefix(model, prefix) if prefix and warm else None
     rec = Recorder()
     bg = BatchGenerator(
         model, max_tokens=gen, completion_batch_size=batch, prefill_batch_size=min(batch, 8)
     )
-    base = None
-    if prefix:
-        base = make_prompt_cache(model)
-        model(mx.array(prefix)[None], cache=base)
-        mx.eval([c.state for c in base])
+    if prefix and not warm:
+        base = prefill_prefix(model, prefix)
     pending = list(range(len(prompts)))
     done = 0
     while done < len(prompts):
@@ -110,8 +124,8 @@ def run_batchgen(model, prompts, arrivals, gen, prefix=None, batch=64) -> Record
             suffixes = [prompts[i][len(prefix) :] if prefix else prompts[i] for i in ready]
             caches = [copy.deepcopy(base) for _ in ready] if prefix else None
             uids = bg.insert(suffixes, [gen] * len(ready), caches=caches)
-            for uid in uids:
-                rec.arrived(uid)
+            for uid, i in zip(uids, ready, strict=True):
+                rec.arrived(uid, arrivals[i])
         if not (bg._unprocessed_sequences or bg._prompt_batch.uids or bg._generation_batch.uids):
             time.sleep(0.001)
             continue
@@ -122,20 +136,23 @@ def run_batchgen(model, prompts, arrivals, gen, prefix=None, batch=64) -> Record
     return rec
 
 
-def run_paged(model, prompts, arrivals, gen, args) -> tuple[Recorder, dict]:
-    rec = Recorder()
+def run_paged(model, prompts, arrivals, gen, args, prefix=None) -> tuple[Recorder, dict]:
+    """PagedEngine; with ``prefix``, one request with it runs before the clock starts."""
     engine = PagedEngine(
         model,
         block_size=args.block_size,
         max_batch_size=args.batch,
         prefill_step_size=args.prefill_step_size,
     )
+    if prefix:
+        engine.generate([prefix], max_tokens=1)
+    rec = Recorder()
     pending = list(range(len(prompts)))
     done = 0
     while done < len(prompts):
         now = time.perf_counter() - rec.start
         for i in [i for i in pending if arrivals[i] <= now]:
-            rec.arrived(engine.add_request(prompts[i], gen))
+            rec.arrived(engine.add_request(prompts[i], gen), arrivals[i])
         pending = [i for i in pending if arrivals[i] > now]
         if not (engine.waiting or engine.running):
             time.sleep(0.001)
@@ -179,7 +196,11 @@ def main() -> None:
     parser.add_argument("--mixed", type=int, default=32, help="requests in the mixed run (0: skip)")
     parser.add_argument("--mixed-max", type=int, default=4096)
     parser.add_argument("--mixed-gap", type=float, default=0.05, help="seconds between arrivals")
-    parser.add_argument("--cases", nargs="+", default=["batchgen", "batchgen+prefix", "paged"])
+    parser.add_argument(
+        "--cases",
+        nargs="+",
+        default=["batchgen", "batchgen+prefix", "paged", "batchgen+prefix-warm", "paged-warm"],
+    )
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
 
@@ -211,6 +232,12 @@ def main() -> None:
                 model, p, a, args.gen, prefix=system, batch=n
             ),
             "paged": lambda p=prompts, a=at: run_paged(model, p, a, args.gen, args),
+            "batchgen+prefix-warm": lambda p=prompts, a=at, n=n: run_batchgen(
+                model, p, a, args.gen, prefix=system, batch=n, warm=True
+            ),
+            "paged-warm": lambda p=prompts, a=at: run_paged(
+                model, p, a, args.gen, args, prefix=system
+            ),
         }
         for name in args.cases:
             measure(f"W N={n} {name}", cases[name], results)
@@ -219,7 +246,7 @@ def main() -> None:
         prompts = [toks(rng.randrange(64, args.mixed_max + 1)) for _ in range(args.mixed)]
         at = [i * args.mixed_gap for i in range(args.mixed)]
         for name in args.cases:
-            if name == "batchgen+prefix":
+            if name not in ("batchgen", "paged"):
                 continue  # no shared prefix in this workload
             fn = (
                 (lambda: run_paged(model, prompts, at, args.gen, args))

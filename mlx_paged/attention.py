@@ -138,7 +138,7 @@ def paged_attention(
         scale, mask, sinks: as in ``mx.fast.scaled_dot_product_attention``.
     """
     own = queries.shape[2] == 1 and cache.fetched(keys, values, mask)
-    if own and KERNELS and _path != "gather" and _view_covers_window(cache):
+    if own and KERNELS and _path != "gather":
         view = cache.paged_view()
         for kernel in KERNELS:
             out = kernel(queries, view, scale, sinks)
@@ -151,21 +151,6 @@ def paged_attention(
     return mx.fast.scaled_dot_product_attention(
         queries, keys, values, scale=scale, mask=mask, sinks=sinks
     )
-
-
-def _view_covers_window(cache: Any) -> bool:
-    """Whether the cache still holds every key this step's query sees.
-
-    ``PagedKVCache.update_and_fetch`` gives back blocks that only later queries
-    no longer need, before attention runs; on the step that drops a block, the
-    last sliding layer's view lacks the oldest key of its own window (the lazy
-    gather was taken before the drop, so the gather path is right). Such calls
-    gather until the cache keeps those blocks through the step.
-    """
-    window, table = getattr(cache, "window", None), getattr(cache, "table", None)
-    if window is None or table is None:
-        return True
-    return table.first * cache.pool.block_size <= max(0, cache.offset - window)
 
 
 def scaled_dot_product_attention(

@@ -68,9 +68,9 @@ class PagedKVCache:
         )
         self._fetched = (keys, values)
         if self.window is not None:
-            # Once every layer has read this step's window, the next queries
-            # (from min(lengths) on) will never look before this point.
-            self.pool.drop_before(self.table, self._read_start(min(self.table.lengths)))
+            # Blocks this step's queries do not read go back now; a fused kernel
+            # reads the blocks after this, so nothing it needs may go yet.
+            self.pool.drop_before(self.table, self._read_start(start))
         return keys, values
 
     def make_mask(

@@ -229,7 +229,7 @@ class PagedEngine:
         length and prefilled together in batched forwards.
         """
         events: list[Event] = []
-        short: dict[int, list[Request]] = {}
+        short: dict[tuple[int, bool], list[Request]] = {}  # (tokens, fresh) -> requests
         bs = self.block_size
         heads = Counter(tuple(r.tokens[:bs]) for r in self.waiting)
         while self.waiting and len(self.running) < self.max_batch_size:
@@ -251,9 +251,9 @@ class PagedEngine:
                 for kind in self.kinds:
                     t = req.tables[kind]
                     self.pools[kind].reserve(t, t.lengths[0], t.lengths[0] + n)
-                short.setdefault(n, []).append(req)
+                short.setdefault((n, not req.generated), []).append(req)
         assert self.running or not self.waiting, "an idle pool cannot take the next request"
-        for n, reqs in short.items():
+        for (n, _), reqs in short.items():
             per_forward = max(1, self.prefill_step_size // n)
             for i in range(0, len(reqs), per_forward):
                 events += self._prefill_batch(reqs[i : i + per_forward], n)
@@ -301,37 +301,57 @@ class PagedEngine:
         return min(span, -(-(kind.window + chunk) // self.block_size) + 1)
 
     def _prefill(self, req: Request) -> list[Event]:
-        """Write K/V for one request's uncomputed tokens, chunk by chunk."""
-        tokens = req.tokens
+        """Write K/V for one request's uncomputed tokens, chunk by chunk.
+
+        A new request's last token runs on its own: only its logits are needed,
+        and the head over every prompt position would cost more than the model.
+        """
+        tokens, fresh = req.tokens, not req.generated
         start, end = self._kv_length(req), self._kv_target(req)
+        body = end - 1 if fresh else end
         caches = self.layout.bind(self.pools, req.tables, PagedKVCache)
-        for lo in range(start, end, self.prefill_step_size):
-            hi = min(end, lo + self.prefill_step_size)
-            logits = self.model(mx.array(tokens[lo:hi])[None], cache=caches)[:, -1, :]
-            mx.eval(logits, [c.state for c in caches])
+        for lo in range(start, body, self.prefill_step_size):
+            hi = min(body, lo + self.prefill_step_size)
+            self.model(mx.array(tokens[lo:hi])[None], cache=caches)
+            mx.eval([c.state for c in caches])
             # Index full blocks at once: requests running alongside can share
             # them, and sliding-window blocks stay cached after the window passes.
             self.index.insert(tokens, self._table_spans(req), length=hi, partial=False)
         self._counters["prefilled_tokens"] += end - start
+        if not fresh:
+            return []
+        logits = self.model(mx.array(tokens[end - 1 : end])[None], cache=caches)[:, -1, :]
+        mx.eval(logits, [c.state for c in caches])
+        self.index.insert(tokens, self._table_spans(req), length=end, partial=False)
         return self._first_tokens([req], logits)
 
     def _prefill_batch(self, reqs: list[Request], n: int) -> list[Event]:
-        """Prefill ``n`` uncomputed tokens of each request in one batched forward."""
+        """Prefill ``n`` uncomputed tokens of each request (all new, or all resumed) together."""
+        fresh = not reqs[0].generated
+        body = n - 1 if fresh else n
+        if body:
+            self._forward_batch(reqs, body)
+        self._counters["prefilled_tokens"] += n * len(reqs)
+        if not fresh:
+            return []
+        return self._first_tokens(reqs, self._forward_batch(reqs, 1))
+
+    def _forward_batch(self, reqs: list[Request], n: int) -> mx.array:
+        """Run the next ``n`` tokens of each request (blocks reserved); return last logits."""
         starts = [self._kv_length(r) for r in reqs]
-        batches = {}
-        for kind in self.kinds:
-            tables = [r.tables[kind] for r in reqs]  # blocks reserved on admission
-            batches[kind] = DecodeBatch(self.pools[kind], tables, kind.window, n_new=n)
+        batches = {
+            kind: DecodeBatch(self.pools[kind], [r.tables[kind] for r in reqs], kind.window, n)
+            for kind in self.kinds
+        }
         caches = self.layout.bind(self.pools, batches, BatchPagedKVCache)
         inputs = mx.array([r.tokens[s : s + n] for r, s in zip(reqs, starts, strict=True)])
         logits = self.model(inputs, cache=caches)[:, -1, :]  # (B, V)
-        mx.eval(logits, [c.state for c in caches])
+        mx.eval(logits if n == 1 else [], [c.state for c in caches])
         for batch in batches.values():
             batch.finish()
         for r, s in zip(reqs, starts, strict=True):
             self.index.insert(r.tokens, self._table_spans(r), length=s + n, partial=False)
-        self._counters["prefilled_tokens"] += n * len(reqs)
-        return self._first_tokens(reqs, logits)
+        return logits
 
     def _first_tokens(self, reqs: list[Request], logits: mx.array) -> list[Event]:
         """Sample the first token of new requests (resumed ones already have theirs)."""

@@ -189,10 +189,14 @@ def test_sliding_layers_give_back_blocks():
     feed(model, cache, prompt_tokens(100).tolist())
     sliding = [c for c in cache if c.window is not None]
     full = [c for c in cache if c.window is None]
-    assert len(full[0].table.blocks) == -(-100 // BLOCK)
-    # Queries from 100 on see keys from 100 - 24 + 1 = 77, which sits in block 9.
+    # Blocks go back on the write after the one that left them behind: the
+    # queries of a step still read them.
+    assert sliding[0].table.first == 0
+    feed(model, cache, [5])
+    assert len(full[0].table.blocks) == -(-101 // BLOCK)
+    # The query at 100 sees keys from 100 - 24 + 1 = 77, which sits in block 9.
     assert sliding[0].table.first == 77 // BLOCK
-    assert len(sliding[0].table.blocks) == -(-100 // BLOCK) - 77 // BLOCK
+    assert len(sliding[0].table.blocks) == -(-101 // BLOCK) - 77 // BLOCK
     stats = sliding[0].pool.blocks.stats()
     assert stats.live_blocks == len(sliding[0].table.blocks)
 
