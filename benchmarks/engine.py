@@ -160,6 +160,14 @@ def run_paged(model, prompts, arrivals, gen, args, prefix=None) -> tuple[Recorde
         for e in engine.step():
             rec.token(e.uid)
             done += e.finish_reason is not None
+        if args.memory_trace:
+            gb = [mx.get_active_memory(), mx.get_peak_memory(), engine.stats().bytes]
+            print(
+                f"  t={time.perf_counter() - rec.start:6.3f} s, {len(rec.first):3d} started: "
+                f"active {gb[0] / 1e9:6.2f} GB, "
+                f"peak {gb[1] / 1e9:6.2f} GB, pool {gb[2] / 1e9:5.2f} GB",
+                flush=True,
+            )
     return rec, engine.stats().__dict__
 
 
@@ -200,6 +208,9 @@ def main() -> None:
         "--cases",
         nargs="+",
         default=["batchgen", "batchgen+prefix", "paged", "batchgen+prefix-warm", "paged-warm"],
+    )
+    parser.add_argument(
+        "--memory-trace", action="store_true", help="print memory after every engine step"
     )
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
