@@ -24,6 +24,7 @@ from mlx_lm.models import llama
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_paged import make_paged_cache
+from mlx_paged.attention import path_counts
 
 
 def llama_1b(dtype: mx.Dtype, layers: int) -> llama.Model:
@@ -157,6 +158,7 @@ def main() -> None:
             print(
                 f"context={ctx:6d} pool capacity {m}x ({need * m} blocks): {s * 1e3:8.2f} ms/step"
             )
+    print(f"attention calls by path: {dict(path_counts)}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -40,6 +40,7 @@ from mlx_lm.models import llama
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_paged import PagedEngine
+from mlx_paged.attention import path_counts
 
 
 def build_model(args) -> llama.Model:
@@ -266,6 +267,7 @@ def main() -> None:
             )
             measure(f"mixed N={args.mixed} {name}", fn, results)
 
+    print(f"attention calls by path: {dict(path_counts)}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(weights_gb=weights_gb, results=results), f, indent=1)
