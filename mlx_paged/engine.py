@@ -74,6 +74,10 @@ class Request:
     def tokens(self) -> list[int]:
         return self.prompt + self.generated
 
+    @property
+    def last_token(self) -> int:
+        return self.generated[-1] if self.generated else self.prompt[-1]
+
 
 class PagedEngine:
     """Runs many requests at once over one paged KV cache.
@@ -231,7 +235,7 @@ class PagedEngine:
         events: list[Event] = []
         short: dict[tuple[int, bool], list[Request]] = {}  # (tokens, fresh) -> requests
         bs = self.block_size
-        heads = Counter(tuple(r.tokens[:bs]) for r in self.waiting)
+        heads = Counter(tuple(r.prompt[:bs]) for r in self.waiting) if self.waiting else Counter()
         while self.waiting and len(self.running) < self.max_batch_size:
             req = self.waiting[0]
             # Adopting a shared partial tail costs a copy; an idle pool always
@@ -241,7 +245,7 @@ class PagedEngine:
             self.waiting.popleft()
             self.running.append(req)
             n = self._kv_target(req) - self._kv_length(req)
-            head = tuple(req.tokens[:bs])
+            head = tuple(req.prompt[:bs])
             heads[head] -= 1
             shared = self._kv_length(req) < bs <= n and heads[head] > 0
             if n > self.prefill_step_size or shared:
@@ -375,18 +379,19 @@ class PagedEngine:
     # ---- decode -----------------------------------------------------------
 
     def _decode(self) -> list[Event]:
-        self._reserve_decode_blocks()
-        batches = {}
         for kind in self.kinds:
-            pool = self.pools[kind]
-            tables = [r.tables[kind] for r in self.running]
-            if kind.window is not None:
-                for t in tables:  # blocks wholly before the window go back
-                    pool.drop_before(t, max(0, t.lengths[0] - kind.window + 1))
-            batches[kind] = DecodeBatch(pool, tables, kind.window)
+            if kind.window is not None:  # blocks wholly before the window go back first
+                for r in self.running:
+                    t = r.tables[kind]
+                    self.pools[kind].drop_before(t, max(0, t.lengths[0] - kind.window + 1))
+        self._reserve_decode_blocks()
+        batches = {
+            kind: DecodeBatch(self.pools[kind], [r.tables[kind] for r in self.running], kind.window)
+            for kind in self.kinds
+        }
 
         caches = self.layout.bind(self.pools, batches, BatchPagedKVCache)
-        inputs = mx.array([[r.tokens[-1]] for r in self.running])  # (B, 1)
+        inputs = mx.array([[r.last_token] for r in self.running])  # (B, 1)
         logits = self.model(inputs, cache=caches)[:, -1, :]  # (B, V)
         tokens = self._sample(self.running, logits)
         for b in batches.values():
