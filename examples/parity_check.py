@@ -67,7 +67,7 @@ def main() -> None:
     same = (mx.argmax(dense, -1) == mx.argmax(paged, -1)).all().item()
     print(
         f"tokens: {len(tokens)} ({len(tokens) - args.decode} prefilled in chunks of "
-        f"{args.chunk}, {args.decode} decoded), block size {args.block_size}, dtype {dense.dtype}"
+        f"{args.chunk}, {args.decode} decoded), block size {args.block_size}"
     )
     print(f"max |dense - paged| logit difference: {diff:.3g} (tolerance {args.tol:g})")
     print(f"same greedy token at every step: {same}")
