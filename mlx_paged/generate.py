@@ -56,7 +56,7 @@ def parse_memory(text: str) -> int:
     if not m or unit not in _UNITS or float(m.group(1)) <= 0:
         raise ValueError(
             f"{text!r} is not a memory size; write e.g. 2GB, 512MB or 1.5GiB "
-            f"(units: {', '.join(u for u in _UNITS if u)})."
+            "(units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)."
         )
     return int(float(m.group(1)) * _UNITS[unit])
 
