@@ -122,7 +122,7 @@ class BatchPagedKVCache:
         """Whether attention got this layer's own K/V and a mask this batch made."""
         own = self._fetched is not None and keys is self._fetched[0]
         own = own and values is self._fetched[1]
-        own = own and any(mask is m for m in self.batch.masks.values())
+        own = own and mask is self.batch.masks.get(self.window)  # same window as the view
         self._fetched = None
         return own
 
