@@ -1,21 +1,26 @@
 """Fused paged decode attention for MLX's CUDA backend (``mx.fast.cuda_kernel``).
 
-One thread block serves one (sequence, KV head, split). All the query heads of
-that KV head (up to ``heads_per_block``) are handled in the block, so each K/V
-row is read from the pool once, with 16-byte loads straight through the block
-table. The block walks its token range in chunks of ``PART`` rows: pass 1 puts
-the chunk's logits in shared memory, a block-wide max updates the running
-softmax max (online rescaling, float32), pass 2 accumulates ``p * v``.
+One thread block serves one (sequence, KV head, split) and all the query heads
+of that KV head (up to ``heads_per_block``), so each K/V row is read from the
+pool once, with 16-byte loads straight through the block table.
 
-With more than one split (flash-decoding, for long contexts at small batch) each
-block writes a partial output with its max and sum, and a second kernel merges
-the splits and the sinks.
+Each warp walks its own contiguous run of the block's rows, ``RS`` rows per
+step, with no block-wide barrier in the loop: a step issues the K *and* V loads
+of its rows together (so V's latency hides behind the dot products), keeps the
+logits in registers and updates the warp's own float32 online softmax. The
+warps' partial results are merged through shared memory once, at the end.
+
+With more than one split (flash-decoding: long contexts, small batches) each
+block writes a partial output with its max and sum; the last block of a
+(sequence, KV head) to finish, found with an atomic counter, merges the splits
+and the sinks, so one launch does it all.
 """
 
 from __future__ import annotations
 
 import math
 import struct
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
@@ -26,35 +31,44 @@ if TYPE_CHECKING:
     from ..attention import PagedView
 
 NUM_WARPS = 4
-PART = 512  # rows of logits kept in shared memory per chunk
-# About two waves of thread blocks on an H100 (132 SMs x 4 resident blocks): fewer leave SMs
-# idle, and with barely more than one wave the second wave runs nearly empty.
-TARGET_BLOCKS = 1056
-MIN_SPLIT_TOKENS = 256  # a split shorter than this costs more than it gains
+ROWS_PER_STEP = 16  # rows one warp loads per step, for 256-byte rows (fp16 x 128)
+# About two waves of thread blocks on an H100 (132 SMs x ~4 resident blocks); fewer leave
+# SMs idle, and splitting further only adds partial outputs to merge.
+TARGET_BLOCKS = 1024
+MIN_SPLIT_TOKENS = 128  # a split shorter than this costs more than it gains
+MAX_SPLITS = 32  # the merging block reads every split's partials
+COUNTER_RING = 4  # launches in flight at once that may share no split counters
+LOG2E = 1.4426950408889634
 
 HEADER = r"""
 #define PD_NEG_INF __int_as_float(0xff800000)
+#define PD_LOG2E 1.4426950408889634f
 __device__ __forceinline__ float pd_float(float x) { return x; }
 __device__ __forceinline__ float pd_float(__half x) { return __half2float(x); }
 __device__ __forceinline__ float pd_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 """
 
-# The generated signature supplies queries, keys, values, block_tables, starts,
-# lengths, sinks and the outputs; template constants (SCALE_BITS too) come first.
+# The generated signature supplies the inputs and outputs named in ``_INPUTS`` and
+# ``_OUTPUTS``; template constants (SCALE_BITS: float32 bits of scale * log2(e)) come
+# first. Logits live in the log2 domain (exp2f), so sinks are scaled by log2(e) too.
 DECODE_SOURCE = r"""
   constexpr int VEC = 16 / sizeof(T);   // elements per 16-byte load
   constexpr int LK = (DK / VEC) < 32 ? (DK / VEC) : 32;  // lanes per key row
   constexpr int NK = (DK / VEC) / LK;   // 16-byte vectors per lane per key row
-  constexpr int RK = 32 / LK;           // key rows per warp step
+  constexpr int RK = 32 / LK;           // key rows per warp load
+  constexpr int UK = RS / RK;           // key rows per lane per step
   constexpr int LV = (DV / VEC) < 32 ? (DV / VEC) : 32;
   constexpr int NV = (DV / VEC) / LV;
   constexpr int RV = 32 / LV;
+  constexpr int UV = RS / RV;
   constexpr int NT = NW * 32;
-  constexpr int UK = 4;                 // rows in flight per lane, pass 1
-  constexpr int UV = 4;                 // rows in flight per lane, pass 2
-  constexpr int SMEM = (HG * PART > NW * HG * DV) ? HG * PART : NW * HG * DV;
-  __shared__ float smem[SMEM];          // logits/probs [g][row]; later partial outputs
-  __shared__ float sred[NW * HG];
+  // Same row layout for K and V: a lane's logits are those of the rows its V loads
+  // hold; otherwise probabilities go through shared memory.
+  constexpr bool SAME = LK == LV;
+  __shared__ float sacc[NW * HG * DV];  // each warp's partial output
+  __shared__ float sml[2 * NW * HG];    // each warp's max, then its sum
+  __shared__ float sp[SAME ? 1 : NW * HG * RS];
+  __shared__ int s_last;
 
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
@@ -72,11 +86,16 @@ DECODE_SOURCE = r"""
   if (WINDOW > 0) first = max(first, len - WINDOW);
   const int n = max(len - first, 0);
   const int per = (n + nsplit - 1) / nsplit;
-  const int lo = first + split * per;
+  const int lo = min(first + split * per, len);
   const int hi = min(lo + per, len);
+  // Each warp takes a contiguous run of whole steps of the split.
+  const int pw = ((hi - lo + NW - 1) / NW + RS - 1) / RS * RS;
+  const int wlo = min(lo + warp * pw, hi);
+  const int whi = min(wlo + pw, hi);
 
-  // This lane's slice of each query head, pre-scaled.
+  // This lane's slice of each query head, pre-scaled (log2 domain).
   const int rgk = lane / LK, lik = lane % LK;
+  const int rgv = lane / LV, liv = lane % LV;
   const float sc = __int_as_float(SCALE_BITS);
   float q[HG][NK * VEC];
 #pragma unroll
@@ -91,246 +110,246 @@ DECODE_SOURCE = r"""
     }
   }
 
-  const int rgv = lane / LV, liv = lane % LV;
-  float m[HG], lsum[HG], acc[HG][NV * VEC];
+  float m[HG], l[HG], acc[HG][NV * VEC];
 #pragma unroll
   for (int g = 0; g < HG; ++g) {
     m[g] = PD_NEG_INF;
-    lsum[g] = 0.f;
+    l[g] = 0.f;
 #pragma unroll
     for (int i = 0; i < NV * VEC; ++i) acc[g][i] = 0.f;
   }
 
-  for (int c0 = lo; c0 < hi; c0 += PART) {
-    const int cn = min(PART, hi - c0);
-
-    // Pass 1: logits of the chunk's rows into shared memory.
-    float cmax[HG];
+  for (int r0 = wlo; r0 < whi; r0 += RS) {
+    // Issue every load of the step first: K rows, then V rows.
+    uint4 kr[UK][NK];
+    uint4 vr[UV][NV];
 #pragma unroll
-    for (int g = 0; g < HG; ++g) cmax[g] = PD_NEG_INF;
-    for (int base = warp * RK; base < cn; base += NW * RK * UK) {
-      uint4 kr[UK][NK];
+    for (int u = 0; u < UK; ++u) {
+      const int pos = r0 + u * RK + rgk;
+      if (pos < whi) {
+        const int blk = table[(pos - start) / BS];
+        const uint4* src = reinterpret_cast<const uint4*>(
+            keys + (((size_t)blk * BS + pos % BS) * HKV + kvh) * DK);
 #pragma unroll
-      for (int u = 0; u < UK; ++u) {
-        int r = base + rgk + u * NW * RK;
-        if (r < cn) {
-          int pos = c0 + r;
-          int blk = table[(pos - start) / BS];
-          const uint4* src = reinterpret_cast<const uint4*>(
-              keys + (((size_t)blk * BS + pos % BS) * HKV + kvh) * DK);
+        for (int j = 0; j < NK; ++j) kr[u][j] = src[j * LK + lik];
+      } else {
 #pragma unroll
-          for (int j = 0; j < NK; ++j) kr[u][j] = src[j * LK + lik];
-        } else {
-#pragma unroll
-          for (int j = 0; j < NK; ++j) kr[u][j] = make_uint4(0, 0, 0, 0);
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < UK; ++u) {
-        int r = base + rgk + u * NW * RK;
-        float s[HG];
-#pragma unroll
-        for (int g = 0; g < HG; ++g) s[g] = 0.f;
-#pragma unroll
-        for (int j = 0; j < NK; ++j) {
-          const T* kv = reinterpret_cast<const T*>(&kr[u][j]);
-#pragma unroll
-          for (int e = 0; e < VEC; ++e) {
-            float kf = pd_float(kv[e]);
-#pragma unroll
-            for (int g = 0; g < HG; ++g) s[g] += q[g][j * VEC + e] * kf;
-          }
-        }
-#pragma unroll
-        for (int g = 0; g < HG; ++g) {
-#pragma unroll
-          for (int off = LK / 2; off > 0; off >>= 1)
-            s[g] += __shfl_xor_sync(0xffffffff, s[g], off);
-        }
-        if (lik == 0 && r < cn) {
-#pragma unroll
-          for (int g = 0; g < HG; ++g) {
-            smem[g * PART + r] = s[g];
-            cmax[g] = fmaxf(cmax[g], s[g]);
-          }
-        }
+        for (int j = 0; j < NK; ++j) kr[u][j] = make_uint4(0, 0, 0, 0);
       }
     }
 #pragma unroll
-    for (int g = 0; g < HG; ++g) {
+    for (int u = 0; u < UV; ++u) {
+      const int pos = r0 + u * RV + rgv;
+      if (pos < whi) {
+        const int blk = table[(pos - start) / BS];
+        const uint4* src = reinterpret_cast<const uint4*>(
+            values + (((size_t)blk * BS + pos % BS) * HKV + kvh) * DV);
 #pragma unroll
-      for (int off = 16; off > 0; off >>= 1)
-        cmax[g] = fmaxf(cmax[g], __shfl_xor_sync(0xffffffff, cmax[g], off));
-      if (lane == 0) sred[warp * HG + g] = cmax[g];
+        for (int j = 0; j < NV; ++j) vr[u][j] = src[j * LV + liv];
+      } else {
+        // Zero, not garbage: p = 0 times NaN would still be NaN.
+#pragma unroll
+        for (int j = 0; j < NV; ++j) vr[u][j] = make_uint4(0, 0, 0, 0);
+      }
     }
-    __syncthreads();
 
-    // Block-wide running max; rescale what earlier chunks accumulated.
-    float alpha[HG];
+    // Logits of the step's rows; every lane of a row's lane group ends with the sum.
+    float s[UK][HG];
 #pragma unroll
-    for (int g = 0; g < HG; ++g) {
-      float cm = sred[g];
+    for (int u = 0; u < UK; ++u) {
 #pragma unroll
-      for (int w = 1; w < NW; ++w) cm = fmaxf(cm, sred[w * HG + g]);
-      float mn = fmaxf(m[g], cm);
-      alpha[g] = __expf(m[g] - mn);
-      m[g] = mn;
-      lsum[g] *= alpha[g];
-    }
-    for (int i = threadIdx.x; i < cn; i += NT) {
+      for (int g = 0; g < HG; ++g) s[u][g] = 0.f;
+#pragma unroll
+      for (int j = 0; j < NK; ++j) {
+        const T* kv = reinterpret_cast<const T*>(&kr[u][j]);
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+          const float kf = pd_float(kv[e]);
+#pragma unroll
+          for (int g = 0; g < HG; ++g) s[u][g] += q[g][j * VEC + e] * kf;
+        }
+      }
 #pragma unroll
       for (int g = 0; g < HG; ++g) {
-        float p = __expf(smem[g * PART + i] - m[g]);
-        smem[g * PART + i] = p;
-        lsum[g] += p;
+#pragma unroll
+        for (int off = LK / 2; off > 0; off >>= 1)
+          s[u][g] += __shfl_xor_sync(0xffffffff, s[u][g], off);
+      }
+      if (r0 + u * RK + rgk >= whi) {
+#pragma unroll
+        for (int g = 0; g < HG; ++g) s[u][g] = PD_NEG_INF;
       }
     }
-    __syncthreads();
 
-    // Pass 2: acc += p * v.
+    // Warp-wide online softmax: row r0 is always valid, so the new max is finite.
 #pragma unroll
     for (int g = 0; g < HG; ++g) {
+      float cm = s[0][g];
 #pragma unroll
-      for (int i = 0; i < NV * VEC; ++i) acc[g][i] *= alpha[g];
+      for (int u = 1; u < UK; ++u) cm = fmaxf(cm, s[u][g]);
+#pragma unroll
+      for (int off = LK; off < 32; off <<= 1)
+        cm = fmaxf(cm, __shfl_xor_sync(0xffffffff, cm, off));
+      const float mn = fmaxf(m[g], cm);
+      const float alpha = exp2f(m[g] - mn);
+      m[g] = mn;
+      float ls = 0.f;
+#pragma unroll
+      for (int u = 0; u < UK; ++u) {
+        s[u][g] = exp2f(s[u][g] - mn);
+        ls += s[u][g];
+      }
+      l[g] = l[g] * alpha + ls;
+#pragma unroll
+      for (int i = 0; i < NV * VEC; ++i) acc[g][i] *= alpha;
     }
-    for (int base = warp * RV; base < cn; base += NW * RV * UV) {
-      uint4 vr[UV][NV];
+
+    if (!SAME) {
+      if (lik == 0) {
 #pragma unroll
-      for (int u = 0; u < UV; ++u) {
-        int r = base + rgv + u * NW * RV;
-        if (r < cn) {
-          int pos = c0 + r;
-          int blk = table[(pos - start) / BS];
-          const uint4* src = reinterpret_cast<const uint4*>(
-              values + (((size_t)blk * BS + pos % BS) * HKV + kvh) * DV);
+        for (int u = 0; u < UK; ++u) {
 #pragma unroll
-          for (int j = 0; j < NV; ++j) vr[u][j] = src[j * LV + liv];
+          for (int g = 0; g < HG; ++g) sp[(warp * HG + g) * RS + u * RK + rgk] = s[u][g];
         }
       }
+      __syncwarp();
+    }
+
+    // acc += p * v.
 #pragma unroll
-      for (int u = 0; u < UV; ++u) {
-        int r = base + rgv + u * NW * RV;
-        if (r < cn) {
-          float p[HG];
+    for (int u = 0; u < UV; ++u) {
+      float p[HG];
 #pragma unroll
-          for (int g = 0; g < HG; ++g) p[g] = smem[g * PART + r];
+      for (int g = 0; g < HG; ++g)
+        p[g] = SAME ? s[u < UK ? u : 0][g] : sp[(warp * HG + g) * RS + u * RV + rgv];
 #pragma unroll
-          for (int j = 0; j < NV; ++j) {
-            const T* vv = reinterpret_cast<const T*>(&vr[u][j]);
+      for (int j = 0; j < NV; ++j) {
+        const T* vv = reinterpret_cast<const T*>(&vr[u][j]);
 #pragma unroll
-            for (int e = 0; e < VEC; ++e) {
-              float vf = pd_float(vv[e]);
+        for (int e = 0; e < VEC; ++e) {
+          const float vf = pd_float(vv[e]);
 #pragma unroll
-              for (int g = 0; g < HG; ++g) acc[g][j * VEC + e] += p[g] * vf;
-            }
-          }
+          for (int g = 0; g < HG; ++g) acc[g][j * VEC + e] += p[g] * vf;
         }
       }
     }
-    __syncthreads();
+    if (!SAME) __syncwarp();  // sp is rewritten next step
   }
 
-  // Sum lsum over the block, and acc over row groups and warps.
+  // Warp totals: l over K lane groups, acc over V lane groups (m is warp-uniform).
 #pragma unroll
   for (int g = 0; g < HG; ++g) {
 #pragma unroll
-    for (int off = 16; off > 0; off >>= 1)
-      lsum[g] += __shfl_xor_sync(0xffffffff, lsum[g], off);
-    if (lane == 0) sred[warp * HG + g] = lsum[g];
+    for (int off = LK; off < 32; off <<= 1) l[g] += __shfl_xor_sync(0xffffffff, l[g], off);
 #pragma unroll
     for (int i = 0; i < NV * VEC; ++i) {
 #pragma unroll
       for (int off = LV; off < 32; off <<= 1)
         acc[g][i] += __shfl_xor_sync(0xffffffff, acc[g][i], off);
     }
+    if (lane == 0) {
+      sml[warp * HG + g] = m[g];
+      sml[(NW + warp) * HG + g] = l[g];
+    }
     if (rgv == 0) {
 #pragma unroll
       for (int j = 0; j < NV; ++j) {
 #pragma unroll
         for (int e = 0; e < VEC; ++e)
-          smem[(warp * HG + g) * DV + (j * LV + liv) * VEC + e] = acc[g][j * VEC + e];
+          sacc[(warp * HG + g) * DV + (j * LV + liv) * VEC + e] = acc[g][j * VEC + e];
       }
     }
   }
   __syncthreads();
+
+  // Merge the warps; with one split write the output, else this split's partial.
   for (int idx = threadIdx.x; idx < HG * DV; idx += NT) {
     const int g = idx / DV, d = idx % DV;
-    float o = 0.f, l = 0.f;
+    float mb = PD_NEG_INF;
+#pragma unroll
+    for (int w = 0; w < NW; ++w)
+      if (sml[(NW + w) * HG + g] > 0.f) mb = fmaxf(mb, sml[w * HG + g]);
+    float o = 0.f, lb = 0.f;
 #pragma unroll
     for (int w = 0; w < NW; ++w) {
-      o += smem[(w * HG + g) * DV + d];
-      l += sred[w * HG + g];
+      const float lw = sml[(NW + w) * HG + g];
+      if (lw > 0.f) {
+        const float a = exp2f(sml[w * HG + g] - mb);
+        o += a * sacc[(w * HG + g) * DV + d];
+        lb += a * lw;
+      }
     }
     const size_t row = (size_t)b * HQ + hq0 + g;
-    WRITE_OUT
+    if (nsplit == 1) {
+      if (SINKS) {
+        const float sk = sinks[hq0 + g] * PD_LOG2E;
+        const float mx = fmaxf(mb, sk);
+        const float a = exp2f(mb - mx);
+        o *= a;
+        lb = lb * a + exp2f(sk - mx);
+      }
+      out[row * DV + d] = static_cast<OT>(lb > 0.f ? o / lb : 0.f);
+    } else {
+      const size_t at = row * nsplit + split;
+      part_out[at * DV + d] = o;
+      if (d == 0) {
+        part_max[at] = mb;
+        part_sum[at] = lb;
+      }
+    }
   }
-"""
+  if (nsplit == 1) return;
 
-WRITE_FINAL = r"""
-    float mm = m[g];
+  // Publish this split's partial; the last split of the (sequence, head group) merges.
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int* cnt = const_cast<int*>(counters) + (size_t)b * gridDim.x + blockIdx.x;
+    const int done = atomicAdd(cnt, 1);
+    s_last = done == nsplit - 1;
+    if (s_last) *cnt = 0;  // every split has counted: ready for the next launch
+  }
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();
+  for (int idx = threadIdx.x; idx < HG * DV; idx += NT) {
+    const int g = idx / DV, d = idx % DV;
+    const size_t row = (size_t)b * HQ + hq0 + g;
+    const size_t base = row * nsplit;
+    float mt = PD_NEG_INF;
+    for (int sp_ = 0; sp_ < nsplit; ++sp_)
+      if (__ldcg(part_sum + base + sp_) > 0.f) mt = fmaxf(mt, __ldcg(part_max + base + sp_));
+    float den = 0.f, num = 0.f;
     if (SINKS) {
-      float sk = sinks[hq0 + g];
-      float mx = fmaxf(mm, sk);
-      float a = __expf(mm - mx);
-      o *= a;
-      l = l * a + __expf(sk - mx);
+      const float sk = sinks[hq0 + g] * PD_LOG2E;
+      mt = fmaxf(mt, sk);
+      den = exp2f(sk - mt);
     }
-    out[row * DV + d] = static_cast<OT>(l > 0.f ? o / l : 0.f);
-"""
-
-WRITE_PARTIAL = r"""
-    const size_t at = row * gridDim.z + split;
-    part_out[at * DV + d] = l > 0.f ? o / l : 0.f;
-    if (d == 0) {
-      part_max[at] = m[g];
-      part_sum[at] = l;
+#pragma unroll 8
+    for (int sp_ = 0; sp_ < nsplit; ++sp_) {
+      const float ls = __ldcg(part_sum + base + sp_);
+      if (ls > 0.f) {
+        const float a = exp2f(__ldcg(part_max + base + sp_) - mt);
+        den += ls * a;
+        num += a * __ldcg(part_out + (base + sp_) * DV + d);
+      }
     }
-"""
-
-# One block per (query head, sequence): merge the splits' partial softmaxes.
-REDUCE_SOURCE = r"""
-  const int hq = blockIdx.x;
-  const int b = blockIdx.y;
-  const int S = part_max_shape[2];
-  const size_t row = (size_t)b * HQ + hq;
-  const float* pm = part_max + row * S;
-  const float* pl = part_sum + row * S;
-  float mt = PD_NEG_INF;
-  for (int s = 0; s < S; ++s)
-    if (pl[s] > 0.f) mt = fmaxf(mt, pm[s]);
-  if (SINKS) mt = fmaxf(mt, sinks[hq]);
-  float den = SINKS ? __expf(sinks[hq] - mt) : 0.f;
-  for (int s = 0; s < S; ++s)
-    if (pl[s] > 0.f) den += pl[s] * __expf(pm[s] - mt);
-  for (int d = threadIdx.x; d < DV; d += blockDim.x) {
-    float num = 0.f;
-    for (int s = 0; s < S; ++s)
-      if (pl[s] > 0.f) num += pl[s] * __expf(pm[s] - mt) * part_out[(row * S + s) * DV + d];
     out[row * DV + d] = static_cast<OT>(den > 0.f ? num / den : 0.f);
   }
 """
 
-_INPUTS = ["queries", "keys", "values", "block_tables", "starts", "lengths", "sinks"]
-_kernels: dict[str, object] = {}
+_INPUTS = ["queries", "keys", "values", "block_tables", "starts", "lengths", "sinks", "counters"]
+_OUTPUTS = ["out", "part_out", "part_max", "part_sum"]
+_kernel_obj: list[object] = []
 
 
-def _kernel(kind: str) -> object:
-    """The compiled-on-demand kernel objects (MLX caches one binary per template set)."""
-    if kind not in _kernels:
-        if kind == "final":
-            src = DECODE_SOURCE.replace("WRITE_OUT", WRITE_FINAL)
-            k = mx.fast.cuda_kernel("paged_decode", _INPUTS, ["out"], src, header=HEADER)
-        elif kind == "partial":
-            src = DECODE_SOURCE.replace("WRITE_OUT", WRITE_PARTIAL)
-            outs = ["part_out", "part_max", "part_sum"]
-            k = mx.fast.cuda_kernel("paged_decode_split", _INPUTS, outs, src, header=HEADER)
-        else:
-            ins = ["part_out", "part_max", "part_sum", "sinks"]
-            k = mx.fast.cuda_kernel(
-                "paged_decode_reduce", ins, ["out"], REDUCE_SOURCE, header=HEADER
-            )
-        _kernels[kind] = k
-    return _kernels[kind]
+def _kernel() -> object:
+    """The kernel object (MLX compiles and caches one binary per template set)."""
+    if not _kernel_obj:
+        _kernel_obj.append(
+            mx.fast.cuda_kernel("paged_decode", _INPUTS, _OUTPUTS, DECODE_SOURCE, header=HEADER)
+        )
+    return _kernel_obj[0]
 
 
 def _as(x: mx.array, dtype: mx.Dtype) -> mx.array:
@@ -347,6 +366,40 @@ def _no_sinks() -> mx.array:
     return _placeholder[0]
 
 
+class _Counters:
+    """Split-completion counters: zeroed once, and each launch's last blocks reset theirs.
+
+    The kernel writes them through an input, which MLX does not order: a ring of
+    arrays keeps up to ``COUNTER_RING`` launches that MLX might run at once apart.
+    """
+
+    def __init__(self) -> None:
+        self.ring: list[mx.array] = []
+        self.turn = 0
+
+    def next(self, slots: int) -> mx.array:
+        if not self.ring or self.ring[0].size < slots:
+            size = max(4096, 1 << (slots - 1).bit_length())
+            self.ring = [mx.zeros((size,), dtype=mx.int32) for _ in range(COUNTER_RING)]
+            mx.eval(self.ring)  # a materialised buffer, written in place from now on
+        self.turn = (self.turn + 1) % COUNTER_RING
+        return self.ring[self.turn]
+
+
+_counters = _Counters()
+
+
+def rows_per_step(dk: int, dv: int, itemsize: int, base: int = ROWS_PER_STEP) -> int:
+    """Rows a warp loads per step: ``base`` for 256-byte rows, fewer for wider rows.
+
+    A power of two, and at least the rows one warp load covers for K and for V.
+    """
+    vec = 16 // itemsize
+    per_load = max(32 // min(d // vec, 32) for d in (dk, dv))
+    rows = max(1, base * 256 // (max(dk, dv) * itemsize))
+    return max(per_load, 1 << (rows.bit_length() - 1))
+
+
 def cuda_plan(queries: mx.array, view: PagedView, num_splits: int | None = None) -> DecodePlan:
     """How the kernel would run this call, or a plan with ``reason`` set if it cannot."""
     plan = plan_decode(queries, view, max_lanes_elems=32)
@@ -359,35 +412,39 @@ def cuda_plan(queries: mx.array, view: PagedView, num_splits: int | None = None)
             span = min(span, view.window)
         num_splits = 1
         if base < TARGET_BLOCKS:
-            num_splits = max(1, min(math.ceil(TARGET_BLOCKS / base), span // MIN_SPLIT_TOKENS))
+            want = math.ceil(TARGET_BLOCKS / base)
+            num_splits = max(1, min(want, span // MIN_SPLIT_TOKENS, MAX_SPLITS))
     plan.num_splits = max(1, num_splits)
     return plan
 
 
-def paged_decode_cuda(
+@dataclass(frozen=True)
+class _Launch:
+    """Everything about a launch that depends only on shapes, dtypes and constants."""
+
+    template: list
+    grid: tuple[int, int, int]
+    threads: tuple[int, int, int]
+    output_shapes: list
+    output_dtypes: list
+    slots: int  # split counters the launch uses (0: no split)
+
+
+def _make_launch(
     queries: mx.array,
     view: PagedView,
     scale: float,
-    sinks: mx.array | None,
-    num_splits: int | None = None,
-) -> mx.array | None:
-    """Run the CUDA kernel; ``None`` if this call's shapes or dtypes are not supported.
-
-    Args:
-        queries: ``(B, n_heads, 1, k_head_dim)``.
-        view: the batch's blocks.
-        scale, sinks: as in ``mx.fast.scaled_dot_product_attention``.
-        num_splits: force the number of splits per sequence (1 turns split-K off);
-            ``None`` picks one from the batch size and the table width.
-    """
+    has_sinks: bool,
+    num_splits: int | None,
+    num_warps: int | None,
+    rows: int | None,
+) -> _Launch | None:
     plan = cuda_plan(queries, view, num_splits)
     if plan.reason:
         return None
     B, HQ, dv, S = plan.batch, plan.n_heads, plan.dv, plan.num_splits
-    has_sinks = sinks is not None
-    sinks_arr = _as(sinks, mx.float32) if has_sinks else _no_sinks()
-    tables = (view.block_tables, view.starts, view.lengths)
-    inputs = [queries, view.keys, view.values, *(_as(x, mx.int32) for x in tables), sinks_arr]
+    nw = num_warps or NUM_WARPS
+    rs = rows_per_step(plan.dk, dv, view.keys.dtype.size, rows or ROWS_PER_STEP)
     template = [
         ("T", view.keys.dtype),
         ("OT", queries.dtype),
@@ -400,38 +457,90 @@ def paged_decode_cuda(
         ("BS", view.block_size),
         ("WINDOW", view.window or 0),
         ("SINKS", has_sinks),
-        ("NW", NUM_WARPS),
-        ("PART", PART),
+        ("NW", nw),
+        ("RS", rs),
         # The scale is fixed per model: bake its float32 bits in rather than pass an array.
-        ("SCALE_BITS", struct.unpack("<i", struct.pack("<f", scale))[0]),
+        ("SCALE_BITS", struct.unpack("<i", struct.pack("<f", scale * LOG2E))[0]),
     ]
     groups = plan.n_kv_heads * (plan.group // plan.heads_per_block)
-    grid = (groups * NUM_WARPS * 32, B, S)
-    threads = (NUM_WARPS * 32, 1, 1)
-    if S == 1:
-        (out,) = _kernel("final")(
-            inputs=inputs,
-            template=template,
-            grid=grid,
-            threadgroup=threads,
-            output_shapes=[(B, HQ, 1, dv)],
-            output_dtypes=[queries.dtype],
-        )
-        return out
-    part_out, part_max, part_sum = _kernel("partial")(
-        inputs=inputs,
+    parts = (B, HQ, S) if S > 1 else (1,)  # unused without splits
+    return _Launch(
         template=template,
-        grid=grid,
-        threadgroup=threads,
-        output_shapes=[(B, HQ, S, dv), (B, HQ, S), (B, HQ, S)],
-        output_dtypes=[mx.float32] * 3,
+        grid=(groups * nw * 32, B, S),
+        threads=(nw * 32, 1, 1),
+        output_shapes=[(B, HQ, 1, dv), (*parts, dv) if S > 1 else (1,), parts, parts],
+        output_dtypes=[queries.dtype, mx.float32, mx.float32, mx.float32],
+        slots=B * groups if S > 1 else 0,
     )
-    (out,) = _kernel("reduce")(
-        inputs=[part_out, part_max, part_sum, sinks_arr],
-        template=[("OT", queries.dtype), ("DV", dv), ("HQ", HQ), ("SINKS", has_sinks)],
-        grid=(HQ * 128, B, 1),
-        threadgroup=(128, 1, 1),
-        output_shapes=[(B, HQ, 1, dv)],
-        output_dtypes=[queries.dtype],
+
+
+_launches: dict[tuple, _Launch | None] = {}
+
+
+def paged_decode_cuda(
+    queries: mx.array,
+    view: PagedView,
+    scale: float,
+    sinks: mx.array | None,
+    num_splits: int | None = None,
+    *,
+    num_warps: int | None = None,
+    rows: int | None = None,
+) -> mx.array | None:
+    """Run the CUDA kernel; ``None`` if this call's shapes or dtypes are not supported.
+
+    Args:
+        queries: ``(B, n_heads, 1, k_head_dim)``.
+        view: the batch's blocks.
+        scale, sinks: as in ``mx.fast.scaled_dot_product_attention``.
+        num_splits: force the number of splits per sequence (1 turns split-K off);
+            ``None`` picks one from the batch size and the table width.
+        num_warps, rows: tuning overrides (warps per block; rows per warp step
+            for 256-byte rows); ``None`` takes ``NUM_WARPS`` / ``ROWS_PER_STEP``.
+    """
+    tables = view.block_tables
+    # Decode calls repeat the same shapes layer after layer: plan each shape once.
+    key = (
+        queries.shape,
+        queries.dtype,
+        view.keys.shape,
+        view.keys.dtype,
+        view.values.shape,
+        view.values.dtype,
+        tables.shape,
+        view.window,
+        sinks is None,
+        scale,
+        num_splits,
+        num_warps,
+        rows,
     )
-    return out
+    launch = _launches.get(key, False)
+    if launch is False:
+        if len(_launches) > 1024:  # tables widen as sequences grow: keep the cache small
+            _launches.clear()
+        launch = _make_launch(queries, view, scale, sinks is not None, num_splits, num_warps, rows)
+        _launches[key] = launch
+    if launch is None:
+        return None
+    sinks_arr = _no_sinks() if sinks is None else _as(sinks, mx.float32)
+    # Always an int32 array: the generated signature (and so the binary) follows input dtypes.
+    counters = _counters.next(max(launch.slots, 1))
+    inputs = [
+        queries,
+        view.keys,
+        view.values,
+        _as(tables, mx.int32),
+        _as(view.starts, mx.int32),
+        _as(view.lengths, mx.int32),
+        sinks_arr,
+        counters,
+    ]
+    return _kernel()(
+        inputs=inputs,
+        template=launch.template,
+        grid=launch.grid,
+        threadgroup=launch.threads,
+        output_shapes=launch.output_shapes,
+        output_dtypes=launch.output_dtypes,
+    )[0]
