@@ -5,7 +5,9 @@ heads, head_dim 128, block_size 16, blocks scattered over the pool in random
 order. Prints ms per call for each path, kernel/dense, and the kernel's
 effective KV bandwidth (bytes of K+V read / kernel time).
 
-Run: ``python benchmarks/attention.py [--iters N]``.
+Run: ``python benchmarks/attention.py [--iters N] [--sweep FILE]``; ``--sweep`` also times
+the kernel's tuning variants (warps per block, rows per warp step, splits) in each cell,
+writes them all to FILE and prints the fastest.
 """
 
 from __future__ import annotations
@@ -33,7 +35,29 @@ def timed(fn, warmup: int, iters: int) -> float:
     return (time.perf_counter() - t0) / iters * 1e3
 
 
-def cell(B: int, L: int, warmup: int, iters: int) -> str:
+def sweep(B: int, L: int, q, view, scale: float, want: mx.array, out) -> str:
+    """Time the kernel's tuning variants for one cell; one line each to ``out``, return the best."""
+    splits = [None] + [s for s in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32) if s * B * HKV <= 4096]
+    best = None
+    for nw in (4, 8):
+        for rows in (8, 16):
+            for S in splits:
+                if S is not None and L // S < 64:
+                    continue
+
+                def run(S=S, nw=nw, rows=rows):
+                    return paged_decode_cuda(q, view, scale, None, S, num_warps=nw, rows=rows)
+
+                err = mx.abs(run().astype(mx.float32) - want).max().item()
+                ms = timed(run, 3, 20)
+                line = f"B={B} L={L} warps={nw} rows={rows} splits={S} ms={ms:.4f} err={err:.2g}"
+                print(line, file=out, flush=True)
+                if err < 1e-2 and (best is None or ms < best[0]):
+                    best = (ms, line)
+    return f"best: {best[1] if best else 'none'}"
+
+
+def cell(B: int, L: int, warmup: int, iters: int, sweep_out=None) -> str:
     dtype = mx.float16
     nblk = B * L // BS
     k = mx.random.normal((B, HKV, L, D)).astype(dtype)  # (B, HKV, L, D) contiguous
@@ -73,8 +97,11 @@ def cell(B: int, L: int, warmup: int, iters: int) -> str:
             q, read(view.keys), read(view.values), scale=scale
         )
 
-    err = mx.abs(kernel().astype(mx.float32) - dense().astype(mx.float32)).max().item()
+    want = dense().astype(mx.float32)
+    err = mx.abs(kernel().astype(mx.float32) - want).max().item()
     t_k, t_d, t_g = (timed(f, warmup, iters) for f in (kernel, dense, gather))
+    if sweep_out is not None:
+        print(sweep(B, L, q, view, scale, want, sweep_out))
     gbps = 2 * B * HKV * L * D * 2 / (t_k * 1e-3) / 1e9
     return (
         f"| {B:3d} | {L:6d} | {t_k:8.4f} | {t_d:8.4f} | {t_g:8.4f} | {t_k / t_d:5.2f} | "
@@ -88,7 +115,9 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--batches", type=int, nargs="*", default=[1, 16, 64])
     ap.add_argument("--lengths", type=int, nargs="*", default=[1024, 4096, 16384])
+    ap.add_argument("--sweep", metavar="FILE", help="also time tuning variants; write to FILE")
     args = ap.parse_args()
+    sweep_out = open(args.sweep, "w") if args.sweep else None  # noqa: SIM115
     print(f"device: {mx.default_device()} {mx.device_info().get('device_name', '')}")
     print(
         "| B | L | kernel ms | dense SDPA ms | gather+SDPA ms | kernel/dense | kernel GB/s "
@@ -97,7 +126,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     for B in args.batches:
         for L in args.lengths:
-            print(cell(B, L, args.warmup, args.iters))
+            print(cell(B, L, args.warmup, args.iters, sweep_out))
 
 
 if __name__ == "__main__":
