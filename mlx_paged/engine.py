@@ -183,7 +183,6 @@ class PagedEngine:
         events = self._admit()
         if self.running:
             events += self._decode()
-        self._note_peak()
         return events
 
     def stream(self) -> Iterator[Event]:
@@ -256,6 +255,7 @@ class PagedEngine:
                     t = req.tables[kind]
                     self.pools[kind].reserve(t, t.lengths[0], t.lengths[0] + n)
                 short.setdefault((n, not req.generated), []).append(req)
+            self._note_peak()
         assert self.running or not self.waiting, "an idle pool cannot take the next request"
         for (n, _), reqs in short.items():
             per_forward = max(1, self.prefill_step_size // n)
@@ -418,6 +418,7 @@ class PagedEngine:
             for kind in self.kinds:
                 t = r.tables[kind]
                 self.pools[kind].reserve(t, t.lengths[0], t.lengths[0] + 1)
+        self._note_peak()  # the most blocks a step holds: all running, each with its next slot
 
     def _preempt(self, req: Request) -> None:
         """Park a running request's blocks and requeue it first; it resumes from the cache."""

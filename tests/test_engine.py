@@ -325,3 +325,10 @@ EngineMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 test_engine_machine = EngineMachine.TestCase
+
+
+def test_peak_live_blocks_counts_requests_that_finish_at_once():
+    engine = PagedEngine(model_of("llama"), block_size=BS)
+    engine.generate([[1, 2, 3] * 5, [4, 5] * 7], max_tokens=1)  # 2 blocks each
+    stats = engine.stats()
+    assert (stats.peak_live_blocks, stats.live_blocks) == (4, 0)
