@@ -2,8 +2,9 @@
 
 For each (B, L): one decode query per sequence, float16, 32 query heads, 8 KV
 heads, head_dim 128, block_size 16, blocks scattered over the pool in random
-order. Prints ms per call for each path, kernel/dense, and the kernel's
-effective KV bandwidth (bytes of K+V read / kernel time).
+order. Prints ms per call for each path (the best of ``--rounds`` rounds of
+``--iters`` calls, paths taking turns), kernel/dense, and the kernel's effective
+KV bandwidth (bytes of K+V read / kernel time).
 
 Run: ``python benchmarks/attention.py [--iters N] [--sweep FILE]``; ``--sweep`` also times
 the kernel's tuning variants (warps per block, rows per warp step, splits) in each cell,
@@ -35,29 +36,47 @@ def timed(fn, warmup: int, iters: int) -> float:
     return (time.perf_counter() - t0) / iters * 1e3
 
 
+def best_of(fns, warmup: int, iters: int, rounds: int) -> list[float]:
+    """For each function, the best of ``rounds`` means of ``iters`` calls, taken in turn.
+
+    Taking turns and keeping the best round keeps clock ramps and other tenants'
+    bursts from deciding which path looks faster.
+    """
+    for fn in fns:
+        timed(fn, warmup, 1)
+    best = [float("inf")] * len(fns)
+    for _ in range(rounds):
+        for i, fn in enumerate(fns):
+            best[i] = min(best[i], timed(fn, 0, iters))
+    return best
+
+
+VARIANTS = [(8, 8, 8), (8, 8, 16), (4, 4, 8), (8, 2, 8), (8, 1, 8), (4, 1, 8)]
+
+
 def sweep(B: int, L: int, q, view, scale: float, want: mx.array, out) -> str:
     """Time the kernel's tuning variants for one cell; one line each to ``out``, return the best."""
-    splits = [None] + [s for s in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32) if s * B * HKV <= 4096]
+    splits = [None] + [s for s in (1, 2, 4, 8, 16, 32) if s * B <= 2048 and L // s >= 64]
     best = None
-    for nw in (4, 8):
-        for rows in (8, 16):
-            for S in splits:
-                if S is not None and L // S < 64:
-                    continue
+    for nw, hw, rows in VARIANTS:
+        for S in splits:
 
-                def run(S=S, nw=nw, rows=rows):
-                    return paged_decode_cuda(q, view, scale, None, S, num_warps=nw, rows=rows)
+            def run(S=S, nw=nw, rows=rows, hw=hw):
+                return paged_decode_cuda(
+                    q, view, scale, None, S, num_warps=nw, rows=rows, head_warps=hw
+                )
 
-                err = mx.abs(run().astype(mx.float32) - want).max().item()
-                ms = timed(run, 3, 20)
-                line = f"B={B} L={L} warps={nw} rows={rows} splits={S} ms={ms:.4f} err={err:.2g}"
-                print(line, file=out, flush=True)
-                if err < 1e-2 and (best is None or ms < best[0]):
-                    best = (ms, line)
+            err = mx.abs(run().astype(mx.float32) - want).max().item()
+            (ms,) = best_of([run], 2, 10, 3)
+            line = f"B={B} L={L} warps={nw} head_warps={hw} rows={rows} splits={S} ms={ms:.4f} "
+            line += f"err={err:.2g}"
+            print(line, file=out, flush=True)
+            if err < 1e-2 and (best is None or ms < best[0]):
+                best = (ms, line)
     return f"best: {best[1] if best else 'none'}"
 
 
-def cell(B: int, L: int, warmup: int, iters: int, sweep_out=None) -> str:
+def cell(B: int, L: int, warmup: int, iters: int, rounds: int, sweep_out=None) -> str:
     dtype = mx.float16
     nblk = B * L // BS
     k = mx.random.normal((B, HKV, L, D)).astype(dtype)  # (B, HKV, L, D) contiguous
@@ -99,7 +118,7 @@ def cell(B: int, L: int, warmup: int, iters: int, sweep_out=None) -> str:
 
     want = dense().astype(mx.float32)
     err = mx.abs(kernel().astype(mx.float32) - want).max().item()
-    t_k, t_d, t_g = (timed(f, warmup, iters) for f in (kernel, dense, gather))
+    t_k, t_d, t_g = best_of([kernel, dense, gather], warmup, iters, rounds)
     if sweep_out is not None:
         print(sweep(B, L, q, view, scale, want, sweep_out))
     gbps = 2 * B * HKV * L * D * 2 / (t_k * 1e-3) / 1e9
@@ -113,6 +132,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--rounds", type=int, default=5, help="keep the best of this many rounds")
     ap.add_argument("--batches", type=int, nargs="*", default=[1, 16, 64])
     ap.add_argument("--lengths", type=int, nargs="*", default=[1024, 4096, 16384])
     ap.add_argument("--sweep", metavar="FILE", help="also time tuning variants; write to FILE")
@@ -126,7 +146,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     for B in args.batches:
         for L in args.lengths:
-            print(cell(B, L, args.warmup, args.iters, sweep_out))
+            print(cell(B, L, args.warmup, args.iters, args.rounds, sweep_out))
 
 
 if __name__ == "__main__":

@@ -30,11 +30,12 @@ from .plan import DecodePlan, plan_decode
 if TYPE_CHECKING:
     from ..attention import PagedView
 
-NUM_WARPS = 4
-ROWS_PER_STEP = 16  # rows one warp loads per step, for 256-byte rows (fp16 x 128)
-# About two waves of thread blocks on an H100 (132 SMs x ~4 resident blocks); fewer leave
-# SMs idle, and splitting further only adds partial outputs to merge.
-TARGET_BLOCKS = 1024
+NUM_WARPS = 8
+HEAD_WARPS = 8  # warps of a block that serve different head groups (at most)
+ROWS_PER_STEP = 8  # rows one warp loads per step, for 256-byte rows (fp16 x 128)
+# About two waves of warps on an H100 (132 SMs x 16 resident warps at ~128 registers);
+# fewer leave SMs idle, and splitting further only adds partial outputs to merge.
+TARGET_WARPS = 4096
 MIN_SPLIT_TOKENS = 128  # a split shorter than this costs more than it gains
 MAX_SPLITS = 32  # the merging block reads every split's partials
 COUNTER_RING = 4  # launches in flight at once that may share no split counters
@@ -70,10 +71,13 @@ DECODE_SOURCE = r"""
   __shared__ float sp[SAME ? 1 : NW * HG * RS];
   __shared__ int s_last;
 
+  constexpr int WR = NW / WH;           // warps sharing one head group's rows
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
-  const int kvh = blockIdx.x / (G / HG);
-  const int hq0 = kvh * G + (blockIdx.x % (G / HG)) * HG;
+  // Warp w serves head group blockIdx.x * WH + w % WH, row part w / WH.
+  const int hgw = blockIdx.x * WH + warp % WH;
+  const int kvh = hgw / (G / HG);
+  const int hq0 = kvh * G + (hgw % (G / HG)) * HG;
   const int b = blockIdx.y;
   const int split = blockIdx.z;
   const int nsplit = gridDim.z;
@@ -89,8 +93,8 @@ DECODE_SOURCE = r"""
   const int lo = min(first + split * per, len);
   const int hi = min(lo + per, len);
   // Each warp takes a contiguous run of whole steps of the split.
-  const int pw = ((hi - lo + NW - 1) / NW + RS - 1) / RS * RS;
-  const int wlo = min(lo + warp * pw, hi);
+  const int pw = ((hi - lo + WR - 1) / WR + RS - 1) / RS * RS;
+  const int wlo = min(lo + (warp / WH) * pw, hi);
   const int whi = min(wlo + pw, hi);
 
   // This lane's slice of each query head, pre-scaled (log2 domain).
@@ -262,16 +266,19 @@ DECODE_SOURCE = r"""
   }
   __syncthreads();
 
-  // Merge the warps; with one split write the output, else this split's partial.
-  for (int idx = threadIdx.x; idx < HG * DV; idx += NT) {
-    const int g = idx / DV, d = idx % DV;
+  // Merge the row parts of each head group; with one split write the output, else this
+  // split's partial.
+  for (int idx = threadIdx.x; idx < WH * HG * DV; idx += NT) {
+    const int h = idx / (HG * DV), g = (idx / DV) % HG, d = idx % DV;
+    const int hg = blockIdx.x * WH + h;
+    const int hq = (hg / (G / HG)) * G + (hg % (G / HG)) * HG + g;
     float mb = PD_NEG_INF;
 #pragma unroll
-    for (int w = 0; w < NW; ++w)
+    for (int w = h; w < NW; w += WH)
       if (sml[(NW + w) * HG + g] > 0.f) mb = fmaxf(mb, sml[w * HG + g]);
     float o = 0.f, lb = 0.f;
 #pragma unroll
-    for (int w = 0; w < NW; ++w) {
+    for (int w = h; w < NW; w += WH) {
       const float lw = sml[(NW + w) * HG + g];
       if (lw > 0.f) {
         const float a = exp2f(sml[w * HG + g] - mb);
@@ -279,10 +286,10 @@ DECODE_SOURCE = r"""
         lb += a * lw;
       }
     }
-    const size_t row = (size_t)b * HQ + hq0 + g;
+    const size_t row = (size_t)b * HQ + hq;
     if (nsplit == 1) {
       if (SINKS) {
-        const float sk = sinks[hq0 + g] * PD_LOG2E;
+        const float sk = sinks[hq] * PD_LOG2E;
         const float mx = fmaxf(mb, sk);
         const float a = exp2f(mb - mx);
         o *= a;
@@ -312,16 +319,18 @@ DECODE_SOURCE = r"""
   __syncthreads();
   if (!s_last) return;
   __threadfence();
-  for (int idx = threadIdx.x; idx < HG * DV; idx += NT) {
-    const int g = idx / DV, d = idx % DV;
-    const size_t row = (size_t)b * HQ + hq0 + g;
+  for (int idx = threadIdx.x; idx < WH * HG * DV; idx += NT) {
+    const int h = idx / (HG * DV), g = (idx / DV) % HG, d = idx % DV;
+    const int hg = blockIdx.x * WH + h;
+    const int hq = (hg / (G / HG)) * G + (hg % (G / HG)) * HG + g;
+    const size_t row = (size_t)b * HQ + hq;
     const size_t base = row * nsplit;
     float mt = PD_NEG_INF;
     for (int sp_ = 0; sp_ < nsplit; ++sp_)
       if (__ldcg(part_sum + base + sp_) > 0.f) mt = fmaxf(mt, __ldcg(part_max + base + sp_));
     float den = 0.f, num = 0.f;
     if (SINKS) {
-      const float sk = sinks[hq0 + g] * PD_LOG2E;
+      const float sk = sinks[hq] * PD_LOG2E;
       mt = fmaxf(mt, sk);
       den = exp2f(sk - mt);
     }
@@ -400,20 +409,37 @@ def rows_per_step(dk: int, dv: int, itemsize: int, base: int = ROWS_PER_STEP) ->
     return max(per_load, 1 << (rows.bit_length() - 1))
 
 
-def cuda_plan(queries: mx.array, view: PagedView, num_splits: int | None = None) -> DecodePlan:
+def warp_layout(groups: int, num_warps: int, head_warps: int) -> tuple[int, int]:
+    """Split a block's warps into (head groups per block, warps per head group's rows).
+
+    Warps of one block that serve different KV heads of the same rows read
+    neighbouring slices of each pool row (layout A keeps a token's heads together),
+    so the block streams whole rows.
+    """
+    wh = math.gcd(groups, num_warps, head_warps)
+    return wh, num_warps // wh
+
+
+def cuda_plan(
+    queries: mx.array,
+    view: PagedView,
+    num_splits: int | None = None,
+    num_warps: int = NUM_WARPS,
+    head_warps: int = HEAD_WARPS,
+) -> DecodePlan:
     """How the kernel would run this call, or a plan with ``reason`` set if it cannot."""
     plan = plan_decode(queries, view, max_lanes_elems=32)
     if plan.reason:
         return plan
     if num_splits is None:
-        base = plan.batch * plan.n_kv_heads * (plan.group // plan.heads_per_block)
+        groups = plan.n_kv_heads * (plan.group // plan.heads_per_block)
+        _, wr = warp_layout(groups, num_warps, head_warps)
+        warps = plan.batch * groups * wr  # warps with one split
         span = view.block_tables.shape[1] * view.block_size
         if view.window is not None:
             span = min(span, view.window)
-        num_splits = 1
-        if base < TARGET_BLOCKS:
-            want = math.ceil(TARGET_BLOCKS / base)
-            num_splits = max(1, min(want, span // MIN_SPLIT_TOKENS, MAX_SPLITS))
+        want = math.ceil(TARGET_WARPS / warps)
+        num_splits = max(1, min(want, span // MIN_SPLIT_TOKENS, MAX_SPLITS))
     plan.num_splits = max(1, num_splits)
     return plan
 
@@ -438,12 +464,16 @@ def _make_launch(
     num_splits: int | None,
     num_warps: int | None,
     rows: int | None,
+    head_warps: int | None,
 ) -> _Launch | None:
-    plan = cuda_plan(queries, view, num_splits)
+    nw = num_warps or NUM_WARPS
+    hw = head_warps or HEAD_WARPS
+    plan = cuda_plan(queries, view, num_splits, nw, hw)
     if plan.reason:
         return None
     B, HQ, dv, S = plan.batch, plan.n_heads, plan.dv, plan.num_splits
-    nw = num_warps or NUM_WARPS
+    groups = plan.n_kv_heads * (plan.group // plan.heads_per_block)
+    wh, _ = warp_layout(groups, nw, hw)
     rs = rows_per_step(plan.dk, dv, view.keys.dtype.size, rows or ROWS_PER_STEP)
     template = [
         ("T", view.keys.dtype),
@@ -458,19 +488,20 @@ def _make_launch(
         ("WINDOW", view.window or 0),
         ("SINKS", has_sinks),
         ("NW", nw),
+        ("WH", wh),
         ("RS", rs),
         # The scale is fixed per model: bake its float32 bits in rather than pass an array.
         ("SCALE_BITS", struct.unpack("<i", struct.pack("<f", scale * LOG2E))[0]),
     ]
-    groups = plan.n_kv_heads * (plan.group // plan.heads_per_block)
+    blocks = groups // wh
     parts = (B, HQ, S) if S > 1 else (1,)  # unused without splits
     return _Launch(
         template=template,
-        grid=(groups * nw * 32, B, S),
+        grid=(blocks * nw * 32, B, S),
         threads=(nw * 32, 1, 1),
         output_shapes=[(B, HQ, 1, dv), (*parts, dv) if S > 1 else (1,), parts, parts],
         output_dtypes=[queries.dtype, mx.float32, mx.float32, mx.float32],
-        slots=B * groups if S > 1 else 0,
+        slots=B * blocks if S > 1 else 0,
     )
 
 
@@ -486,6 +517,7 @@ def paged_decode_cuda(
     *,
     num_warps: int | None = None,
     rows: int | None = None,
+    head_warps: int | None = None,
 ) -> mx.array | None:
     """Run the CUDA kernel; ``None`` if this call's shapes or dtypes are not supported.
 
@@ -495,8 +527,9 @@ def paged_decode_cuda(
         scale, sinks: as in ``mx.fast.scaled_dot_product_attention``.
         num_splits: force the number of splits per sequence (1 turns split-K off);
             ``None`` picks one from the batch size and the table width.
-        num_warps, rows: tuning overrides (warps per block; rows per warp step
-            for 256-byte rows); ``None`` takes ``NUM_WARPS`` / ``ROWS_PER_STEP``.
+        num_warps, rows, head_warps: tuning overrides (warps per block; rows per
+            warp step for 256-byte rows; most head groups per block); ``None`` takes
+            ``NUM_WARPS`` / ``ROWS_PER_STEP`` / ``HEAD_WARPS``.
     """
     tables = view.block_tables
     # Decode calls repeat the same shapes layer after layer: plan each shape once.
@@ -514,12 +547,15 @@ def paged_decode_cuda(
         num_splits,
         num_warps,
         rows,
+        head_warps,
     )
     launch = _launches.get(key, False)
     if launch is False:
         if len(_launches) > 1024:  # tables widen as sequences grow: keep the cache small
             _launches.clear()
-        launch = _make_launch(queries, view, scale, sinks is not None, num_splits, num_warps, rows)
+        launch = _make_launch(
+            queries, view, scale, sinks is not None, num_splits, num_warps, rows, head_warps
+        )
         _launches[key] = launch
     if launch is None:
         return None

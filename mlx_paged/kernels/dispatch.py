@@ -126,14 +126,34 @@ def _verified(backend: str, run: Runner, queries, view, scale, sinks) -> bool:
 
 
 def _device_kernel(backend: str, run: Runner, name: str):
+    # Whether calls of a shape class run: every layer of every decode step asks again.
+    accepts: dict[tuple, bool] = {}
+
     def kernel(
         queries: mx.array, view: PagedView, scale: float, sinks: mx.array | None
     ) -> mx.array | None:
-        if not backend_available(backend) or plan_decode(queries, view).reason:
+        if not backend_available(backend):
             return None
-        if not _verified(backend, run, queries, view, scale, sinks):
-            return None
-        return run(queries, view, scale, sinks)
+        tables = view.block_tables
+        key = (
+            queries.shape[1:],
+            queries.dtype,
+            view.keys.shape[1:],
+            view.keys.dtype,
+            view.values.shape[1:],
+            view.values.dtype,
+            tables.ndim == 2 and tables.shape[0] == queries.shape[0],
+            view.window,
+            sinks is None,
+            scale,
+        )
+        ok = accepts.get(key)
+        if ok is None:
+            ok = not plan_decode(queries, view).reason and _verified(
+                backend, run, queries, view, scale, sinks
+            )
+            accepts[key] = ok
+        return run(queries, view, scale, sinks) if ok else None
 
     kernel.__name__ = kernel.__qualname__ = name
     kernel.__doc__ = f"``KERNELS`` entry for the {backend} paged decode kernel (self-checked)."
