@@ -31,13 +31,15 @@ if TYPE_CHECKING:
     from ..attention import PagedView
 
 NUM_WARPS = 8
-HEAD_WARPS = 8  # warps of a block that serve different head groups (at most)
+# Warps of a block that serve different head groups (at most). Measured on an H100, whole
+# blocks per head group (1) beat spreading a block over heads at every batch and length.
+HEAD_WARPS = 1
 ROWS_PER_STEP = 8  # rows one warp loads per step, for 256-byte rows (fp16 x 128)
-# About two waves of warps on an H100 (132 SMs x 16 resident warps at ~128 registers);
-# fewer leave SMs idle, and splitting further only adds partial outputs to merge.
-TARGET_WARPS = 4096
+# About one wave of warps on an H100 (132 SMs x 16 resident warps at ~128 registers):
+# fewer leave SMs idle; measured, more splits only added partial outputs to merge.
+TARGET_WARPS = 2048
 MIN_SPLIT_TOKENS = 128  # a split shorter than this costs more than it gains
-MAX_SPLITS = 32  # the merging block reads every split's partials
+MAX_SPLITS = 32  # the merging block holds every split's weights (MAXS in the kernel)
 COUNTER_RING = 4  # launches in flight at once that may share no split counters
 LOG2E = 1.4426950408889634
 
@@ -70,6 +72,9 @@ DECODE_SOURCE = r"""
   __shared__ float sml[2 * NW * HG];    // each warp's max, then its sum
   __shared__ float sp[SAME ? 1 : NW * HG * RS];
   __shared__ int s_last;
+  constexpr int MAXS = 32;              // most splits (MAX_SPLITS)
+  __shared__ float smm[WH * HG * MAXS], sml2[WH * HG * MAXS], swt[WH * HG * MAXS];
+  __shared__ float sden[WH * HG];
 
   constexpr int WR = NW / WH;           // warps sharing one head group's rows
   const int lane = threadIdx.x & 31;
@@ -319,30 +324,50 @@ DECODE_SOURCE = r"""
   __syncthreads();
   if (!s_last) return;
   __threadfence();
-  for (int idx = threadIdx.x; idx < WH * HG * DV; idx += NT) {
-    const int h = idx / (HG * DV), g = (idx / DV) % HG, d = idx % DV;
-    const int hg = blockIdx.x * WH + h;
-    const int hq = (hg / (G / HG)) * G + (hg % (G / HG)) * HG + g;
-    const size_t row = (size_t)b * HQ + hq;
-    const size_t base = row * nsplit;
+  // Load every split's max and sum, weigh the splits per head, then sum the partial
+  // outputs with all of a thread's loads in flight at once.
+  for (int i = threadIdx.x; i < WH * HG * nsplit; i += NT) {
+    const int hgi = i / nsplit, sidx = i % nsplit;
+    const int hg = blockIdx.x * WH + hgi / HG;
+    const int hq = (hg / (G / HG)) * G + (hg % (G / HG)) * HG + hgi % HG;
+    const size_t at = ((size_t)b * HQ + hq) * nsplit + sidx;
+    smm[hgi * MAXS + sidx] = __ldcg(part_max + at);
+    sml2[hgi * MAXS + sidx] = __ldcg(part_sum + at);
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < WH * HG; i += NT) {
+    const int hg = blockIdx.x * WH + i / HG;
+    const int hq = (hg / (G / HG)) * G + (hg % (G / HG)) * HG + i % HG;
     float mt = PD_NEG_INF;
-    for (int sp_ = 0; sp_ < nsplit; ++sp_)
-      if (__ldcg(part_sum + base + sp_) > 0.f) mt = fmaxf(mt, __ldcg(part_max + base + sp_));
-    float den = 0.f, num = 0.f;
+    for (int sx = 0; sx < nsplit; ++sx)
+      if (sml2[i * MAXS + sx] > 0.f) mt = fmaxf(mt, smm[i * MAXS + sx]);
+    float den = 0.f;
     if (SINKS) {
       const float sk = sinks[hq] * PD_LOG2E;
       mt = fmaxf(mt, sk);
       den = exp2f(sk - mt);
     }
-#pragma unroll 8
-    for (int sp_ = 0; sp_ < nsplit; ++sp_) {
-      const float ls = __ldcg(part_sum + base + sp_);
-      if (ls > 0.f) {
-        const float a = exp2f(__ldcg(part_max + base + sp_) - mt);
-        den += ls * a;
-        num += a * __ldcg(part_out + (base + sp_) * DV + d);
-      }
+    for (int sx = 0; sx < nsplit; ++sx) {
+      const float ls = sml2[i * MAXS + sx];
+      const float w = ls > 0.f ? exp2f(smm[i * MAXS + sx] - mt) : 0.f;
+      swt[i * MAXS + sx] = w;
+      den += w * ls;
     }
+    sden[i] = den;
+  }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < WH * HG * DV; idx += NT) {
+    const int i = idx / DV, d = idx % DV;
+    const int hg = blockIdx.x * WH + i / HG;
+    const int hq = (hg / (G / HG)) * G + (hg % (G / HG)) * HG + i % HG;
+    const size_t row = (size_t)b * HQ + hq;
+    float num = 0.f;
+#pragma unroll
+    for (int sx = 0; sx < MAXS; ++sx) {
+      if (sx < nsplit)
+        num += swt[i * MAXS + sx] * __ldcg(part_out + (row * nsplit + sx) * DV + d);
+    }
+    const float den = sden[i];
     out[row * DV + d] = static_cast<OT>(den > 0.f ? num / den : 0.f);
   }
 """
@@ -440,7 +465,7 @@ def cuda_plan(
             span = min(span, view.window)
         want = math.ceil(TARGET_WARPS / warps)
         num_splits = max(1, min(want, span // MIN_SPLIT_TOKENS, MAX_SPLITS))
-    plan.num_splits = max(1, num_splits)
+    plan.num_splits = max(1, min(num_splits, MAX_SPLITS))
     return plan
 
 
