@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import weakref
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -61,6 +62,24 @@ class PagedView:
     @property
     def block_size(self) -> int:
         return self.keys.shape[1]
+
+
+class Fetched:
+    """Weak references to the K/V a paged cache last returned.
+
+    Attention recognises the cache's own K/V by identity; holding them weakly
+    keeps neither their buffers nor the pool arrays their lazy gather reads
+    alive once the model is done with them.
+    """
+
+    __slots__ = ("_keys", "_values")
+
+    def __init__(self, keys: mx.array, values: mx.array):
+        self._keys, self._values = weakref.ref(keys), weakref.ref(values)
+
+    def matches(self, keys: mx.array, values: mx.array) -> bool:
+        """Whether ``keys`` and ``values`` are the very arrays recorded."""
+        return self._keys() is keys and self._values() is values
 
 
 #: Fused paged decode kernels, tried in order. Each is called as

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .attention import PagedView
+from .attention import Fetched, PagedView
 from .kv_pool import BlockTable, KVPool
 
 
@@ -77,7 +77,7 @@ class BatchPagedKVCache:
 
     def __init__(self, pool: KVPool, batch: DecodeBatch, layer: int, window: int | None = None):
         self.pool, self.batch, self.layer, self.window = pool, batch, layer, window
-        self._fetched: tuple[mx.array, mx.array] | None = None
+        self._fetched: Fetched | None = None
 
     @property
     def offset(self) -> mx.array:
@@ -107,8 +107,9 @@ class BatchPagedKVCache:
             x = x.transpose(0, 3, 1, 2, 4).reshape(B, H, M * bs, D)  # (B, H, width, D)
             return x if x.dtype == dtype else x.astype(dtype)
 
-        self._fetched = (read(p.keys[layer]), read(p.values[layer]))
-        return self._fetched
+        keys, values = read(p.keys[layer]), read(p.values[layer])
+        self._fetched = Fetched(keys, values)
+        return keys, values
 
     def make_mask(
         self, N: int, return_array: bool = False, window_size: int | None = None
@@ -120,8 +121,7 @@ class BatchPagedKVCache:
 
     def fetched(self, keys: mx.array, values: mx.array, mask: object) -> bool:
         """Whether attention got this layer's own K/V and a mask this batch made."""
-        own = self._fetched is not None and keys is self._fetched[0]
-        own = own and values is self._fetched[1]
+        own = self._fetched is not None and self._fetched.matches(keys, values)
         own = own and mask is self.batch.masks.get(self.window)  # same window as the view
         self._fetched = None
         return own

@@ -20,7 +20,7 @@ from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import CacheList
 
-from .attention import PagedView, route_attention
+from .attention import Fetched, PagedView, route_attention
 from .block_pool import PagedCacheStats, check_block_size
 from .kv_pool import BlockTable, KVPool
 from .models import LayerKind, classify, default_caches, model_type
@@ -45,7 +45,7 @@ class PagedKVCache:
         self.table = table
         self.layer = layer
         self.window = window
-        self._fetched: tuple[mx.array, mx.array] | None = None
+        self._fetched: Fetched | None = None
 
     # ---- mlx-lm protocol --------------------------------------------------
 
@@ -60,13 +60,13 @@ class PagedKVCache:
         Full attention returns every token; a sliding window returns tokens from
         the start of the block holding the oldest key any new query sees.
         """
-        self._fetched = None  # a stale lazy gather would pin the old pool array
+        self._fetched = None
         start = self.offset
         self.pool.write_prefill(self.table, self.layer, keys, values)
         keys, values = self.pool.gather(
             self.table, self.layer, self._read_start(start), self.offset
         )
-        self._fetched = (keys, values)
+        self._fetched = Fetched(keys, values)
         if self.window is not None:
             # Blocks this step's queries do not read go back now; a fused kernel
             # reads the blocks after this, so nothing it needs may go yet.
@@ -189,11 +189,10 @@ class PagedKVCache:
     def fetched(self, keys: mx.array, values: mx.array, mask: object) -> bool:
         """Whether attention got this layer's own K/V and mask, untouched by the model.
 
-        Only then may a fused kernel read the blocks instead. Forgets the K/V
-        either way, so an unused lazy gather does not pin the pool array.
+        Only then may a fused kernel read the blocks instead.
         """
-        own = self._fetched is not None and keys is self._fetched[0]
-        own = own and values is self._fetched[1] and (mask is None or mask is self.table.mask)
+        own = self._fetched is not None and self._fetched.matches(keys, values)
+        own = own and (mask is None or mask is self.table.mask)
         self._fetched = None
         return own
 
