@@ -143,7 +143,7 @@ def main() -> None:
 
     if args.capacity_context:
         ctx = args.capacity_context
-        need = -(-(ctx + 64) // args.block_size)
+        need = -(-(ctx + args.steps + 16) // args.block_size)  # context plus decoded tokens
         best = run_cases(
             ctx,
             {

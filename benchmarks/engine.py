@@ -147,6 +147,9 @@ def run_paged(model, prompts, arrivals, gen, args, prefix=None) -> tuple[Recorde
     )
     if prefix:
         engine.generate([prefix], max_tokens=1)
+        if args.memory_trace:
+            print(f"  prefix request: peak {mx.get_peak_memory() / 1e9:6.2f} GB", flush=True)
+            mx.reset_peak_memory()
     rec = Recorder()
     pending = list(range(len(prompts)))
     done = 0

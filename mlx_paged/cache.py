@@ -199,12 +199,21 @@ class PagedKVCache:
     def paged_view(self) -> PagedView:
         """This layer's blocks as a batch of one, for fused kernels."""
         p, t = self.pool, self.table
+        key = (t.version, self.offset)
+        if t.view_key != key:  # the layers of a step share the small arrays
+            t.view_arrays = (
+                p.table_ids(t)[None],
+                mx.array([t.first * p.block_size], dtype=mx.int32),
+                mx.array([self.offset], dtype=mx.int32),
+            )
+            t.view_key = key
+        block_tables, starts, lengths = t.view_arrays
         return PagedView(
             keys=p.keys[self.layer],
             values=p.values[self.layer],
-            block_tables=p.table_ids(t)[None],
-            starts=mx.array([t.first * p.block_size], dtype=mx.int32),
-            lengths=mx.array([self.offset], dtype=mx.int32),
+            block_tables=block_tables,
+            starts=starts,
+            lengths=lengths,
             window=self.window,
         )
 

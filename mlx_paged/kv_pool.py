@@ -38,6 +38,9 @@ class BlockTable:
     # The mask make_mask last returned for this sequence's layers, so attention
     # can tell it from a mask the model made itself.
     mask: object = field(default=None, repr=False)
+    # Kernel-view arrays (block ids, start, length) for the current step.
+    view_arrays: tuple | None = field(default=None, repr=False)
+    view_key: tuple | None = field(default=None, repr=False)
 
     @property
     def end(self) -> int:
@@ -130,15 +133,18 @@ class KVPool:
         n = keys.shape[2]
         if n == 0:
             return
-        self.reserve(table, start, start + n)
-        k = self.to_storage(keys[0].swapaxes(0, 1))  # (n, H, Dk)
-        v = self.to_storage(values[0].swapaxes(0, 1))  # (n, H, Dv)
         bs = self.block_size
-        if n == 1:
+        if n == 1:  # decode: usually the tail block is already ours
+            i = start // bs - table.first
+            if i >= len(table.blocks) or self.blocks.is_shared(table.blocks[i]):
+                self.reserve(table, start, start + 1)
             b, s = table.blocks[start // bs - table.first], start % bs
-            self.keys[layer][b, s] = k[0]
-            self.values[layer][b, s] = v[0]
+            self.keys[layer][b, s] = self.to_storage(keys[0, :, 0])  # (H, Dk)
+            self.values[layer][b, s] = self.to_storage(values[0, :, 0])  # (H, Dv)
         else:
+            self.reserve(table, start, start + n)
+            k = self.to_storage(keys[0].swapaxes(0, 1))  # (n, H, Dk)
+            v = self.to_storage(values[0].swapaxes(0, 1))  # (n, H, Dv)
             pos = range(start, start + n)
             ids = mx.array([table.blocks[p // bs - table.first] for p in pos], dtype=mx.int32)
             slots = mx.array([p % bs for p in pos], dtype=mx.int32)
