@@ -95,26 +95,33 @@ class Recorder:
         )
 
 
-def prefill_prefix(model, prefix: list[int]) -> list:
+def prefill_prefix(model, prefix: list[int], step: int) -> list:
     cache = make_prompt_cache(model)
-    model(mx.array(prefix)[None], cache=cache)
-    mx.eval([c.state for c in cache])
+    for i in range(0, len(prefix), step):
+        model(mx.array(prefix[i : i + step])[None], cache=cache)
+        mx.eval([c.state for c in cache])
     return cache
 
 
-def run_batchgen(model, prompts, arrivals, gen, prefix=None, batch=64, warm=False) -> Recorder:
+def run_batchgen(
+    model, prompts, arrivals, gen, step, prefix=None, batch=64, warm=False
+) -> Recorder:
     """BatchGenerator; with ``prefix``, each request starts from a deepcopy of its cache.
 
     ``warm``: the prefix cache exists before the clock starts (a server that
     has seen the system prompt); otherwise its prefill counts.
     """
-    base = prefill_prefix(model, prefix) if prefix and warm else None
+    base = prefill_prefix(model, prefix, step) if prefix and warm else None
     rec = Recorder()
     bg = BatchGenerator(
-        model, max_tokens=gen, completion_batch_size=batch, prefill_batch_size=min(batch, 8)
+        model,
+        max_tokens=gen,
+        completion_batch_size=batch,
+        prefill_batch_size=min(batch, 8),
+        prefill_step_size=step,
     )
     if prefix and not warm:
-        base = prefill_prefix(model, prefix)
+        base = prefill_prefix(model, prefix, step)
     pending = list(range(len(prompts)))
     done = 0
     while done < len(prompts):
@@ -204,7 +211,9 @@ def main() -> None:
     parser.add_argument("--gen", type=int, default=128)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--prefill-step-size", type=int, default=2048)
+    parser.add_argument(
+        "--prefill-step-size", type=int, default=512, help="for both systems (engine default)"
+    )
     parser.add_argument("--mixed", type=int, default=32, help="requests in the mixed run (0: skip)")
     parser.add_argument("--mixed-max", type=int, default=4096)
     parser.add_argument("--mixed-gap", type=float, default=0.05, help="seconds between arrivals")
@@ -227,14 +236,17 @@ def main() -> None:
         flush=True,
     )
     rng = random.Random(0)
+    step = args.prefill_step_size
 
     def toks(n: int) -> list[int]:
         return [rng.randrange(args.vocab) for _ in range(n)]
 
-    # Warm up kernels on a small run of each path.
-    warm = [toks(40) for _ in range(2)]
-    run_batchgen(model, warm, [0, 0], 2)
-    run_paged(model, warm, [0, 0], 2, args)
+    # Warm up (kernel compilation, per-shape plans) on the largest W run of each path.
+    n = max(args.n)
+    warm_system = toks(args.system)
+    warm = [warm_system + toks(args.unique) for _ in range(n)]
+    run_batchgen(model, warm, [0.0] * n, 2, step, prefix=warm_system, batch=n)
+    run_paged(model, warm, [0.0] * n, 2, args)
 
     results: list[dict] = []
     system = toks(args.system)
@@ -242,13 +254,15 @@ def main() -> None:
         prompts = [system + toks(args.unique) for _ in range(n)]
         at = [0.0] * n
         cases = {
-            "batchgen": lambda p=prompts, a=at, n=n: run_batchgen(model, p, a, args.gen, batch=n),
+            "batchgen": lambda p=prompts, a=at, n=n: run_batchgen(
+                model, p, a, args.gen, step, batch=n
+            ),
             "batchgen+prefix": lambda p=prompts, a=at, n=n: run_batchgen(
-                model, p, a, args.gen, prefix=system, batch=n
+                model, p, a, args.gen, step, prefix=system, batch=n
             ),
             "paged": lambda p=prompts, a=at: run_paged(model, p, a, args.gen, args),
             "batchgen+prefix-warm": lambda p=prompts, a=at, n=n: run_batchgen(
-                model, p, a, args.gen, prefix=system, batch=n, warm=True
+                model, p, a, args.gen, step, prefix=system, batch=n, warm=True
             ),
             "paged-warm": lambda p=prompts, a=at: run_paged(
                 model, p, a, args.gen, args, prefix=system
@@ -266,7 +280,7 @@ def main() -> None:
             fn = (
                 (lambda: run_paged(model, prompts, at, args.gen, args))
                 if name == "paged"
-                else (lambda: run_batchgen(model, prompts, at, args.gen, batch=args.batch))
+                else (lambda: run_batchgen(model, prompts, at, args.gen, step, batch=args.batch))
             )
             measure(f"mixed N={args.mixed} {name}", fn, results)
 
