@@ -245,8 +245,8 @@ def main() -> None:
     n = max(args.n)
     warm_system = toks(args.system)
     warm = [warm_system + toks(args.unique) for _ in range(n)]
-    run_batchgen(model, warm, [0.0] * n, 2, step, prefix=warm_system, batch=n)
-    run_paged(model, warm, [0.0] * n, 2, args)
+    run_batchgen(model, warm, [0.0] * n, args.gen, step, prefix=warm_system, batch=n)
+    run_paged(model, warm, [0.0] * n, args.gen, args)
 
     results: list[dict] = []
     system = toks(args.system)
