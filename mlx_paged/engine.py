@@ -229,17 +229,13 @@ class PagedEngine:
         A request is prefilled at once, chunk by chunk, when its suffix is
         long or when a request behind it starts with the same block: those can
         then adopt its blocks. The others (one chunk or less) are grouped by
-        length and prefilled together in batched forwards. A step admits about
-        ``prefill_step_size`` tokens of prefill (at least one request), so
-        running requests keep decoding and early arrivals get their first
-        token without waiting for every admission.
+        length and prefilled together in batched forwards.
         """
         events: list[Event] = []
         short: dict[tuple[int, bool], list[Request]] = {}  # (tokens, fresh) -> requests
         bs = self.block_size
         heads = Counter(tuple(r.prompt[:bs]) for r in self.waiting) if self.waiting else Counter()
-        budget = self.prefill_step_size
-        while self.waiting and len(self.running) < self.max_batch_size and budget > 0:
+        while self.waiting and len(self.running) < self.max_batch_size:
             req = self.waiting[0]
             # Adopting a shared partial tail costs a copy; an idle pool always
             # fits the request computed from scratch (add_request checked).
@@ -248,7 +244,6 @@ class PagedEngine:
             self.waiting.popleft()
             self.running.append(req)
             n = self._kv_target(req) - self._kv_length(req)
-            budget -= max(n, 1)
             head = tuple(req.prompt[:bs])
             heads[head] -= 1
             shared = self._kv_length(req) < bs <= n and heads[head] > 0
