@@ -290,3 +290,28 @@ def word_tokenizer() -> TokenizerWrapper:
     tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
     hf = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0")
     return TokenizerWrapper(hf)
+
+
+def test_caches_do_not_keep_the_kv_they_returned_alive():
+    """A layer's gathered K/V must die with the model's use of them (a prefill would
+    otherwise hold every layer's copy at once)."""
+    import weakref
+
+    from mlx_paged.batch_cache import BatchPagedKVCache, DecodeBatch
+
+    model = tiny_model("llama")
+    cache = make_paged_cache(model, BLOCK)
+    k = mx.random.normal((1, 2, 5, 16))
+    keys, values = cache[0].update_and_fetch(k, k)
+    refs = [weakref.ref(keys), weakref.ref(values)]
+    assert cache[0].fetched(keys, values, None)
+    del keys, values
+    assert all(r() is None for r in refs)
+
+    pool, table = cache[0].pool, cache[0].table
+    pool.reserve(table, 5, 6)
+    batch_cache = BatchPagedKVCache(pool, DecodeBatch(pool, [table], None), 0)
+    keys, values = batch_cache.update_and_fetch(k[:, :, :1], k[:, :, :1])
+    refs = [weakref.ref(keys), weakref.ref(values)]
+    del keys, values
+    assert all(r() is None for r in refs)
