@@ -431,9 +431,11 @@ class PagedEngine:
     def _sample(self, reqs: list[Request], logits: mx.array) -> list[int]:
         """One token per request from ``(B, V)`` logits, each with its own settings."""
         greedy = [i for i, r in enumerate(reqs) if r.sampler is None and not r.logits_processors]
+        if len(greedy) == len(reqs):  # the common case: one argmax, one transfer
+            return mx.argmax(logits, axis=-1).tolist()
         out: list[mx.array | None] = [None] * len(reqs)
         if greedy:
-            picked = mx.argmax(logits[mx.array(greedy)] if len(greedy) < len(reqs) else logits, -1)
+            picked = mx.argmax(logits[mx.array(greedy)], axis=-1)
             for j, i in enumerate(greedy):
                 out[i] = picked[j]
         for i, r in enumerate(reqs):
