@@ -32,7 +32,7 @@ class DecodeBatch:
 
     def __init__(self, pool: KVPool, tables: list[BlockTable], window: int | None, n_new: int = 1):
         bs = pool.block_size
-        self.pool, self.tables, self.window, self.n_new = pool, tables, window, n_new
+        self.tables, self.n_new = tables, n_new
         lengths = [t.lengths[0] for t in tables]
         rows, starts, write_ids = [], [], []
         for t, n in zip(tables, lengths, strict=True):

@@ -141,11 +141,6 @@ class PrefixIndex:
         self._prune(node)  # a last node that got no block leads nowhere
         return parked
 
-    def clear(self) -> None:
-        """Unpark every block."""
-        for child in list(self._root.children.values()):
-            self._remove(child)
-
     @property
     def num_blocks(self) -> int:
         """Blocks the index holds, over all groups."""
