@@ -2,9 +2,17 @@
 
 For each (B, L): one decode query per sequence, float16, 32 query heads, 8 KV
 heads, head_dim 128, block_size 16, blocks scattered over the pool in random
-order. Prints ms per call for each path (the best of ``--rounds`` rounds of
-``--iters`` calls, paths taking turns), kernel/dense, and the kernel's effective
-KV bandwidth (bytes of K+V read / kernel time).
+order. Two timings per path, each the best of ``--rounds`` rounds, paths taking
+turns:
+
+- per call: ``--iters`` calls, each built and evaluated on its own, so the host's
+  work to build and launch the op counts in full (about 60 us at B=1 on the H100);
+- in graph: ``--chain`` calls where each call's queries are the previous call's
+  output, built first and then evaluated as one graph, as attention runs inside a
+  model's decode step (the host builds the next step while the GPU runs this one).
+
+Also prints kernel/dense for both, the kernel's effective KV bandwidth (bytes of
+K+V read / per-call time) and the host time to build one call of each path.
 
 Run: ``python benchmarks/attention.py [--iters N] [--sweep FILE]``; ``--sweep`` also times
 the kernel's tuning variants (warps per block, rows per warp step, splits) in each cell,
@@ -34,6 +42,29 @@ def timed(fn, warmup: int, iters: int) -> float:
         mx.eval(fn())
     mx.synchronize()
     return (time.perf_counter() - t0) / iters * 1e3
+
+
+def chained(fn, q: mx.array, chain: int) -> float:
+    """Ms per call of ``chain`` dependent calls evaluated as one graph (build not timed)."""
+    x = q
+    for _ in range(chain):
+        x = fn(x)
+    mx.synchronize()
+    t0 = time.perf_counter()
+    mx.eval(x)
+    mx.synchronize()
+    return (time.perf_counter() - t0) / chain * 1e3
+
+
+def build_us(fn, iters: int = 200) -> float:
+    """Host microseconds to build one call's graph (not evaluated)."""
+    outs = []
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        outs.append(fn())
+    t = (time.perf_counter() - t0) / iters * 1e6
+    mx.eval(outs)
+    return t
 
 
 def best_of(fns, warmup: int, iters: int, rounds: int) -> list[float]:
@@ -76,7 +107,7 @@ def sweep(B: int, L: int, q, view, scale: float, want: mx.array, out) -> str:
     return f"best: {best[1] if best else 'none'}"
 
 
-def cell(B: int, L: int, warmup: int, iters: int, rounds: int, sweep_out=None) -> str:
+def cell(B: int, L: int, warmup: int, iters: int, rounds: int, chain: int, sweep_out=None) -> str:
     dtype = mx.float16
     nblk = B * L // BS
     k = mx.random.normal((B, HKV, L, D)).astype(dtype)  # (B, HKV, L, D) contiguous
@@ -101,30 +132,36 @@ def cell(B: int, L: int, warmup: int, iters: int, rounds: int, sweep_out=None) -
     mx.eval(k, v, q, view.keys, view.values, view.block_tables)
     scale = D**-0.5
 
-    def dense():
-        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)
+    def dense(x=q):
+        return mx.fast.scaled_dot_product_attention(x, k, v, scale=scale)
 
-    def kernel():
-        return paged_decode_cuda(q, view, scale, None)
+    def kernel(x=q):
+        return paged_decode_cuda(x, view, scale, None)
 
-    def gather():
+    def gather(x=q):
         def read(pool):
-            x = pool[view.block_tables]  # (B, L/BS, BS, HKV, D)
-            return x.reshape(B, L, HKV, D).transpose(0, 2, 1, 3)  # (B, HKV, L, D)
+            y = pool[view.block_tables]  # (B, L/BS, BS, HKV, D)
+            return y.reshape(B, L, HKV, D).transpose(0, 2, 1, 3)  # (B, HKV, L, D)
 
         return mx.fast.scaled_dot_product_attention(
-            q, read(view.keys), read(view.values), scale=scale
+            x, read(view.keys), read(view.values), scale=scale
         )
 
     want = dense().astype(mx.float32)
     err = mx.abs(kernel().astype(mx.float32) - want).max().item()
     t_k, t_d, t_g = best_of([kernel, dense, gather], warmup, iters, rounds)
+    g_k, g_d = float("inf"), float("inf")
+    for _ in range(rounds):
+        g_k = min(g_k, chained(kernel, q, chain))
+        g_d = min(g_d, chained(dense, q, chain))
+    b_k, b_d = build_us(kernel), build_us(dense)
     if sweep_out is not None:
         print(sweep(B, L, q, view, scale, want, sweep_out))
     gbps = 2 * B * HKV * L * D * 2 / (t_k * 1e-3) / 1e9
     return (
-        f"| {B:3d} | {L:6d} | {t_k:8.4f} | {t_d:8.4f} | {t_g:8.4f} | {t_k / t_d:5.2f} | "
-        f"{gbps:7.0f} | {err:.2g} |"
+        f"| {B:3d} | {L:6d} | {t_k:7.4f} | {t_d:7.4f} | {t_g:7.4f} | {t_k / t_d:5.2f} | "
+        f"{g_k:7.4f} | {g_d:7.4f} | {g_k / g_d:5.2f} | {gbps:5.0f} | {b_k:4.1f} | {b_d:4.1f} | "
+        f"{err:.2g} |"
     )
 
 
@@ -133,6 +170,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--rounds", type=int, default=5, help="keep the best of this many rounds")
+    ap.add_argument("--chain", type=int, default=64, help="dependent calls per in-graph timing")
     ap.add_argument("--batches", type=int, nargs="*", default=[1, 16, 64])
     ap.add_argument("--lengths", type=int, nargs="*", default=[1024, 4096, 16384])
     ap.add_argument("--sweep", metavar="FILE", help="also time tuning variants; write to FILE")
@@ -140,13 +178,14 @@ def main() -> None:
     sweep_out = open(args.sweep, "w") if args.sweep else None  # noqa: SIM115
     print(f"device: {mx.default_device()} {mx.device_info().get('device_name', '')}")
     print(
-        "| B | L | kernel ms | dense SDPA ms | gather+SDPA ms | kernel/dense | kernel GB/s "
-        "| max abs diff |"
+        "| B | L | per call: kernel ms | dense SDPA ms | gather+SDPA ms | kernel/dense "
+        "| in graph: kernel ms | dense SDPA ms | kernel/dense | kernel GB/s "
+        "| build us: kernel | dense | max abs diff |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for B in args.batches:
         for L in args.lengths:
-            print(cell(B, L, args.warmup, args.iters, args.rounds, sweep_out))
+            print(cell(B, L, args.warmup, args.iters, args.rounds, args.chain, sweep_out))
 
 
 if __name__ == "__main__":

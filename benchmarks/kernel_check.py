@@ -61,8 +61,36 @@ def main() -> int:
                     f"{str(dtype).split('.')[-1]} splits={splits}: max|kernel-ref|={diff:.3g} "
                     f"max|kernel-sdpa|={dd:.3g}"
                 )
+    ok, total = concurrent_launches()
+    failures += total - ok
+    n += total
     print(f"{n - failures}/{n} configs within tolerance")
     return 1 if failures else 0
+
+
+def concurrent_launches(count: int = 24) -> tuple[int, int]:
+    """Split launches evaluated together, which MLX may run as concurrent graph nodes.
+
+    Each launch must keep its own split counters; returns (launches within tolerance, count).
+    """
+    batches = [
+        random_paged_batch([3000, 1500, 700], 32, 8, 128, 128, 16, mx.float16, seed=100 + i)
+        for i in range(count)
+    ]
+    scale = 128**-0.5
+    outs = [
+        paged_decode_cuda(b.queries, b.view, scale, None, 7 + i % 5) for i, b in enumerate(batches)
+    ]
+    mx.eval(outs)
+    ok = 0
+    for i, (b, out) in enumerate(zip(batches, outs, strict=True)):
+        with mx.stream(mx.cpu):
+            ref = reference_paged_decode(b.queries, b.view, scale, None).astype(mx.float32)
+        diff = mx.abs(out.astype(mx.float32) - ref).max().item()
+        good = diff <= TOL[mx.float16]
+        ok += good
+        print(f"{'ok  ' if good else 'FAIL'} concurrent launch {i} splits={7 + i % 5}: {diff:.3g}")
+    return ok, count
 
 
 if __name__ == "__main__":

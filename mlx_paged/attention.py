@@ -172,6 +172,9 @@ def paged_attention(
     )
 
 
+_paged_types: tuple[type, ...] = ()  # set on first use: the cache modules import this one
+
+
 def scaled_dot_product_attention(
     queries: mx.array,
     keys: mx.array,
@@ -182,10 +185,13 @@ def scaled_dot_product_attention(
     sinks: mx.array | None = None,
 ) -> mx.array:
     """Drop-in for mlx-lm's function: paged caches go to ``paged_attention``."""
-    from .batch_cache import BatchPagedKVCache
-    from .cache import PagedKVCache
+    global _paged_types
+    if not _paged_types:
+        from .batch_cache import BatchPagedKVCache
+        from .cache import PagedKVCache
 
-    if isinstance(cache, (PagedKVCache, BatchPagedKVCache)):
+        _paged_types = (PagedKVCache, BatchPagedKVCache)
+    if isinstance(cache, _paged_types):
         return paged_attention(queries, keys, values, cache, scale, mask, sinks)
     return _original_sdpa(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
 

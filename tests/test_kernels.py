@@ -107,8 +107,6 @@ def test_set_attention_path_rejects_unknown():
 
 
 def test_device_kernels_decline_off_their_device():
-    if mx.default_device() == mx.gpu:
-        pytest.skip("runs on the CPU only")
     batch = random_paged_batch([20], 4, 2, 64)
     for kernel in dispatch.DEVICE_KERNELS:
         assert kernel(batch.queries, batch.view, 0.125, None) is None
@@ -145,9 +143,10 @@ def test_self_check_failures_decline_and_warn(caplog, monkeypatch):
     assert dispatch._verified("fake-right", right, batch.queries, batch.view, 0.125, None)
 
 
-CUDA = pytest.mark.skipif(
-    not (mx.cuda.is_available() and mx.default_device() == mx.gpu), reason="needs a CUDA GPU"
-)
+def CUDA(test):
+    """Run ``test`` on a CUDA GPU; skip it elsewhere."""
+    test = pytest.mark.skipif(not mx.cuda.is_available(), reason="needs a CUDA GPU")(test)
+    return pytest.mark.gpu(test)
 
 
 @CUDA
@@ -163,3 +162,18 @@ def test_cuda_kernel_matches_reference(config, dtype, splits):
         want = want.astype(mx.float32)
     got = paged_decode_cuda(batch.queries, batch.view, scale, batch.sinks, splits)
     assert max_diff(got.astype(mx.float32), want) <= dispatch.TOLERANCE[dtype]
+
+
+@CUDA
+def test_cuda_split_launches_evaluated_together_keep_their_own_counters():
+    # Independent launches may run concurrently in one CUDA graph; each must zero and
+    # use its own split counters, or merges would read other launches' partials.
+    batches = [
+        random_paged_batch([900, 300], 16, 4, 128, 128, 16, mx.float16, seed=s) for s in range(12)
+    ]
+    outs = [paged_decode_cuda(b.queries, b.view, 128**-0.5, None, 5) for b in batches]
+    mx.eval(outs)
+    for b, got in zip(batches, outs, strict=True):
+        with mx.stream(mx.cpu):
+            want = reference_paged_decode(b.queries, b.view, 128**-0.5, None)
+        assert max_diff(got.astype(mx.float32), want.astype(mx.float32)) <= 4e-3

@@ -13,19 +13,19 @@ warps' partial results are merged through shared memory once, at the end.
 With more than one split (flash-decoding: long contexts, small batches) each
 block writes a partial output with its max and sum; the last block of a
 (sequence, KV head) to finish, found with an atomic counter, merges the splits
-and the sinks, so one launch does it all.
+and the sinks, so one launch does it all. Each launch zeroes its own counters
+(a fill in the same compiled graph), so launches that MLX runs concurrently, as
+independent nodes of one CUDA graph, never share them.
 """
 
 from __future__ import annotations
 
 import math
-import struct
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
-from .plan import DecodePlan, plan_decode
+from .plan import DecodePlan, Launch, LaunchCache, base_template, plan_decode
 
 if TYPE_CHECKING:
     from ..attention import PagedView
@@ -40,7 +40,6 @@ ROWS_PER_STEP = 8  # rows one warp loads per step, for 256-byte rows (fp16 x 128
 TARGET_WARPS = 2048
 MIN_SPLIT_TOKENS = 128  # a split shorter than this costs more than it gains
 MAX_SPLITS = 32  # the merging block holds every split's weights (MAXS in the kernel)
-COUNTER_RING = 4  # launches in flight at once that may share no split counters
 LOG2E = 1.4426950408889634
 
 HEADER = r"""
@@ -319,7 +318,6 @@ DECODE_SOURCE = r"""
     int* cnt = const_cast<int*>(counters) + (size_t)b * gridDim.x + blockIdx.x;
     const int done = atomicAdd(cnt, 1);
     s_last = done == nsplit - 1;
-    if (s_last) *cnt = 0;  // every split has counted: ready for the next launch
   }
   __syncthreads();
   if (!s_last) return;
@@ -390,37 +388,15 @@ def _as(x: mx.array, dtype: mx.Dtype) -> mx.array:
     return x if x.dtype == dtype else x.astype(dtype)
 
 
-_placeholder: list[mx.array] = []
+_spare: list[mx.array] = []
 
 
-def _no_sinks() -> mx.array:
-    """A one-element stand-in for absent sinks (the kernel never reads it)."""
-    if not _placeholder:
-        _placeholder.append(mx.zeros((1,), dtype=mx.float32))
-    return _placeholder[0]
-
-
-class _Counters:
-    """Split-completion counters: zeroed once, and each launch's last blocks reset theirs.
-
-    The kernel writes them through an input, which MLX does not order: a ring of
-    arrays keeps up to ``COUNTER_RING`` launches that MLX might run at once apart.
-    """
-
-    def __init__(self) -> None:
-        self.ring: list[mx.array] = []
-        self.turn = 0
-
-    def next(self, slots: int) -> mx.array:
-        if not self.ring or self.ring[0].size < slots:
-            size = max(4096, 1 << (slots - 1).bit_length())
-            self.ring = [mx.zeros((size,), dtype=mx.int32) for _ in range(COUNTER_RING)]
-            mx.eval(self.ring)  # a materialised buffer, written in place from now on
-        self.turn = (self.turn + 1) % COUNTER_RING
-        return self.ring[self.turn]
-
-
-_counters = _Counters()
+def _spares() -> tuple[mx.array, mx.array]:
+    """One-element stand-ins for absent sinks and unused counters (never read)."""
+    if not _spare:
+        _spare.extend([mx.zeros((1,), dtype=mx.float32), mx.zeros((1,), dtype=mx.int32)])
+        mx.eval(_spare)
+    return _spare[0], _spare[1]
 
 
 def rows_per_step(dk: int, dv: int, itemsize: int, base: int = ROWS_PER_STEP) -> int:
@@ -469,18 +445,6 @@ def cuda_plan(
     return plan
 
 
-@dataclass(frozen=True)
-class _Launch:
-    """Everything about a launch that depends only on shapes, dtypes and constants."""
-
-    template: list
-    grid: tuple[int, int, int]
-    threads: tuple[int, int, int]
-    output_shapes: list
-    output_dtypes: list
-    slots: int  # split counters the launch uses (0: no split)
-
-
 def _make_launch(
     queries: mx.array,
     view: PagedView,
@@ -490,7 +454,8 @@ def _make_launch(
     num_warps: int | None,
     rows: int | None,
     head_warps: int | None,
-) -> _Launch | None:
+) -> Launch | None:
+    """A function of the kernel's arrays that launches it for this call's shapes."""
     nw = num_warps or NUM_WARPS
     hw = head_warps or HEAD_WARPS
     plan = cuda_plan(queries, view, num_splits, nw, hw)
@@ -500,37 +465,32 @@ def _make_launch(
     groups = plan.n_kv_heads * (plan.group // plan.heads_per_block)
     wh, _ = warp_layout(groups, nw, hw)
     rs = rows_per_step(plan.dk, dv, view.keys.dtype.size, rows or ROWS_PER_STEP)
-    template = [
-        ("T", view.keys.dtype),
-        ("OT", queries.dtype),
-        ("DK", plan.dk),
-        ("DV", dv),
-        ("HQ", HQ),
-        ("HKV", plan.n_kv_heads),
-        ("G", plan.group),
-        ("HG", plan.heads_per_block),
-        ("BS", view.block_size),
-        ("WINDOW", view.window or 0),
-        ("SINKS", has_sinks),
-        ("NW", nw),
-        ("WH", wh),
-        ("RS", rs),
-        # The scale is fixed per model: bake its float32 bits in rather than pass an array.
-        ("SCALE_BITS", struct.unpack("<i", struct.pack("<f", scale * LOG2E))[0]),
-    ]
+    # Logits live in the log2 domain (exp2f), so the scale carries log2(e).
+    template = base_template(plan, queries, view, has_sinks, scale * LOG2E)
+    template += [("NW", nw), ("WH", wh), ("RS", rs)]
     blocks = groups // wh
     parts = (B, HQ, S) if S > 1 else (1,)  # unused without splits
-    return _Launch(
-        template=template,
-        grid=(blocks * nw * 32, B, S),
-        threads=(nw * 32, 1, 1),
-        output_shapes=[(B, HQ, 1, dv), (*parts, dv) if S > 1 else (1,), parts, parts],
-        output_dtypes=[queries.dtype, mx.float32, mx.float32, mx.float32],
-        slots=B * blocks if S > 1 else 0,
-    )
+    grid = (blocks * nw * 32, B, S)
+    threads = (nw * 32, 1, 1)
+    output_shapes = [(B, HQ, 1, dv), (*parts, dv) if S > 1 else (1,), parts, parts]
+    output_dtypes = [queries.dtype, mx.float32, mx.float32, mx.float32]
+    slots = B * blocks if S > 1 else 0  # split counters: one per (sequence, block column)
+
+    def launch(q, keys, values, tables, starts, lengths, sinks, spare):
+        counters = mx.zeros((slots,), dtype=mx.int32) if slots else spare
+        return _kernel()(
+            inputs=[q, keys, values, tables, starts, lengths, sinks, counters],
+            template=template,
+            grid=grid,
+            threadgroup=threads,
+            output_shapes=output_shapes,
+            output_dtypes=output_dtypes,
+        )[0]
+
+    return launch
 
 
-_launches: dict[tuple, _Launch | None] = {}
+_launches = LaunchCache()
 
 
 def paged_decode_cuda(
@@ -556,15 +516,15 @@ def paged_decode_cuda(
             warp step for 256-byte rows; most head groups per block); ``None`` takes
             ``NUM_WARPS`` / ``ROWS_PER_STEP`` / ``HEAD_WARPS``.
     """
-    tables = view.block_tables
-    # Decode calls repeat the same shapes layer after layer: plan each shape once.
+    keys, values, tables = view.keys, view.values, view.block_tables
+    # Decode calls repeat the same shapes layer after layer: build each launch once.
     key = (
         queries.shape,
         queries.dtype,
-        view.keys.shape,
-        view.keys.dtype,
-        view.values.shape,
-        view.values.dtype,
+        keys.shape,
+        keys.dtype,
+        values.shape,
+        values.dtype,
         tables.shape,
         view.window,
         sinks is None,
@@ -574,34 +534,22 @@ def paged_decode_cuda(
         rows,
         head_warps,
     )
-    launch = _launches.get(key, False)
-    if launch is False:
-        if len(_launches) > 1024:  # tables widen as sequences grow: keep the cache small
-            _launches.clear()
-        launch = _make_launch(
+    launch = _launches.get(
+        key,
+        lambda: _make_launch(
             queries, view, scale, sinks is not None, num_splits, num_warps, rows, head_warps
-        )
-        _launches[key] = launch
+        ),
+    )
     if launch is None:
         return None
-    sinks_arr = _no_sinks() if sinks is None else _as(sinks, mx.float32)
-    # Always an int32 array: the generated signature (and so the binary) follows input dtypes.
-    counters = _counters.next(max(launch.slots, 1))
-    inputs = [
+    no_sinks, spare = _spares()
+    return launch(
         queries,
-        view.keys,
-        view.values,
+        keys,
+        values,
         _as(tables, mx.int32),
         _as(view.starts, mx.int32),
         _as(view.lengths, mx.int32),
-        sinks_arr,
-        counters,
-    ]
-    return _kernel()(
-        inputs=inputs,
-        template=launch.template,
-        grid=launch.grid,
-        threadgroup=launch.threads,
-        output_shapes=launch.output_shapes,
-        output_dtypes=launch.output_dtypes,
-    )[0]
+        no_sinks if sinks is None else _as(sinks, mx.float32),
+        spare,
+    )

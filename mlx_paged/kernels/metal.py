@@ -14,12 +14,11 @@ a mismatch, logs a warning and keeps using the gather path.
 from __future__ import annotations
 
 import math
-import struct
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
-from .plan import DecodePlan, plan_decode
+from .plan import DecodePlan, Launch, LaunchCache, base_template, plan_decode
 
 if TYPE_CHECKING:
     from ..attention import PagedView
@@ -255,6 +254,58 @@ def metal_plan(queries: mx.array, view: PagedView, num_splits: int | None = None
     return plan
 
 
+def _make_launch(
+    queries: mx.array, view: PagedView, scale: float, has_sinks: bool, num_splits: int | None
+) -> Launch | None:
+    """A function of the kernel's arrays that launches it for this call's shapes."""
+    plan = metal_plan(queries, view, num_splits)
+    if plan.reason:
+        return None
+    B, HQ, dv, S = plan.batch, plan.n_heads, plan.dv, plan.num_splits
+    template = base_template(plan, queries, view, has_sinks, scale)
+    template += [("NW", NUM_SIMDGROUPS), ("PART", PART)]
+    groups = plan.n_kv_heads * (plan.group // plan.heads_per_block)
+    grid = (groups * NUM_SIMDGROUPS * 32, B, S)
+    threads = (NUM_SIMDGROUPS * 32, 1, 1)
+    dtype = queries.dtype
+
+    def launch(q, keys, values, tables, starts, lengths, sinks):
+        inputs = [q, keys, values, tables, starts, lengths, sinks]
+        if S == 1:
+            (out,) = _kernel("final")(
+                inputs=inputs,
+                template=template,
+                grid=grid,
+                threadgroup=threads,
+                output_shapes=[(B, HQ, 1, dv)],
+                output_dtypes=[dtype],
+            )
+            return out
+        part_out, part_max, part_sum = _kernel("partial")(
+            inputs=inputs,
+            template=template,
+            grid=grid,
+            threadgroup=threads,
+            output_shapes=[(B, HQ, S, dv), (B, HQ, S), (B, HQ, S)],
+            output_dtypes=[mx.float32] * 3,
+        )
+        (out,) = _kernel("reduce")(
+            inputs=[part_out, part_max, part_sum, sinks],
+            template=[("OT", dtype), ("DV", dv), ("HQ", HQ), ("SINKS", has_sinks)],
+            grid=(HQ * 64, B, 1),
+            threadgroup=(64, 1, 1),
+            output_shapes=[(B, HQ, 1, dv)],
+            output_dtypes=[dtype],
+        )
+        return out
+
+    return launch
+
+
+_launches = LaunchCache()
+_spare: list[mx.array] = []
+
+
 def paged_decode_metal(
     queries: mx.array,
     view: PagedView,
@@ -263,57 +314,28 @@ def paged_decode_metal(
     num_splits: int | None = None,
 ) -> mx.array | None:
     """Run the Metal kernel (never run here: see the module docstring); ``None`` to decline."""
-    plan = metal_plan(queries, view, num_splits)
-    if plan.reason:
+    keys, values, tables = view.keys, view.values, view.block_tables
+    key = (
+        queries.shape,
+        queries.dtype,
+        keys.shape,
+        keys.dtype,
+        values.shape,
+        values.dtype,
+        tables.shape,
+        view.window,
+        sinks is None,
+        scale,
+        num_splits,
+    )
+    launch = _launches.get(
+        key, lambda: _make_launch(queries, view, scale, sinks is not None, num_splits)
+    )
+    if launch is None:
         return None
-    B, HQ, dv, S = plan.batch, plan.n_heads, plan.dv, plan.num_splits
-    has_sinks = sinks is not None
-    sinks_arr = sinks.astype(mx.float32) if has_sinks else mx.zeros((1,), dtype=mx.float32)
-    tables = (view.block_tables, view.starts, view.lengths)
-    inputs = [queries, view.keys, view.values, *(x.astype(mx.int32) for x in tables), sinks_arr]
-    template = [
-        ("T", view.keys.dtype),
-        ("OT", queries.dtype),
-        ("DK", plan.dk),
-        ("DV", dv),
-        ("HQ", HQ),
-        ("HKV", plan.n_kv_heads),
-        ("G", plan.group),
-        ("HG", plan.heads_per_block),
-        ("BS", view.block_size),
-        ("WINDOW", view.window or 0),
-        ("SINKS", has_sinks),
-        ("NW", NUM_SIMDGROUPS),
-        ("PART", PART),
-        ("SCALE_BITS", struct.unpack("<i", struct.pack("<f", scale))[0]),
-    ]
-    groups = plan.n_kv_heads * (plan.group // plan.heads_per_block)
-    grid = (groups * NUM_SIMDGROUPS * 32, B, S)
-    threads = (NUM_SIMDGROUPS * 32, 1, 1)
-    if S == 1:
-        (out,) = _kernel("final")(
-            inputs=inputs,
-            template=template,
-            grid=grid,
-            threadgroup=threads,
-            output_shapes=[(B, HQ, 1, dv)],
-            output_dtypes=[queries.dtype],
-        )
-        return out
-    part_out, part_max, part_sum = _kernel("partial")(
-        inputs=inputs,
-        template=template,
-        grid=grid,
-        threadgroup=threads,
-        output_shapes=[(B, HQ, S, dv), (B, HQ, S), (B, HQ, S)],
-        output_dtypes=[mx.float32] * 3,
-    )
-    (out,) = _kernel("reduce")(
-        inputs=[part_out, part_max, part_sum, sinks_arr],
-        template=[("OT", queries.dtype), ("DV", dv), ("HQ", HQ), ("SINKS", has_sinks)],
-        grid=(HQ * 64, B, 1),
-        threadgroup=(64, 1, 1),
-        output_shapes=[(B, HQ, 1, dv)],
-        output_dtypes=[queries.dtype],
-    )
-    return out
+    if sinks is None:
+        if not _spare:
+            _spare.append(mx.zeros((1,), dtype=mx.float32))
+        sinks = _spare[0]
+    as_int = [x.astype(mx.int32) for x in (tables, view.starts, view.lengths)]
+    return launch(queries, keys, values, *as_int, sinks.astype(mx.float32))

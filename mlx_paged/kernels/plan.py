@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -68,3 +70,58 @@ def plan_decode(queries: mx.array, view: PagedView, max_lanes_elems: int = 32) -
     group = n_heads // n_kv
     hg = max(h for h in range(1, group + 1) if group % h == 0 and h * per_lane <= max_lanes_elems)
     return DecodePlan(B, n_heads, n_kv, group, hg, dk, dv)
+
+
+def float_bits(x: float) -> int:
+    """The float32 bits of ``x`` as an int: a float constant passed as a template argument."""
+    return struct.unpack("<i", struct.pack("<f", x))[0]
+
+
+def base_template(
+    plan: DecodePlan, queries: mx.array, view: PagedView, has_sinks: bool, scale: float
+) -> list[tuple[str, object]]:
+    """The template arguments both kernels take; ``scale`` is baked in as ``SCALE_BITS``."""
+    return [
+        ("T", view.keys.dtype),
+        ("OT", queries.dtype),
+        ("DK", plan.dk),
+        ("DV", plan.dv),
+        ("HQ", plan.n_heads),
+        ("HKV", plan.n_kv_heads),
+        ("G", plan.group),
+        ("HG", plan.heads_per_block),
+        ("BS", view.block_size),
+        ("WINDOW", view.window or 0),
+        ("SINKS", has_sinks),
+        ("SCALE_BITS", float_bits(scale)),
+    ]
+
+
+Launch = Callable[..., mx.array]
+_MISSING = object()
+
+
+class LaunchCache:
+    """Launch functions keyed by call shape, each wrapped in ``mx.compile``.
+
+    Calling an ``mx.fast`` custom kernel costs about 10 us of host time (MLX
+    writes out the kernel's whole source and argument list on every call); a
+    compiled function replays the kernel it recorded instead. All layers of a
+    decode step share a shape, so a new shape costs one trace per step.
+    Holds at most ``limit`` shapes, dropping the oldest first.
+    """
+
+    def __init__(self, limit: int = 256):
+        self.limit = limit
+        self.fns: dict[tuple, Launch | None] = {}
+
+    def get(self, key: tuple, make: Callable[[], Launch | None]) -> Launch | None:
+        """The launch for ``key``, made (and compiled) by ``make`` on first use; ``None`` if
+        ``make`` declines."""
+        fn = self.fns.get(key, _MISSING)
+        if fn is _MISSING:
+            if len(self.fns) >= self.limit:
+                del self.fns[next(iter(self.fns))]
+            made = make()
+            fn = self.fns[key] = None if made is None else mx.compile(made)
+        return fn  # type: ignore[return-value]
