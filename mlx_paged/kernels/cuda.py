@@ -6,8 +6,9 @@ pool once, with 16-byte loads straight through the block table.
 
 Each warp walks its own contiguous run of the block's rows, ``RS`` rows per
 step, with no block-wide barrier in the loop: a step issues the K *and* V loads
-of its rows together (so V's latency hides behind the dot products), keeps the
-logits in registers and updates the warp's own float32 online softmax. The
+of its rows together, and (``PF``) the next step's loads before it computes, so
+load latency hides behind the dot products; it keeps the logits in registers
+and updates the warp's own float32 online softmax. The
 warps' partial results are merged through shared memory once, at the end.
 
 With more than one split (flash-decoding: long contexts, small batches) each
@@ -34,11 +35,16 @@ NUM_WARPS = 8
 # Warps of a block that serve different head groups (at most). Measured on an H100, whole
 # blocks per head group (1) beat spreading a block over heads at every batch and length.
 HEAD_WARPS = 1
-ROWS_PER_STEP = 8  # rows one warp loads per step, for 256-byte rows (fp16 x 128)
-# About one wave of warps on an H100 (132 SMs x 16 resident warps at ~128 registers):
-# fewer leave SMs idle; measured, more splits only added partial outputs to merge.
-TARGET_WARPS = 2048
-MIN_SPLIT_TOKENS = 128  # a split shorter than this costs more than it gains
+# Rows one warp loads per step, for 256-byte rows (fp16 x 128): without splits (many
+# sequences), and with them (few). Measured on an H100, in graphs of dependent calls.
+ROWS_PER_STEP = 16
+ROWS_PER_STEP_SPLIT = 8
+PREFETCH = True  # load a warp's next step while it computes this one (measured 1.1-1.3x)
+# Split a sequence when the batch alone gives fewer warps than this. Measured on an H100
+# with prefetch: B=16 ran fastest unsplit; B=1 in sqrt(tokens / 64) splits (4 at 1k, 8 at
+# 4k, 16 at 16k); more splits only added partial outputs to merge.
+TARGET_WARPS = 1024
+SPLIT_UNIT = 64
 MAX_SPLITS = 32  # the merging block holds every split's weights (MAXS in the kernel)
 LOG2E = 1.4426950408889634
 
@@ -127,10 +133,9 @@ DECODE_SOURCE = r"""
     for (int i = 0; i < NV * VEC; ++i) acc[g][i] = 0.f;
   }
 
-  for (int r0 = wlo; r0 < whi; r0 += RS) {
-    // Issue every load of the step first: K rows, then V rows.
-    uint4 kr[UK][NK];
-    uint4 vr[UV][NV];
+  // Issue every load of a step at once: K rows, then V rows. Rows past the end read as zero,
+  // not garbage: p = 0 times NaN would still be NaN.
+  auto load = [&](int r0, uint4 (&kd)[UK][NK], uint4 (&vd)[UV][NV]) {
 #pragma unroll
     for (int u = 0; u < UK; ++u) {
       const int pos = r0 + u * RK + rgk;
@@ -139,10 +144,10 @@ DECODE_SOURCE = r"""
         const uint4* src = reinterpret_cast<const uint4*>(
             keys + (((size_t)blk * BS + pos % BS) * HKV + kvh) * DK);
 #pragma unroll
-        for (int j = 0; j < NK; ++j) kr[u][j] = src[j * LK + lik];
+        for (int j = 0; j < NK; ++j) kd[u][j] = src[j * LK + lik];
       } else {
 #pragma unroll
-        for (int j = 0; j < NK; ++j) kr[u][j] = make_uint4(0, 0, 0, 0);
+        for (int j = 0; j < NK; ++j) kd[u][j] = make_uint4(0, 0, 0, 0);
       }
     }
 #pragma unroll
@@ -153,12 +158,32 @@ DECODE_SOURCE = r"""
         const uint4* src = reinterpret_cast<const uint4*>(
             values + (((size_t)blk * BS + pos % BS) * HKV + kvh) * DV);
 #pragma unroll
-        for (int j = 0; j < NV; ++j) vr[u][j] = src[j * LV + liv];
+        for (int j = 0; j < NV; ++j) vd[u][j] = src[j * LV + liv];
       } else {
-        // Zero, not garbage: p = 0 times NaN would still be NaN.
 #pragma unroll
-        for (int j = 0; j < NV; ++j) vr[u][j] = make_uint4(0, 0, 0, 0);
+        for (int j = 0; j < NV; ++j) vd[u][j] = make_uint4(0, 0, 0, 0);
       }
+    }
+  };
+
+  // With PF, the next step's loads are in flight while this step computes (unused otherwise).
+  uint4 kn[UK][NK], vn[UV][NV];
+  if (PF && wlo < whi) load(wlo, kn, vn);
+  for (int r0 = wlo; r0 < whi; r0 += RS) {
+    uint4 kr[UK][NK];
+    uint4 vr[UV][NV];
+    if (PF) {
+#pragma unroll
+      for (int u = 0; u < UK; ++u)
+#pragma unroll
+        for (int j = 0; j < NK; ++j) kr[u][j] = kn[u][j];
+#pragma unroll
+      for (int u = 0; u < UV; ++u)
+#pragma unroll
+        for (int j = 0; j < NV; ++j) vr[u][j] = vn[u][j];
+      if (r0 + RS < whi) load(r0 + RS, kn, vn);
+    } else {
+      load(r0, kr, vr);
     }
 
     // Logits of the step's rows; every lane of a row's lane group ends with the sum.
@@ -440,7 +465,7 @@ def cuda_plan(
         if view.window is not None:
             span = min(span, view.window)
         want = math.ceil(TARGET_WARPS / warps)
-        num_splits = max(1, min(want, span // MIN_SPLIT_TOKENS, MAX_SPLITS))
+        num_splits = max(1, min(want, math.isqrt(span // SPLIT_UNIT), MAX_SPLITS))
     plan.num_splits = max(1, min(num_splits, MAX_SPLITS))
     return plan
 
@@ -454,6 +479,7 @@ def _make_launch(
     num_warps: int | None,
     rows: int | None,
     head_warps: int | None,
+    prefetch: bool | None,
 ) -> Launch | None:
     """A function of the kernel's arrays that launches it for this call's shapes."""
     nw = num_warps or NUM_WARPS
@@ -464,10 +490,12 @@ def _make_launch(
     B, HQ, dv, S = plan.batch, plan.n_heads, plan.dv, plan.num_splits
     groups = plan.n_kv_heads * (plan.group // plan.heads_per_block)
     wh, _ = warp_layout(groups, nw, hw)
-    rs = rows_per_step(plan.dk, dv, view.keys.dtype.size, rows or ROWS_PER_STEP)
+    base = rows or (ROWS_PER_STEP if S == 1 else ROWS_PER_STEP_SPLIT)
+    rs = rows_per_step(plan.dk, dv, view.keys.dtype.size, base)
     # Logits live in the log2 domain (exp2f), so the scale carries log2(e).
     template = base_template(plan, queries, view, has_sinks, scale * LOG2E)
-    template += [("NW", nw), ("WH", wh), ("RS", rs)]
+    pf = PREFETCH if prefetch is None else prefetch
+    template += [("NW", nw), ("WH", wh), ("RS", rs), ("PF", pf)]
     blocks = groups // wh
     parts = (B, HQ, S) if S > 1 else (1,)  # unused without splits
     grid = (blocks * nw * 32, B, S)
@@ -503,6 +531,7 @@ def paged_decode_cuda(
     num_warps: int | None = None,
     rows: int | None = None,
     head_warps: int | None = None,
+    prefetch: bool | None = None,
 ) -> mx.array | None:
     """Run the CUDA kernel; ``None`` if this call's shapes or dtypes are not supported.
 
@@ -512,9 +541,11 @@ def paged_decode_cuda(
         scale, sinks: as in ``mx.fast.scaled_dot_product_attention``.
         num_splits: force the number of splits per sequence (1 turns split-K off);
             ``None`` picks one from the batch size and the table width.
-        num_warps, rows, head_warps: tuning overrides (warps per block; rows per
-            warp step for 256-byte rows; most head groups per block); ``None`` takes
-            ``NUM_WARPS`` / ``ROWS_PER_STEP`` / ``HEAD_WARPS``.
+        num_warps, rows, head_warps, prefetch: tuning overrides (warps per block;
+            rows per warp step for 256-byte rows; most head groups per block; load the
+            next step during this one); ``None`` takes ``NUM_WARPS`` /
+            ``ROWS_PER_STEP`` (``ROWS_PER_STEP_SPLIT`` with splits) / ``HEAD_WARPS`` /
+            ``PREFETCH``.
     """
     keys, values, tables = view.keys, view.values, view.block_tables
     # Decode calls repeat the same shapes layer after layer: build each launch once.
@@ -533,11 +564,20 @@ def paged_decode_cuda(
         num_warps,
         rows,
         head_warps,
+        prefetch,
     )
     launch = _launches.get(
         key,
         lambda: _make_launch(
-            queries, view, scale, sinks is not None, num_splits, num_warps, rows, head_warps
+            queries,
+            view,
+            scale,
+            sinks is not None,
+            num_splits,
+            num_warps,
+            rows,
+            head_warps,
+            prefetch,
         ),
     )
     if launch is None:
