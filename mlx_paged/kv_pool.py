@@ -35,6 +35,12 @@ class BlockTable:
     version: int = 0  # bumped whenever ``blocks`` or ``first`` changes
     ids: mx.array | None = field(default=None, repr=False)  # device copy of a span of blocks
     ids_key: tuple | None = field(default=None, repr=False)
+    # Pool slots (block * block_size + offset) of the span ``gather`` last read, and the
+    # (block, offset) index of the last one-token write: the layers of a step share them.
+    slots: mx.array | None = field(default=None, repr=False)
+    slots_key: tuple | None = field(default=None, repr=False)
+    write_at: mx.array | None = field(default=None, repr=False)
+    write_key: tuple | None = field(default=None, repr=False)
     # The mask make_mask last returned for this sequence's layers, so attention
     # can tell it from a mask the model made itself.
     mask: object = field(default=None, repr=False)
@@ -140,9 +146,14 @@ class KVPool:
             i = start // bs - table.first
             if i >= len(table.blocks) or self.blocks.is_shared(table.blocks[i]):
                 self.reserve(table, start, start + 1)
-            b, s = table.blocks[start // bs - table.first], start % bs
-            self.keys[layer][b, s] = self.to_storage(keys[0, :, 0])  # (H, Dk)
-            self.values[layer][b, s] = self.to_storage(values[0, :, 0])  # (H, Dv)
+            at = (table.blocks[start // bs - table.first], start % bs)
+            if table.write_key != at:
+                table.write_at, table.write_key = mx.array(at, dtype=mx.int32), at
+            _, h, _, dk = keys.shape
+            k = self.to_storage(keys.reshape(1, 1, h, dk))
+            v = self.to_storage(values.reshape(1, 1, h, values.shape[3]))
+            self.keys[layer] = mx.slice_update(self.keys[layer], k, table.write_at, (0, 1))
+            self.values[layer] = mx.slice_update(self.values[layer], v, table.write_at, (0, 1))
         else:
             self.reserve(table, start, start + n)
             k = self.to_storage(keys[0].swapaxes(0, 1))  # (n, H, Dk)
@@ -182,19 +193,16 @@ class KVPool:
 
         ``start`` must not precede the table's first retained block.
         """
-        bs = self.block_size
-        lo, hi = start // bs, -(-end // bs)
-        assert lo >= table.first, f"tokens from {start} were already given back"
-        ids = self._block_ids(table, lo, hi)
-        off = start - lo * bs
+        slots = self._token_slots(table, start, end)
         dtype = self.input_dtypes[layer]
 
         def read(pool: mx.array) -> mx.array:
-            x = pool[ids]  # (m, bs, H, D)
-            x = x.reshape(-1, *x.shape[2:])[off : off + end - start]  # (T, H, D)
-            x = x.swapaxes(0, 1)[None]  # (1, H, T, D)
-            # SDPA is several times slower on strided K/V than on a contiguous copy.
-            return mx.contiguous(x if x.dtype == dtype else x.astype(dtype))
+            nb, bs, h, d = pool.shape
+            by_head = pool.reshape(nb * bs, h, d).swapaxes(0, 1)  # (H, slots, D), a view
+            # Gathering along the slot axis writes a contiguous (H, T, D): SDPA is several
+            # times slower on strided K/V.
+            x = mx.take(by_head, slots, axis=1)[None]  # (1, H, T, D)
+            return x if x.dtype == dtype else x.astype(dtype)
 
         return read(self.keys[layer]), read(self.values[layer])
 
@@ -212,6 +220,19 @@ class KVPool:
         return self.blocks.bytes_per_block
 
     # ---- internals --------------------------------------------------------
+
+    def _token_slots(self, table: BlockTable, start: int, end: int) -> mx.array:
+        """Pool slots of tokens ``[start, end)``, reused while the table and span are unchanged."""
+        bs = self.block_size
+        lo, hi = start // bs, -(-end // bs)
+        assert lo >= table.first, f"tokens from {start} were already given back"
+        key = (table.version, start, end)
+        if table.slots_key != key:
+            ids = self._block_ids(table, lo, hi)
+            slots = (ids[:, None] * bs + mx.arange(bs, dtype=mx.int32)).reshape(-1)
+            off = start - lo * bs
+            table.slots, table.slots_key = slots[off : off + end - start], key
+        return table.slots
 
     def _block_ids(self, table: BlockTable, lo: int, hi: int) -> mx.array:
         """Block ids for logical blocks ``[lo, hi)``, reused while the table is unchanged."""
