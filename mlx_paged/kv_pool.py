@@ -35,12 +35,10 @@ class BlockTable:
     version: int = 0  # bumped whenever ``blocks`` or ``first`` changes
     ids: mx.array | None = field(default=None, repr=False)  # device copy of a span of blocks
     ids_key: tuple | None = field(default=None, repr=False)
-    # Pool slots (block * block_size + offset) of the span ``gather`` last read, and the
-    # (block, offset) index of the last one-token write: the layers of a step share them.
+    # Pool slots (block * block_size + offset) of the span ``gather`` last read: the
+    # layers of a step share them.
     slots: mx.array | None = field(default=None, repr=False)
     slots_key: tuple | None = field(default=None, repr=False)
-    write_at: mx.array | None = field(default=None, repr=False)
-    write_key: tuple | None = field(default=None, repr=False)
     # The mask make_mask last returned for this sequence's layers, so attention
     # can tell it from a mask the model made itself.
     mask: object = field(default=None, repr=False)
@@ -146,14 +144,12 @@ class KVPool:
             i = start // bs - table.first
             if i >= len(table.blocks) or self.blocks.is_shared(table.blocks[i]):
                 self.reserve(table, start, start + 1)
-            at = (table.blocks[start // bs - table.first], start % bs)
-            if table.write_key != at:
-                table.write_at, table.write_key = mx.array(at, dtype=mx.int32), at
-            _, h, _, dk = keys.shape
-            k = self.to_storage(keys.reshape(1, 1, h, dk))
-            v = self.to_storage(values.reshape(1, 1, h, values.shape[3]))
-            self.keys[layer] = mx.slice_update(self.keys[layer], k, table.write_at, (0, 1))
-            self.values[layer] = mx.slice_update(self.values[layer], v, table.write_at, (0, 1))
+            b, s = table.blocks[start // bs - table.first], start % bs
+            h = keys.shape[1]
+            # Integer indices make a static slice update, which MLX does in place; an
+            # index array (mx.slice_update) made a dynamic one that copied the pool.
+            self.keys[layer][b, s] = self.to_storage(keys.reshape(h, -1))  # (H, Dk)
+            self.values[layer][b, s] = self.to_storage(values.reshape(h, -1))  # (H, Dv)
         else:
             self.reserve(table, start, start + n)
             k = self.to_storage(keys[0].swapaxes(0, 1))  # (n, H, Dk)
