@@ -32,13 +32,19 @@ if TYPE_CHECKING:
     from ..attention import PagedView
 
 NUM_WARPS = 8
+# Warps per block for unsplit launches with at least WIDE_BLOCKS blocks (B=64 x 8 KV heads):
+# measured on an H100, 4 warps walking longer runs beat 8 by 2-6 % there.
+NUM_WARPS_WIDE = 4
+WIDE_BLOCKS = 512
 # Warps of a block that serve different head groups (at most). Measured on an H100, whole
 # blocks per head group (1) beat spreading a block over heads at every batch and length.
 HEAD_WARPS = 1
-# Rows one warp loads per step, for 256-byte rows (fp16 x 128): without splits (many
-# sequences), and with them (few). Measured on an H100, in graphs of dependent calls.
+# Rows one warp loads per step, for 256-byte rows (fp16 x 128): ROWS_PER_STEP when each
+# warp walks at least LONG_RUN rows, else ROWS_PER_STEP_SHORT. Measured on an H100 with
+# prefetch, in graphs of dependent calls (32 rows spilled registers and ran 3x slower).
 ROWS_PER_STEP = 16
-ROWS_PER_STEP_SPLIT = 8
+ROWS_PER_STEP_SHORT = 8
+LONG_RUN = 128
 PREFETCH = True  # load a warp's next step while it computes this one (measured 1.1-1.3x)
 # Split a sequence when the batch alone gives fewer warps than this. Measured on an H100
 # with prefetch: B=16 ran fastest unsplit; B=1 in sqrt(tokens / 64) splits (4 at 1k, 8 at
@@ -446,6 +452,12 @@ def warp_layout(groups: int, num_warps: int, head_warps: int) -> tuple[int, int]
     return wh, num_warps // wh
 
 
+def _span(view: PagedView) -> int:
+    """The most tokens one sequence's query reads: the table's width, or the window."""
+    span = view.block_tables.shape[1] * view.block_size
+    return span if view.window is None else min(span, view.window)
+
+
 def cuda_plan(
     queries: mx.array,
     view: PagedView,
@@ -461,9 +473,7 @@ def cuda_plan(
         groups = plan.n_kv_heads * (plan.group // plan.heads_per_block)
         _, wr = warp_layout(groups, num_warps, head_warps)
         warps = plan.batch * groups * wr  # warps with one split
-        span = view.block_tables.shape[1] * view.block_size
-        if view.window is not None:
-            span = min(span, view.window)
+        span = _span(view)
         want = math.ceil(TARGET_WARPS / warps)
         num_splits = max(1, min(want, math.isqrt(span // SPLIT_UNIT), MAX_SPLITS))
     plan.num_splits = max(1, min(num_splits, MAX_SPLITS))
@@ -489,8 +499,11 @@ def _make_launch(
         return None
     B, HQ, dv, S = plan.batch, plan.n_heads, plan.dv, plan.num_splits
     groups = plan.n_kv_heads * (plan.group // plan.heads_per_block)
-    wh, _ = warp_layout(groups, nw, hw)
-    base = rows or (ROWS_PER_STEP if S == 1 else ROWS_PER_STEP_SPLIT)
+    if num_warps is None and S == 1 and B * groups >= WIDE_BLOCKS:
+        nw = NUM_WARPS_WIDE
+    wh, wr = warp_layout(groups, nw, hw)
+    run = math.ceil(_span(view) / (S * wr))  # rows each warp walks
+    base = rows or (ROWS_PER_STEP if run >= LONG_RUN else ROWS_PER_STEP_SHORT)
     rs = rows_per_step(plan.dk, dv, view.keys.dtype.size, base)
     # Logits live in the log2 domain (exp2f), so the scale carries log2(e).
     template = base_template(plan, queries, view, has_sinks, scale * LOG2E)
@@ -543,8 +556,8 @@ def paged_decode_cuda(
             ``None`` picks one from the batch size and the table width.
         num_warps, rows, head_warps, prefetch: tuning overrides (warps per block;
             rows per warp step for 256-byte rows; most head groups per block; load the
-            next step during this one); ``None`` takes ``NUM_WARPS`` /
-            ``ROWS_PER_STEP`` (``ROWS_PER_STEP_SPLIT`` with splits) / ``HEAD_WARPS`` /
+            next step during this one); ``None`` takes ``NUM_WARPS`` (or ``NUM_WARPS_WIDE``) /
+            ``ROWS_PER_STEP`` or ``ROWS_PER_STEP_SHORT`` / ``HEAD_WARPS`` /
             ``PREFETCH``.
     """
     keys, values, tables = view.keys, view.values, view.block_tables
