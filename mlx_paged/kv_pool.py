@@ -39,6 +39,9 @@ class BlockTable:
     # layers of a step share them.
     slots: mx.array | None = field(default=None, repr=False)
     slots_key: tuple | None = field(default=None, repr=False)
+    # (block ids, offsets) of the chunk ``write_prefill`` last wrote, for the same reason.
+    write_index: tuple | None = field(default=None, repr=False)
+    write_key: tuple | None = field(default=None, repr=False)
     # The mask make_mask last returned for this sequence's layers, so attention
     # can tell it from a mask the model made itself.
     mask: object = field(default=None, repr=False)
@@ -154,9 +157,7 @@ class KVPool:
             self.reserve(table, start, start + n)
             k = self.to_storage(keys[0].swapaxes(0, 1))  # (n, H, Dk)
             v = self.to_storage(values[0].swapaxes(0, 1))  # (n, H, Dv)
-            pos = range(start, start + n)
-            ids = mx.array([table.blocks[p // bs - table.first] for p in pos], dtype=mx.int32)
-            slots = mx.array([p % bs for p in pos], dtype=mx.int32)
+            ids, slots = self._write_index(table, start, n)
             self.keys[layer][ids, slots] = k
             self.values[layer][ids, slots] = v
         table.lengths[layer] = start + n
@@ -216,6 +217,17 @@ class KVPool:
         return self.blocks.bytes_per_block
 
     # ---- internals --------------------------------------------------------
+
+    def _write_index(self, table: BlockTable, start: int, n: int) -> tuple[mx.array, mx.array]:
+        """(block id, offset) of tokens ``[start, start + n)``, shared by a step's layers."""
+        key = (table.version, start, n)
+        if table.write_key != key:
+            bs = self.block_size
+            lo, hi = start // bs, -(-(start + n) // bs)
+            pos = mx.arange(start, start + n, dtype=mx.int32)
+            ids = self._block_ids(table, lo, hi)[pos // bs - lo]
+            table.write_index, table.write_key = (ids, pos % bs), key
+        return table.write_index
 
     def _token_slots(self, table: BlockTable, start: int, end: int) -> mx.array:
         """Pool slots of tokens ``[start, end)``, reused while the table and span are unchanged."""
