@@ -143,13 +143,13 @@ def test_self_check_failures_decline_and_warn(caplog, monkeypatch):
     assert dispatch._verified("fake-right", right, batch.queries, batch.view, 0.125, None)
 
 
-def CUDA(test):
+def cuda_only(test):
     """Run ``test`` on a CUDA GPU; skip it elsewhere."""
     test = pytest.mark.skipif(not mx.cuda.is_available(), reason="needs a CUDA GPU")(test)
     return pytest.mark.gpu(test)
 
 
-@CUDA
+@cuda_only
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"L{c[0]}-d{c[3]}-w{c[6]}-s{c[7]}")
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
 @pytest.mark.parametrize("splits", [1, 3])
@@ -164,7 +164,7 @@ def test_cuda_kernel_matches_reference(config, dtype, splits):
     assert max_diff(got.astype(mx.float32), want) <= dispatch.TOLERANCE[dtype]
 
 
-@CUDA
+@cuda_only
 def test_cuda_split_launches_evaluated_together_keep_their_own_counters():
     # Independent launches may run concurrently in one CUDA graph; each must zero and
     # use its own split counters, or merges would read other launches' partials.
