@@ -15,7 +15,7 @@ from mlx_paged import attention, make_paged_cache
 from mlx_paged.attention import path_counts, set_attention_path
 from mlx_paged.kernels import dispatch
 from mlx_paged.kernels.cuda import paged_decode_cuda
-from mlx_paged.kernels.plan import plan_decode
+from mlx_paged.kernels.plan import LaunchCache, plan_decode
 from mlx_paged.kernels.reference import reference_paged_decode
 from mlx_paged.kernels.synthetic import dense_decode, random_paged_batch
 
@@ -141,6 +141,29 @@ def test_self_check_failures_decline_and_warn(caplog, monkeypatch):
         return reference_paged_decode(q, view, scale, sinks)
 
     assert dispatch._verified("fake-right", right, batch.queries, batch.view, 0.125, None)
+
+
+def test_launch_cache_makes_each_shape_once_and_drops_the_oldest():
+    made = []
+
+    def maker(k):
+        def make():
+            made.append(k)
+            return lambda x: x + k
+
+        return make
+
+    cache = LaunchCache(limit=2)
+    first = cache.get(("a",), maker(1))
+    assert cache.get(("a",), maker(1)) is first and made == [1]
+    assert first(mx.array(1)).item() == 2  # compiled, and computes what ``make`` returned
+    cache.get(("b",), maker(2))
+    cache.get(("c",), maker(3))
+    assert list(cache.fns) == [("b",), ("c",)] and made == [1, 2, 3]
+    assert cache.get(("a",), maker(4)) is not first and made == [1, 2, 3, 4]  # made again
+    declined = []
+    assert cache.get(("x",), lambda: declined.append(1)) is None
+    assert cache.get(("x",), lambda: declined.append(1)) is None and declined == [1]
 
 
 def cuda_only(test):

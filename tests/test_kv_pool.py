@@ -439,12 +439,21 @@ def test_bad_write_raises_value_error(keys, values, match):
         ),
     ],
 )
-def test_second_write_must_match_the_first(keys, values, match):
-    """Heads, head dims and dtype are fixed by a layer's first write."""
+@pytest.mark.parametrize("then_one", [False, True])
+def test_second_write_must_match_the_first(keys, values, match, then_one):
+    """Heads, head dims and dtype are fixed by a layer's first write.
+
+    A checked one-token write primes the shortcut that skips re-checking repeated
+    one-token writes; it must not let a different shape or dtype through.
+    """
     pool = KVPool(num_layers=1, block_size=4, num_blocks=4)
     table = pool.new_table()
     k, v = chunk(3)
     write(pool, table, 0, k, v)
+    if then_one:
+        k1, v1 = chunk(1)
+        write(pool, table, 0, k1, v1)
+        k, v = np.concatenate([k, k1], axis=2), np.concatenate([v, v1], axis=2)
     before = snapshot(pool, table)
     with pytest.raises(ValueError, match=match):
         pool.write_prefill(table, 0, keys, values)
