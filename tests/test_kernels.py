@@ -166,6 +166,38 @@ def test_launch_cache_makes_each_shape_once_and_drops_the_oldest():
     assert cache.get(("x",), lambda: declined.append(1)) is None and declined == [1]
 
 
+@pytest.mark.parametrize(
+    "batch, length, splits, warps, rows",
+    [(1, 1024, 4, 8, 8), (1, 16384, 16, 8, 16), (16, 4096, 1, 8, 16), (64, 1024, 1, 4, 16)],
+)
+def test_cuda_launch_parameters_without_a_gpu(monkeypatch, batch, length, splits, warps, rows):
+    """The CUDA launch's plumbing, with a stand-in for the kernel object (CPU runs no CUDA)."""
+    from mlx_paged.kernels import cuda
+
+    calls = []
+
+    def fake_kernel(**kw):
+        calls.append(kw)
+        shapes, dtypes = kw["output_shapes"], kw["output_dtypes"]
+        return [mx.zeros(s, dtype=d) for s, d in zip(shapes, dtypes, strict=True)]
+
+    monkeypatch.setattr(cuda, "_kernel_obj", [fake_kernel])
+    monkeypatch.setattr(cuda, "_launches", LaunchCache())
+    b = random_paged_batch([length] * batch, 32, 8, 128, 128, 16, mx.float16)
+    out = paged_decode_cuda(b.queries, b.view, 0.125, None)
+    assert out.shape == (batch, 32, 1, 128) and out.dtype == mx.float16
+    paged_decode_cuda(b.queries, b.view, 0.125, None)
+    (call,) = calls  # traced once, replayed after
+    t = dict(call["template"])
+    assert (t["NW"], t["RS"], t["PF"], t["HG"], t["G"]) == (warps, rows, True, 4, 4)
+    blocks = 8  # one per KV head: four query heads each, one head group per block
+    assert call["grid"] == (blocks * warps * 32, batch, splits)
+    assert call["threadgroup"] == (warps * 32, 1, 1)
+    counters = call["inputs"][7]
+    assert counters.shape == ((batch * blocks,) if splits > 1 else (1,))
+    assert counters.dtype == mx.int32
+
+
 def cuda_only(test):
     """Run ``test`` on a CUDA GPU; skip it elsewhere."""
     test = pytest.mark.skipif(not mx.cuda.is_available(), reason="needs a CUDA GPU")(test)

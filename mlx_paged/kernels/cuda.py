@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
-from .plan import DecodePlan, Launch, LaunchCache, base_template, plan_decode
+from .plan import DecodePlan, Launch, LaunchCache, base_template, call_key, plan_decode
 
 if TYPE_CHECKING:
     from ..attention import PagedView
@@ -560,25 +560,8 @@ def paged_decode_cuda(
             ``ROWS_PER_STEP`` or ``ROWS_PER_STEP_SHORT`` / ``HEAD_WARPS`` /
             ``PREFETCH``.
     """
-    keys, values, tables = view.keys, view.values, view.block_tables
     # Decode calls repeat the same shapes layer after layer: build each launch once.
-    key = (
-        queries.shape,
-        queries.dtype,
-        keys.shape,
-        keys.dtype,
-        values.shape,
-        values.dtype,
-        tables.shape,
-        view.window,
-        sinks is None,
-        scale,
-        num_splits,
-        num_warps,
-        rows,
-        head_warps,
-        prefetch,
-    )
+    key = call_key(queries, view, scale, sinks, num_splits, num_warps, rows, head_warps, prefetch)
     launch = _launches.get(
         key,
         lambda: _make_launch(
@@ -598,9 +581,9 @@ def paged_decode_cuda(
     no_sinks, spare = _spares()
     return launch(
         queries,
-        keys,
-        values,
-        _as(tables, mx.int32),
+        view.keys,
+        view.values,
+        _as(view.block_tables, mx.int32),
         _as(view.starts, mx.int32),
         _as(view.lengths, mx.int32),
         no_sinks if sinks is None else _as(sinks, mx.float32),

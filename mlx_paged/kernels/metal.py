@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
-from .plan import DecodePlan, Launch, LaunchCache, base_template, plan_decode
+from .plan import DecodePlan, Launch, LaunchCache, base_template, call_key, plan_decode
 
 if TYPE_CHECKING:
     from ..attention import PagedView
@@ -314,20 +314,7 @@ def paged_decode_metal(
     num_splits: int | None = None,
 ) -> mx.array | None:
     """Run the Metal kernel (never run here: see the module docstring); ``None`` to decline."""
-    keys, values, tables = view.keys, view.values, view.block_tables
-    key = (
-        queries.shape,
-        queries.dtype,
-        keys.shape,
-        keys.dtype,
-        values.shape,
-        values.dtype,
-        tables.shape,
-        view.window,
-        sinks is None,
-        scale,
-        num_splits,
-    )
+    key = call_key(queries, view, scale, sinks, num_splits)
     launch = _launches.get(
         key, lambda: _make_launch(queries, view, scale, sinks is not None, num_splits)
     )
@@ -337,5 +324,5 @@ def paged_decode_metal(
         if not _spare:
             _spare.append(mx.zeros((1,), dtype=mx.float32))
         sinks = _spare[0]
-    as_int = [x.astype(mx.int32) for x in (tables, view.starts, view.lengths)]
-    return launch(queries, keys, values, *as_int, sinks.astype(mx.float32))
+    as_int = [x.astype(mx.int32) for x in (view.block_tables, view.starts, view.lengths)]
+    return launch(queries, view.keys, view.values, *as_int, sinks.astype(mx.float32))

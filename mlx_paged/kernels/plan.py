@@ -97,6 +97,26 @@ def base_template(
     ]
 
 
+def call_key(
+    queries: mx.array, view: PagedView, scale: float, sinks: mx.array | None, *tuning: object
+) -> tuple:
+    """What a launch depends on: shapes, dtypes, window, sinks, scale and tuning overrides."""
+    keys, values = view.keys, view.values
+    return (
+        queries.shape,
+        queries.dtype,
+        keys.shape,
+        keys.dtype,
+        values.shape,
+        values.dtype,
+        view.block_tables.shape,
+        view.window,
+        sinks is None,
+        scale,
+        *tuning,
+    )
+
+
 Launch = Callable[..., mx.array]
 _MISSING = object()
 
