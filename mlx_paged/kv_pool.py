@@ -252,8 +252,10 @@ class KVPool:
 
     def check_write(self, layer: int, keys: mx.array, values: mx.array) -> None:
         """Raise ValueError unless ``(1, H, n, D)`` K/V fit the layer; create it on first use."""
-        if self._decode_ok.get(layer) == (keys.shape, values.shape, keys.dtype, values.dtype):
-            return  # the shapes of the layer's previous one-token write: checked then
+        ok = self._decode_ok.get(layer)
+        if ok is not None and isinstance(keys, mx.array) and isinstance(values, mx.array):
+            if ok == (keys.shape, values.shape, keys.dtype, values.dtype):
+                return  # the shapes of the layer's previous one-token write: checked then
         for name, x in (("keys", keys), ("values", values)):
             if not isinstance(x, mx.array) or x.ndim != 4 or x.shape[0] != 1:
                 shape = getattr(x, "shape", type(x).__name__)

@@ -410,6 +410,7 @@ def f32(*shape):
         (f32(1, 2, 3, 4), f32(2, 3, 4), "values must be an mx.array shaped"),
         (f32(2, 2, 3, 4), f32(2, 2, 3, 4), "for one sequence"),
         (np.zeros((1, 2, 3, 4), np.float32), f32(1, 2, 3, 4), "keys must be an mx.array"),
+        ([[[[0.0]]]], f32(1, 1, 1, 1), "keys must be an mx.array"),
         (f32(1, 2, 3, 4), f32(1, 2, 2, 4), "must agree on batch, heads, tokens"),
         (f32(1, 2, 3, 4), f32(1, 1, 3, 4), "must agree on batch, heads, tokens"),
         (f32(1, 2, 3, 4), mx.zeros((1, 2, 3, 4), mx.bfloat16), "must share a dtype"),

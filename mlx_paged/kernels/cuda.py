@@ -26,7 +26,15 @@ from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
-from .plan import DecodePlan, Launch, LaunchCache, base_template, call_key, plan_decode
+from .plan import (
+    DecodePlan,
+    Launch,
+    LaunchCache,
+    base_template,
+    call_key,
+    placeholder,
+    plan_decode,
+)
 
 if TYPE_CHECKING:
     from ..attention import PagedView
@@ -419,17 +427,6 @@ def _as(x: mx.array, dtype: mx.Dtype) -> mx.array:
     return x if x.dtype == dtype else x.astype(dtype)
 
 
-_spare: list[mx.array] = []
-
-
-def _spares() -> tuple[mx.array, mx.array]:
-    """One-element stand-ins for absent sinks and unused counters (never read)."""
-    if not _spare:
-        _spare.extend([mx.zeros((1,), dtype=mx.float32), mx.zeros((1,), dtype=mx.int32)])
-        mx.eval(_spare)
-    return _spare[0], _spare[1]
-
-
 def rows_per_step(dk: int, dv: int, itemsize: int, base: int = ROWS_PER_STEP) -> int:
     """Rows a warp loads per step: ``base`` for 256-byte rows, fewer for wider rows.
 
@@ -517,8 +514,8 @@ def _make_launch(
     output_dtypes = [queries.dtype, mx.float32, mx.float32, mx.float32]
     slots = B * blocks if S > 1 else 0  # split counters: one per (sequence, block column)
 
-    def launch(q, keys, values, tables, starts, lengths, sinks, spare):
-        counters = mx.zeros((slots,), dtype=mx.int32) if slots else spare
+    def launch(q, keys, values, tables, starts, lengths, sinks, no_counters):
+        counters = mx.zeros((slots,), dtype=mx.int32) if slots else no_counters
         return _kernel()(
             inputs=[q, keys, values, tables, starts, lengths, sinks, counters],
             template=template,
@@ -578,7 +575,6 @@ def paged_decode_cuda(
     )
     if launch is None:
         return None
-    no_sinks, spare = _spares()
     return launch(
         queries,
         view.keys,
@@ -586,6 +582,6 @@ def paged_decode_cuda(
         _as(view.block_tables, mx.int32),
         _as(view.starts, mx.int32),
         _as(view.lengths, mx.int32),
-        no_sinks if sinks is None else _as(sinks, mx.float32),
-        spare,
+        placeholder(mx.float32) if sinks is None else _as(sinks, mx.float32),
+        placeholder(mx.int32),  # the counters, when the launch has no splits
     )

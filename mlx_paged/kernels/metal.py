@@ -18,7 +18,15 @@ from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
-from .plan import DecodePlan, Launch, LaunchCache, base_template, call_key, plan_decode
+from .plan import (
+    DecodePlan,
+    Launch,
+    LaunchCache,
+    base_template,
+    call_key,
+    placeholder,
+    plan_decode,
+)
 
 if TYPE_CHECKING:
     from ..attention import PagedView
@@ -303,7 +311,6 @@ def _make_launch(
 
 
 _launches = LaunchCache()
-_spare: list[mx.array] = []
 
 
 def paged_decode_metal(
@@ -321,8 +328,6 @@ def paged_decode_metal(
     if launch is None:
         return None
     if sinks is None:
-        if not _spare:
-            _spare.append(mx.zeros((1,), dtype=mx.float32))
-        sinks = _spare[0]
+        sinks = placeholder(mx.float32)
     as_int = [x.astype(mx.int32) for x in (view.block_tables, view.starts, view.lengths)]
     return launch(queries, view.keys, view.values, *as_int, sinks.astype(mx.float32))

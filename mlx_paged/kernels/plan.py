@@ -72,6 +72,17 @@ def plan_decode(queries: mx.array, view: PagedView, max_lanes_elems: int = 32) -
     return DecodePlan(B, n_heads, n_kv, group, hg, dk, dv)
 
 
+_placeholders: dict[mx.Dtype, mx.array] = {}
+
+
+def placeholder(dtype: mx.Dtype) -> mx.array:
+    """An evaluated one-element array for a kernel input the call does not use."""
+    if dtype not in _placeholders:
+        _placeholders[dtype] = mx.zeros((1,), dtype=dtype)
+        mx.eval(_placeholders[dtype])
+    return _placeholders[dtype]
+
+
 def float_bits(x: float) -> int:
     """The float32 bits of ``x`` as an int: a float constant passed as a template argument."""
     return struct.unpack("<i", struct.pack("<f", x))[0]
