@@ -17,7 +17,12 @@ Which path runs is chosen by ``set_attention_path`` or the environment variable
 ``MLX_PAGED_ATTENTION``: ``auto`` (default: fused kernels where the device has
 one and it passed its self-check), ``kernel`` (always offer eligible calls to
 the kernels; if none runs on this device, warn once and gather) or ``gather``.
-The CUDA and Metal kernels of ``mlx_paged.kernels`` are registered at import.
+
+Prefill calls (more than one query) read the blocks into contiguous K/V for
+SDPA; ``fused_read`` offers that read to the device kernels of ``READERS``
+(one 16-byte-wide copy of K and V) unless the path is ``gather``, which keeps
+every read in portable MLX ops. The CUDA and Metal kernels of
+``mlx_paged.kernels`` are registered at import.
 """
 
 from __future__ import annotations
@@ -89,6 +94,14 @@ KERNELS: list[Callable[[mx.array, PagedView, float, mx.array | None], mx.array |
 
 #: How many attention calls each path served, e.g. ``{"gather": 96}``.
 path_counts: Counter[str] = Counter()
+
+#: Fused block reads for prefill, tried in order by ``fused_read``. Each is called as
+#: ``reader(keys, values, slots)`` with a layer's pool arrays and ``(B, T)`` int32
+#: slots, and returns ``(B, H, T, D)`` K and V in the pool's dtype, or ``None``.
+READERS: list[Callable[[mx.array, mx.array, mx.array], tuple[mx.array, mx.array] | None]] = []
+
+#: How many prefill block reads each reader served, e.g. ``{"cuda_block_read": 16}``.
+read_counts: Counter[str] = Counter()
 
 
 def _initial_path() -> str:
@@ -172,6 +185,24 @@ def paged_attention(
     )
 
 
+def fused_read(
+    keys: mx.array, values: mx.array, slots: mx.array
+) -> tuple[mx.array, mx.array] | None:
+    """Tokens at pool ``slots`` ``(B, T)`` read by a device kernel, or ``None``.
+
+    ``None`` (the caller reads with portable MLX ops) when the path is
+    ``"gather"`` or no entry of ``READERS`` takes the call.
+    """
+    if _path == "gather":
+        return None
+    for reader in READERS:
+        out = reader(keys, values, slots)
+        if out is not None:
+            read_counts[getattr(reader, "__name__", "reader")] += 1
+            return out
+    return None
+
+
 _paged_types: tuple[type, ...] = ()  # set on first use: the cache modules import this one
 
 
@@ -213,11 +244,14 @@ def route_attention() -> int:
 
 
 def _register_device_kernels() -> None:
-    from .kernels import DEVICE_KERNELS
+    from .kernels import DEVICE_KERNELS, DEVICE_READERS
 
     for kernel in DEVICE_KERNELS:
         if kernel not in KERNELS:
             KERNELS.append(kernel)
+    for reader in DEVICE_READERS:
+        if reader not in READERS:
+            READERS.append(reader)
 
 
 _register_device_kernels()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .attention import Fetched, PagedView
+from .attention import Fetched, PagedView, fused_read
 from .kv_pool import BlockTable, KVPool
 
 
@@ -53,6 +53,7 @@ class DecodeBatch:
         self.write_slots = (self.offset[:, None] + mx.arange(n_new)[None]) % bs  # (B, n_new)
         self.width = width * bs
         self.masks: dict[int | None, mx.array] = {}
+        self._slots: mx.array | None = None
 
     def mask(self, window: int | None) -> mx.array:
         """``(B, 1, n_new, width)`` bool: which gathered keys each query may see."""
@@ -65,11 +66,27 @@ class DecodeBatch:
             self.masks[window] = ok[:, None]
         return self.masks[window]
 
+    def slots(self, bs: int) -> mx.array:
+        """``(B, width)`` pool slots of the gathered tokens (made once per step)."""
+        if self._slots is None:
+            B = self.block_tables.shape[0]
+            ids = self.block_tables[:, :, None] * bs + mx.arange(bs, dtype=mx.int32)
+            self._slots = ids.reshape(B, -1)
+        return self._slots
+
     def finish(self) -> None:
         """Record the step's tokens in every table (after the forward)."""
         for t in self.tables:
             n = t.lengths[0] + self.n_new
             t.lengths[:] = [n] * len(t.lengths)
+
+
+def _take_blocks(pool: mx.array, block_tables: mx.array) -> mx.array:
+    """``(B, H, width, D)``: the blocks of each row of ``block_tables``, with portable ops."""
+    x = pool[block_tables]  # (B, M, bs, H, D)
+    B, M, bs, H, D = x.shape
+    # The reshape copies into the contiguous layout SDPA is fastest on.
+    return x.transpose(0, 3, 1, 2, 4).reshape(B, H, M * bs, D)
 
 
 class BatchPagedKVCache:
@@ -99,15 +116,13 @@ class BatchPagedKVCache:
         p.keys[layer][b.write_ids, b.write_slots] = k
         p.values[layer][b.write_ids, b.write_slots] = v
         dtype = p.input_dtypes[layer]
-
-        def read(pool: mx.array) -> mx.array:
-            x = pool[b.block_tables]  # (B, M, bs, H, D)
-            B, M, bs, H, D = x.shape
-            # The reshape copies into the contiguous layout SDPA is fastest on.
-            x = x.transpose(0, 3, 1, 2, 4).reshape(B, H, M * bs, D)  # (B, H, width, D)
-            return x if x.dtype == dtype else x.astype(dtype)
-
-        keys, values = read(p.keys[layer]), read(p.values[layer])
+        # A prefill step's attention reads the gathered K/V: let a device kernel copy them.
+        # A decode step's fused kernel reads the blocks itself and leaves them unevaluated.
+        pk, pv = p.keys[layer], p.values[layer]
+        read = fused_read(pk, pv, b.slots(p.block_size)) if b.n_new > 1 else None
+        keys, values = read or (_take_blocks(pk, b.block_tables), _take_blocks(pv, b.block_tables))
+        if keys.dtype != dtype:
+            keys, values = keys.astype(dtype), values.astype(dtype)
         self._fetched = Fetched(keys, values)
         return keys, values
 

@@ -75,6 +75,9 @@ class BlockPool:
         self.parked: set[int] = set()
         self.on_evict = on_evict
         self.bytes_per_block = 0
+        # Counts every added holder (retain, park): a private block stays private while
+        # this is unchanged, so writers may skip re-checking blocks they just reserved.
+        self.shares = 0
         self._free: deque[int] = deque()
         self._cached: OrderedDict[int, None] = OrderedDict()  # oldest first
         self._grow(num_blocks or 0)
@@ -129,6 +132,7 @@ class BlockPool:
             raise ValueError(f"block {block_id} is free; allocate it instead of retaining it.")
         self._cached.pop(block_id, None)
         self.refcounts[block_id] += 1
+        self.shares += 1
 
     def release(self, block_id: int) -> None:
         """Drop a holder; a block nobody holds goes back to the free list."""
@@ -156,6 +160,7 @@ class BlockPool:
             raise ValueError(f"block {block_id} is free; only written blocks can be parked.")
         self.parked.add(block_id)
         self.refcounts[block_id] += 1
+        self.shares += 1
 
     def unpark(self, block_id: int) -> None:
         """Drop the prefix index's reference to a block."""

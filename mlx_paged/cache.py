@@ -64,7 +64,7 @@ class PagedKVCache:
         start = self.offset
         self.pool.write_prefill(self.table, self.layer, keys, values)
         keys, values = self.pool.gather(
-            self.table, self.layer, self._read_start(start), self.offset
+            self.table, self.layer, self._read_start(start), self.offset, fused=keys.shape[2] > 1
         )
         self._fetched = Fetched(keys, values)
         if self.window is not None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from .attention import fused_read
 from .block_pool import BlockPool, PoolExhaustedError
 
 
@@ -39,6 +40,9 @@ class BlockTable:
     # layers of a step share them.
     slots: mx.array | None = field(default=None, repr=False)
     slots_key: tuple | None = field(default=None, repr=False)
+    # (version, start, end, pool shares) of the span ``reserve`` last made private: the
+    # later layers of a prefill step skip the check while nothing changed.
+    reserved_key: tuple | None = field(default=None, repr=False)
     # (block ids, offsets) of the chunk ``write_prefill`` last wrote, for the same reason.
     write_index: tuple | None = field(default=None, repr=False)
     write_key: tuple | None = field(default=None, repr=False)
@@ -154,7 +158,8 @@ class KVPool:
             self.keys[layer][b, s] = self.to_storage(keys.reshape(h, -1))  # (H, Dk)
             self.values[layer][b, s] = self.to_storage(values.reshape(h, -1))  # (H, Dv)
         else:
-            self.reserve(table, start, start + n)
+            if table.reserved_key != (table.version, start, start + n, self.blocks.shares):
+                self.reserve(table, start, start + n)
             k = self.to_storage(keys[0].swapaxes(0, 1))  # (n, H, Dk)
             v = self.to_storage(values[0].swapaxes(0, 1))  # (n, H, Dv)
             ids, slots = self._write_index(table, start, n)
@@ -184,24 +189,22 @@ class KVPool:
     # ---- reads ------------------------------------------------------------
 
     def gather(
-        self, table: BlockTable, layer: int, start: int, end: int
+        self, table: BlockTable, layer: int, start: int, end: int, fused: bool = False
     ) -> tuple[mx.array, mx.array]:
         """Tokens ``[start, end)`` of one layer as ``(1, H, end - start, D)`` K and V.
 
-        ``start`` must not precede the table's first retained block.
+        ``start`` must not precede the table's first retained block. ``fused`` lets a
+        device kernel do the read (``attention.fused_read``): worth it for a prefill
+        chunk, whose attention reads these arrays, but not for a decode step, whose
+        fused attention kernel never evaluates them while the kernel call would
+        still cost host time.
         """
-        slots = self._token_slots(table, start, end)
+        slots = self._token_slots(table, start, end)  # (1, T)
+        keys, values = self.keys[layer], self.values[layer]
+        read = fused_read(keys, values, slots) if fused else None
+        k, v = read or (_take_slots(keys, slots), _take_slots(values, slots))
         dtype = self.input_dtypes[layer]
-
-        def read(pool: mx.array) -> mx.array:
-            nb, bs, h, d = pool.shape
-            by_head = pool.reshape(nb * bs, h, d).swapaxes(0, 1)  # (H, slots, D), a view
-            # Gathering along the slot axis writes a contiguous (H, T, D): SDPA is several
-            # times slower on strided K/V.
-            x = mx.take(by_head, slots, axis=1)[None]  # (1, H, T, D)
-            return x if x.dtype == dtype else x.astype(dtype)
-
-        return read(self.keys[layer]), read(self.values[layer])
+        return (k, v) if k.dtype == dtype else (k.astype(dtype), v.astype(dtype))
 
     def table_ids(self, table: BlockTable) -> mx.array:
         """The retained block ids of a table as an int32 array (cached until it changes)."""
@@ -230,7 +233,7 @@ class KVPool:
         return table.write_index
 
     def _token_slots(self, table: BlockTable, start: int, end: int) -> mx.array:
-        """Pool slots of tokens ``[start, end)``, reused while the table and span are unchanged."""
+        """``(1, T)`` pool slots of tokens ``[start, end)``, reused while table and span hold."""
         bs = self.block_size
         lo, hi = start // bs, -(-end // bs)
         assert lo >= table.first, f"tokens from {start} were already given back"
@@ -239,7 +242,7 @@ class KVPool:
             ids = self._block_ids(table, lo, hi)
             slots = (ids[:, None] * bs + mx.arange(bs, dtype=mx.int32)).reshape(-1)
             off = start - lo * bs
-            table.slots, table.slots_key = slots[off : off + end - start], key
+            table.slots, table.slots_key = slots[None, off : off + end - start], key
         return table.slots
 
     def _block_ids(self, table: BlockTable, lo: int, hi: int) -> mx.array:
@@ -380,6 +383,7 @@ class KVPool:
         if missing:
             table.blocks.extend(self._allocate(missing))
             table.version += 1
+        table.reserved_key = (table.version, start, end, self.blocks.shares)
 
     def _shared_in(self, table: BlockTable, start: int, end: int) -> list[int]:
         """Indices into ``table.blocks`` of shared blocks that tokens ``[start, end)`` touch."""
@@ -390,6 +394,15 @@ class KVPool:
     def _missing(self, table: BlockTable, end: int) -> int:
         """Blocks to append so that ``table`` reaches token ``end``."""
         return max(0, -(-end // self.block_size) - table.first - len(table.blocks))
+
+
+def _take_slots(pool: mx.array, slots: mx.array) -> mx.array:
+    """``(1, H, T, D)``: the pool rows at ``(1, T)`` slots, with portable MLX ops."""
+    nb, bs, h, d = pool.shape
+    by_head = pool.reshape(nb * bs, h, d).swapaxes(0, 1)  # (H, slots, D), a view
+    # Gathering along the slot axis writes a contiguous (H, 1, T, D): SDPA is several
+    # times slower on strided K/V.
+    return mx.take(by_head, slots, axis=1).reshape(1, h, slots.shape[1], d)
 
 
 def _release_quietly(pool: BlockPool, blocks: list[int]) -> None:

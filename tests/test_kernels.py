@@ -13,11 +13,15 @@ from tiny_models import tiny_model
 
 from mlx_paged import attention, make_paged_cache
 from mlx_paged.attention import path_counts, set_attention_path
+from mlx_paged.batch_cache import BatchPagedKVCache, DecodeBatch
+from mlx_paged.cache import PagedKVCache
 from mlx_paged.kernels import dispatch
 from mlx_paged.kernels.cuda import paged_decode_cuda
 from mlx_paged.kernels.plan import LaunchCache, plan_decode
+from mlx_paged.kernels.read import read_reason, take_blocks
 from mlx_paged.kernels.reference import reference_paged_decode
 from mlx_paged.kernels.synthetic import dense_decode, random_paged_batch
+from mlx_paged.kv_pool import KVPool
 
 # (lengths, n_heads, n_kv_heads, dk, dv, block_size, window, sinks, first_blocks)
 CONFIGS = [
@@ -143,6 +147,108 @@ def test_self_check_failures_decline_and_warn(caplog, monkeypatch):
     assert dispatch._verified("fake-right", right, batch.queries, batch.view, 0.125, None)
 
 
+@pytest.fixture
+def recording_reader(monkeypatch):
+    """A stand-in device reader (the portable read, recorded) as the only ``READERS`` entry."""
+    calls = []
+
+    def reader(keys, values, slots):
+        calls.append(slots.shape)
+        return take_blocks(keys, values, slots)
+
+    monkeypatch.setattr(attention, "READERS", [reader])
+    set_attention_path("auto")
+    yield calls
+    set_attention_path("auto")
+
+
+def test_only_prefill_reads_are_offered_to_readers(recording_reader):
+    pool = KVPool(num_layers=1, block_size=4)
+    cache = PagedKVCache(pool, pool.new_table(), 0)
+    k, v = (mx.random.normal((1, 2, 7, 8)) for _ in range(2))
+    got = cache.update_and_fetch(k, v)
+    assert recording_reader == [(1, 7)]
+    assert all(mx.array_equal(g, x).item() for g, x in zip(got, (k, v), strict=True))
+    k1, v1 = (mx.random.normal((1, 2, 1, 8)) for _ in range(2))
+    got = cache.update_and_fetch(k1, v1)  # a decode step: its kernel reads the blocks
+    assert recording_reader == [(1, 7)]
+    assert mx.array_equal(got[0], mx.concatenate([k, k1], axis=2)).item()
+    set_attention_path("gather")
+    cache.update_and_fetch(k, v)
+    assert recording_reader == [(1, 7)]
+
+
+def test_batched_prefill_read_matches_the_portable_read(recording_reader, monkeypatch):
+    pool = KVPool(num_layers=1, block_size=4)
+    tables = [pool.new_table() for _ in range(2)]
+    for t, n in zip(tables, (9, 3), strict=True):
+        pool.write_prefill(t, 0, *(mx.random.normal((1, 2, n, 8)) for _ in range(2)))
+        pool.reserve(t, n, n + 3)
+    new = [mx.random.normal((2, 2, 3, 8)) for _ in range(2)]
+
+    def step():
+        batch = DecodeBatch(pool, tables, None, n_new=3)
+        out = BatchPagedKVCache(pool, batch, 0).update_and_fetch(*new)
+        mx.eval(out)
+        return out
+
+    fused = step()
+    assert recording_reader == [(2, 12)]  # 3 blocks of 4 per row
+    monkeypatch.setattr(attention, "READERS", [])
+    portable = step()
+    for a, b in zip(fused, portable, strict=True):
+        assert a.shape == (2, 2, 12, 8) and mx.array_equal(a, b).item()
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt_oss"])
+def test_models_prefill_through_a_reader_match_dense(family, recording_reader):
+    model = tiny_model(family)
+    prompt = prompt_tokens(45)
+    dense_tokens, dense = run_generate_step(model, prompt, make_prompt_cache(model))
+    tokens, paged = run_generate_step(model, prompt, make_paged_cache(model, BLOCK))
+    assert recording_reader and all(shape[1] > 1 for shape in recording_reader)
+    assert tokens == dense_tokens
+    assert max_diff(dense, paged) <= 1e-4
+
+
+def test_read_reason_declines_what_the_kernels_cannot_copy():
+    k = mx.zeros((4, 8, 2, 64), dtype=mx.float16)
+    slots = mx.zeros((1, 5), dtype=mx.int32)
+    assert read_reason(k, k, slots) is None
+    assert "slots" in read_reason(k, k, slots[0])
+    assert "slots" in read_reason(k, k, slots.astype(mx.int64))
+    assert "dtypes" in read_reason(k, k.astype(mx.float32), slots)
+    odd = mx.zeros((4, 8, 2, 6), dtype=mx.float16)  # 12-byte rows
+    assert "16-byte" in read_reason(odd, odd, slots)
+    for reader in dispatch.DEVICE_READERS:  # off their device, readers decline
+        assert reader(k, k, slots) is None
+
+
+def test_block_read_self_check_failures_decline_and_warn(caplog, monkeypatch):
+    monkeypatch.setattr(dispatch, "backend_available", lambda backend: True)
+    k = mx.random.normal((4, 8, 2, 64)).astype(mx.float16)
+    slots = mx.array([[5, 9, 30]], dtype=mx.int32)
+
+    def right(backend, keys, values, slots):
+        return tuple(mx.contiguous(x) for x in take_blocks(keys, values, slots))
+
+    def wrong(backend, keys, values, slots):
+        return tuple(x + 1 for x in take_blocks(keys, values, slots))
+
+    def broken(backend, keys, values, slots):
+        raise RuntimeError("Failed to compile kernel: boom")
+
+    with caplog.at_level(logging.WARNING, logger="mlx_paged.kernels"):
+        for run in (wrong, broken):
+            monkeypatch.setattr(dispatch, "read_blocks", run)
+            assert dispatch._device_reader("fake", "fake")(k, k, slots) is None
+    assert "differs from mx.take" in caplog.text
+    assert "failed its self-check (RuntimeError" in caplog.text
+    monkeypatch.setattr(dispatch, "read_blocks", right)
+    got = dispatch._device_reader("fake", "fake")(k, k, slots)
+    assert got is not None and mx.array_equal(got[0], take_blocks(k, k, slots)[0]).item()
+
+
 def test_launch_cache_makes_each_shape_once_and_drops_the_oldest():
     made = []
 
@@ -217,6 +323,23 @@ def test_cuda_kernel_matches_reference(config, dtype, splits):
         want = want.astype(mx.float32)
     got = paged_decode_cuda(batch.queries, batch.view, scale, batch.sinks, splits)
     assert max_diff(got.astype(mx.float32), want) <= dispatch.TOLERANCE[dtype]
+
+
+@cuda_only
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("heads_dims", [(8, 64, 8, 64), (2, 256, 2, 256), (1, 192, 1, 128)])
+@pytest.mark.parametrize("bs", [8, 16])
+@pytest.mark.parametrize("batch, tokens", [(1, 1), (1, 77), (3, 1029)])
+def test_cuda_block_read_copies_exactly(dtype, heads_dims, bs, batch, tokens):
+    hk, dk, hv, dv = heads_dims
+    nb = batch * tokens // bs + 5
+    keys = mx.random.normal((nb, bs, hk, dk)).astype(dtype)
+    values = mx.random.normal((nb, bs, hv, dv)).astype(dtype)
+    slots = mx.random.randint(0, nb * bs, (batch, tokens)).astype(mx.int32)
+    got = dispatch.cuda_block_read(keys, values, slots)
+    assert got is not None
+    for g, w in zip(got, take_blocks(keys, values, slots), strict=True):
+        assert g.shape == w.shape and g.dtype == dtype and mx.array_equal(g, w).item()
 
 
 @cuda_only

@@ -203,6 +203,38 @@ def test_truncated_fork_copies_before_overwriting():
     assert_visible(pool, t2, 0, k, v)
 
 
+def test_later_layers_of_a_step_reuse_the_reservation(monkeypatch):
+    """Layer 0 reserves a prefill chunk's blocks; the other layers of the step do not."""
+    pool = KVPool(num_layers=3, block_size=4, num_blocks=8)
+    table = pool.new_table()
+    calls = []
+    reserve = pool.reserve
+    monkeypatch.setattr(pool, "reserve", lambda *a: calls.append(a[1:]) or reserve(*a))
+    k, v = chunk(6)
+    for layer in range(3):
+        write(pool, table, layer, k, v)
+    assert calls == [(0, 6)] and table.blocks == [0, 1]
+    for layer in range(3):
+        assert_visible(pool, table, layer, k, v)
+
+
+def test_fork_between_layers_still_copies_on_write():
+    """A fork taken after layer 0 reserved the chunk makes layer 1 copy the shared blocks."""
+    pool = KVPool(num_layers=2, block_size=4, num_blocks=8)
+    t1 = pool.new_table()
+    k, v = chunk(6)
+    write(pool, t1, 0, k, v)
+    t2 = pool.fork(t1)  # shares blocks 0 and 1, which layer 1 has not written yet
+    k1, v1 = chunk(6)
+    write(pool, t1, 1, k1, v1)
+    assert t2.blocks == [0, 1] and sorted(t1.blocks) == [2, 3]
+    assert pool.blocks.refcounts[:4] == [1, 1, 1, 1]
+    pool.blocks.check_invariants(tables=[t1.blocks, t2.blocks])
+    assert_visible(pool, t1, 0, k, v)
+    assert_visible(pool, t1, 1, k1, v1)
+    assert_visible(pool, t2, 0, k, v)
+
+
 def test_fork_after_drop_before_keeps_the_window():
     """A fork of a table that gave back its head blocks reads the same tokens."""
     pool = KVPool(num_layers=1, block_size=4, num_blocks=6)

@@ -19,6 +19,7 @@ import mlx.core as mx
 from .cuda import paged_decode_cuda
 from .metal import paged_decode_metal
 from .plan import plan_decode
+from .read import read_blocks, read_reason, take_blocks
 from .reference import reference_paged_decode
 
 if TYPE_CHECKING:
@@ -166,3 +167,68 @@ cuda_paged_decode = _device_kernel("cuda", paged_decode_cuda, "cuda_paged_decode
 metal_paged_decode = _device_kernel("metal", paged_decode_metal, "metal_paged_decode")
 
 DEVICE_KERNELS = [cuda_paged_decode, metal_paged_decode]
+
+
+def read_self_check(backend: str, keys: mx.array, values: mx.array) -> bool:
+    """Whether the ``backend`` block read copies random pools shaped like these exactly.
+
+    Two sequences whose slots cross blocks in shuffled order and end mid-block.
+    Raises whatever compiling or running the kernel raises.
+    """
+    bs = keys.shape[1]
+    key = mx.random.key(11)
+    pools = [
+        mx.random.normal((6, bs, *x.shape[2:]), key=mx.random.split(key)[i]).astype(x.dtype)
+        for i, x in enumerate((keys, values))
+    ]
+    blocks = mx.array([[4, 1, 3], [2, 5, 0]], dtype=mx.int32)
+    slots = (blocks[:, :, None] * bs + mx.arange(bs, dtype=mx.int32)).reshape(2, -1)
+    slots = slots[:, : 2 * bs + 3]
+    got = read_blocks(backend, *pools, slots)
+    if got is None:
+        raise RuntimeError("the kernel declined its own self-check inputs")
+    want = take_blocks(*pools, slots)
+    return all(mx.array_equal(g, w).item() for g, w in zip(got, want, strict=True))
+
+
+def _device_reader(backend: str, name: str):
+    verdicts: dict[tuple, bool] = {}
+
+    def reader(
+        keys: mx.array, values: mx.array, slots: mx.array
+    ) -> tuple[mx.array, mx.array] | None:
+        if not backend_available(backend) or read_reason(keys, values, slots):
+            return None
+        variant = (keys.shape[1:], keys.dtype, values.shape[1:], values.dtype)
+        if variant not in verdicts:
+            try:
+                ok = read_self_check(backend, keys, values)
+                if not ok:
+                    logger.warning(
+                        "mlx_paged: %s block read differs from mx.take for %s; "
+                        "using the portable read for it.",
+                        backend,
+                        variant,
+                    )
+            except Exception as e:
+                ok = False
+                logger.warning(
+                    "mlx_paged: %s block read failed its self-check (%s: %s); "
+                    "using the portable read for it.",
+                    backend,
+                    type(e).__name__,
+                    str(e).splitlines()[0] if str(e) else "",
+                )
+            verdicts[variant] = ok
+        return read_blocks(backend, keys, values, slots) if verdicts[variant] else None
+
+    reader.__name__ = reader.__qualname__ = name
+    reader.__doc__ = f"``READERS`` entry for the {backend} block read (self-checked)."
+    return reader
+
+
+#: The block reads as ``READERS`` entries (the Metal one never run here).
+cuda_block_read = _device_reader("cuda", "cuda_block_read")
+metal_block_read = _device_reader("metal", "metal_block_read")
+
+DEVICE_READERS = [cuda_block_read, metal_block_read]
