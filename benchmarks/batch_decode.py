@@ -6,8 +6,11 @@ per-sequence lengths, the fused kernel where it runs) against mlx-lm's
 ``BatchKVCache`` (left-padded, as ``BatchGenerator`` holds it).
 
 Prefill: one sequence holding ``--prefix`` tokens takes a ``--suffix``-token
-chunk; the paged cache gathers its blocks and runs MLX's SDPA (the path for
-queries > 1) against mlx-lm's ``KVCache``.
+chunk: mlx-lm's ``KVCache`` against the paged cache, which reads its blocks into
+contiguous K/V for MLX's SDPA (the path for queries > 1) with the device's
+block-read kernel (``paged``) or with portable MLX ops (``paged-portable``). The
+cases take turns for ``--repeats`` rounds; each keeps its best time, and the
+host time to build the step's graph is shown beside it.
 
 Usage:
     python benchmarks/batch_decode.py --dtype float16                 # on a GPU
@@ -24,7 +27,7 @@ from decode import llama_1b
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from mlx_paged import make_paged_cache
-from mlx_paged.attention import path_counts
+from mlx_paged.attention import path_counts, read_counts, set_attention_path
 from mlx_paged.batch_cache import BatchPagedKVCache, DecodeBatch
 from mlx_paged.cache import PagedLayout
 from mlx_paged.kv_pool import KVPool
@@ -110,26 +113,42 @@ def decode(model, args, dtype) -> None:
 def prefill(model, args, dtype) -> None:
     suffix = mx.random.randint(0, 1000, (1, args.suffix))
 
-    def run(cache) -> float:
+    def filled(cache: list) -> list:
         for c in cache:
             c.update_and_fetch(*random_kv(args.prefix, dtype))
         mx.eval([c.state for c in cache])
+        return cache
 
-        def step():
-            model(suffix, cache=cache)
-            mx.eval([c.state for c in cache])
+    cases = {
+        "dense": ("auto", filled([KVCache() for _ in model.layers])),
+        "paged": ("auto", filled(make_paged_cache(model, args.block_size))),
+        "paged-portable": ("gather", filled(make_paged_cache(model, args.block_size))),
+    }
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in cases}
+    for r in range(args.repeats + 1):  # cases take turns; round 0 warms up
+        for name, (path, cache) in cases.items():
+            set_attention_path(path)
+            mx.synchronize()
+            tic = time.perf_counter()
+            out = model(suffix, cache=cache)
+            built = time.perf_counter()
+            mx.eval(out, [c.state for c in cache])
+            mx.synchronize()
+            done = time.perf_counter()
             for c in cache:
                 c.trim(args.suffix)
-
-        return time_steps(step, args.repeats, warmup=1)
-
-    t_dense = run([KVCache() for _ in model.layers])
-    t_paged = run(make_paged_cache(model, args.block_size))
-    print(
-        f"prefill {args.suffix} tokens after {args.prefix}: dense {t_dense * 1e3:8.2f} ms  "
-        f"paged (gather + SDPA) {t_paged * 1e3:8.2f} ms  paged/dense time {t_paged / t_dense:.3f}",
-        flush=True,
-    )
+            if r:
+                times[name].append((built - tic, done - tic))
+    set_attention_path("auto")
+    best = {name: (min(b for b, _ in t), min(d for _, d in t)) for name, t in times.items()}
+    dense = best["dense"][1]
+    for name, (build, total) in best.items():
+        print(
+            f"prefill {args.suffix} tokens after {args.prefix}: {name:14s} "
+            f"{total * 1e3:8.2f} ms (build {build * 1e3:.2f} ms)  "
+            f"/dense time {total / dense:.3f}",
+            flush=True,
+        )
 
 
 def main() -> None:
@@ -150,6 +169,7 @@ def main() -> None:
     decode(model, args, dtype)
     prefill(model, args, dtype)
     print(f"attention calls by path: {dict(path_counts)}")
+    print(f"prefill block reads by reader: {dict(read_counts)}")
 
 
 if __name__ == "__main__":

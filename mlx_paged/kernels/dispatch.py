@@ -185,8 +185,6 @@ def read_self_check(backend: str, keys: mx.array, values: mx.array) -> bool:
     slots = (blocks[:, :, None] * bs + mx.arange(bs, dtype=mx.int32)).reshape(2, -1)
     slots = slots[:, : 2 * bs + 3]
     got = read_blocks(backend, *pools, slots)
-    if got is None:
-        raise RuntimeError("the kernel declined its own self-check inputs")
     want = take_blocks(*pools, slots)
     return all(mx.array_equal(g, w).item() for g, w in zip(got, want, strict=True))
 

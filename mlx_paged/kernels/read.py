@@ -141,16 +141,16 @@ def read_reason(keys: mx.array, values: mx.array, slots: mx.array) -> str | None
 
 def read_blocks(
     backend: str, keys: mx.array, values: mx.array, slots: mx.array
-) -> tuple[mx.array, mx.array] | None:
-    """Tokens at ``slots`` ``(B, T)`` as ``(B, H, T, D)`` K and V; ``None`` to decline.
+) -> tuple[mx.array, mx.array]:
+    """Tokens at ``slots`` ``(B, T)`` as ``(B, H, T, D)`` K and V.
+
+    The caller checks ``read_reason`` first.
 
     Args:
         backend: ``"cuda"`` or ``"metal"``.
         keys, values: a layer's pool arrays, ``(num_blocks, block_size, H, D)``.
         slots: ``(B, T)`` int32 pool slots.
     """
-    if read_reason(keys, values, slots):
-        return None
     B, T = slots.shape
     hk, dk, hv, dv = keys.shape[2], keys.shape[3], values.shape[2], values.shape[3]
     ck, cv = dk * keys.itemsize // 16, dv * values.itemsize // 16
