@@ -1,4 +1,5 @@
-"""GPU check: the fused paged decode kernel against the MLX reference, one line per config.
+"""GPU check: the fused paged decode kernel against the MLX reference, and the prefill
+block-read kernel against ``mx.take``, one line per config.
 
 Run on a CUDA machine from the repo root: ``python benchmarks/kernel_check.py``.
 Exits non-zero if any config exceeds its tolerance.
@@ -11,6 +12,7 @@ import sys
 import mlx.core as mx
 
 from mlx_paged.kernels.cuda import paged_decode_cuda
+from mlx_paged.kernels.read import read_blocks, take_blocks
 from mlx_paged.kernels.reference import reference_paged_decode
 from mlx_paged.kernels.synthetic import dense_decode, random_paged_batch
 
@@ -61,9 +63,10 @@ def main() -> int:
                     f"{str(dtype).split('.')[-1]} splits={splits}: max|kernel-ref|={diff:.3g} "
                     f"max|kernel-sdpa|={dd:.3g}"
                 )
-    ok, total = concurrent_launches()
-    failures += total - ok
-    n += total
+    for check in (concurrent_launches, block_reads):
+        ok, total = check()
+        failures += total - ok
+        n += total
     print(f"{n - failures}/{n} configs within tolerance")
     return 1 if failures else 0
 
@@ -91,6 +94,30 @@ def concurrent_launches(count: int = 24) -> tuple[int, int]:
         ok += good
         print(f"{'ok  ' if good else 'FAIL'} concurrent launch {i} splits={7 + i % 5}: {diff:.3g}")
     return ok, count
+
+
+def block_reads() -> tuple[int, int]:
+    """The block-read kernel against ``mx.take``: a copy, so it must match exactly."""
+    ok = total = 0
+    for hk, dk, hv, dv in ((8, 64, 8, 64), (8, 128, 8, 128), (2, 256, 2, 256), (1, 192, 1, 128)):
+        for bs in (8, 16, 32):
+            for dtype in DTYPES:
+                for batch, tokens in ((1, 1), (1, 4097), (3, 5 * bs + 3)):
+                    nb = batch * tokens // bs + 5
+                    keys = mx.random.normal((nb, bs, hk, dk)).astype(dtype)
+                    values = mx.random.normal((nb, bs, hv, dv)).astype(dtype)
+                    slots = mx.random.randint(0, nb * bs, (batch, tokens)).astype(mx.int32)
+                    got = read_blocks("cuda", keys, values, slots)
+                    want = take_blocks(keys, values, slots)
+                    exact = all(mx.array_equal(g, w).item() for g, w in zip(got, want, strict=True))
+                    ok += exact
+                    total += 1
+                    print(
+                        f"{'ok  ' if exact else 'FAIL'} block read hk={hk} dk={dk} hv={hv} "
+                        f"dv={dv} bs={bs} {str(dtype).split('.')[-1]} B={batch} T={tokens}: "
+                        f"{'exact' if exact else 'differs'}"
+                    )
+    return ok, total
 
 
 if __name__ == "__main__":
