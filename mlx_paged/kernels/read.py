@@ -2,10 +2,10 @@
 
 A prefill chunk's attention runs in MLX's SDPA on ``(B, H, T, D)`` K/V gathered
 from the blocks. MLX's generic gather moves one element per thread through a
-full index computation; measured on an H100 it read about 0.2 TB/s, so for 512
-new tokens after 4096 the gathers of K and V took longer than the attention
-itself. These kernels copy the same bytes with 16-byte moves, K and V in one
-launch, each thread issuing several loads before it stores.
+full index computation; measured on an H100 it read about 0.1 TB/s (0.08 ms per
+layer for 4608 tokens of 8 heads x 64, where this kernel takes 0.017 ms). These
+kernels copy the same bytes with 16-byte moves, K and V in one launch, each
+thread issuing several loads before it stores.
 
 ``slots[b, t]`` is the pool slot (``block * block_size + offset``) of token
 ``t`` of sequence ``b``; the pool arrays are in layout A, ``(num_blocks,
