@@ -101,29 +101,30 @@ def _verified(backend: str, run: Runner, queries, view, scale, sinks) -> bool:
     )
     if variant not in _verdicts:
         tol = max(TOLERANCE[view.keys.dtype], TOLERANCE[queries.dtype])
-        try:
+
+        def check() -> str | None:
             err = self_check(run, queries, view, scale, sinks)
-            ok = err <= tol  # False for NaN too
-            if not ok:
-                logger.warning(
-                    "mlx_paged: %s paged decode kernel differs from the reference by %.3g "
-                    "(tolerance %.3g) for %s; using the gather path for it.",
-                    backend,
-                    err,
-                    tol,
-                    variant[1:],
-                )
-        except Exception as e:  # compile errors surface here, at the first eval
-            ok = False
-            logger.warning(
-                "mlx_paged: %s paged decode kernel failed its self-check (%s: %s); "
-                "using the gather path for it.",
-                backend,
-                type(e).__name__,
-                str(e).splitlines()[0] if str(e) else "",
+            if err <= tol:  # a NaN fails
+                return None
+            return (
+                f"differs from the reference by {err:.3g} (tolerance {tol:.3g}) for {variant[1:]}"
             )
-        _verdicts[variant] = ok
+
+        _verdicts[variant] = _passes(backend, "paged decode kernel", "gather path", check)
     return _verdicts[variant]
+
+
+def _passes(backend: str, what: str, fallback: str, check: Callable[[], str | None]) -> bool:
+    """Run a self-check that returns why it failed (or ``None``); warn and return False if it
+    failed or raised (compile errors surface there, at the first eval)."""
+    try:
+        why = check()
+    except Exception as e:
+        first = str(e).splitlines()[0] if str(e) else ""
+        why = f"failed its self-check ({type(e).__name__}: {first})"
+    if why is not None:
+        logger.warning("mlx_paged: %s %s %s; using the %s for it.", backend, what, why, fallback)
+    return why is None
 
 
 def _device_kernel(backend: str, run: Runner, name: str):
@@ -199,25 +200,13 @@ def _device_reader(backend: str, name: str):
             return None
         variant = (keys.shape[1:], keys.dtype, values.shape[1:], values.dtype)
         if variant not in verdicts:
-            try:
-                ok = read_self_check(backend, keys, values)
-                if not ok:
-                    logger.warning(
-                        "mlx_paged: %s block read differs from mx.take for %s; "
-                        "using the portable read for it.",
-                        backend,
-                        variant,
-                    )
-            except Exception as e:
-                ok = False
-                logger.warning(
-                    "mlx_paged: %s block read failed its self-check (%s: %s); "
-                    "using the portable read for it.",
-                    backend,
-                    type(e).__name__,
-                    str(e).splitlines()[0] if str(e) else "",
-                )
-            verdicts[variant] = ok
+
+            def check() -> str | None:
+                if read_self_check(backend, keys, values):
+                    return None
+                return f"differs from mx.take for {variant}"
+
+            verdicts[variant] = _passes(backend, "block read", "portable read", check)
         return read_blocks(backend, keys, values, slots) if verdicts[variant] else None
 
     reader.__name__ = reader.__qualname__ = name
