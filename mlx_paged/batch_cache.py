@@ -14,6 +14,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from .attention import Fetched, PagedView, fused_read
+from .kernels.read import take_blocks
 from .kv_pool import BlockTable, KVPool
 
 
@@ -31,7 +32,7 @@ class DecodeBatch:
     """
 
     def __init__(self, pool: KVPool, tables: list[BlockTable], window: int | None, n_new: int = 1):
-        bs = pool.block_size
+        bs = self.block_size = pool.block_size
         self.tables, self.n_new = tables, n_new
         lengths = [t.lengths[0] for t in tables]
         rows, starts, write_ids = [], [], []
@@ -66,12 +67,13 @@ class DecodeBatch:
             self.masks[window] = ok[:, None]
         return self.masks[window]
 
-    def slots(self, bs: int) -> mx.array:
+    @property
+    def slots(self) -> mx.array:
         """``(B, width)`` pool slots of the gathered tokens (made once per step)."""
         if self._slots is None:
-            B = self.block_tables.shape[0]
+            bs = self.block_size
             ids = self.block_tables[:, :, None] * bs + mx.arange(bs, dtype=mx.int32)
-            self._slots = ids.reshape(B, -1)
+            self._slots = ids.reshape(len(self.tables), -1)
         return self._slots
 
     def finish(self) -> None:
@@ -79,14 +81,6 @@ class DecodeBatch:
         for t in self.tables:
             n = t.lengths[0] + self.n_new
             t.lengths[:] = [n] * len(t.lengths)
-
-
-def _take_blocks(pool: mx.array, block_tables: mx.array) -> mx.array:
-    """``(B, H, width, D)``: the blocks of each row of ``block_tables``, with portable ops."""
-    x = pool[block_tables]  # (B, M, bs, H, D)
-    B, M, bs, H, D = x.shape
-    # The reshape copies into the contiguous layout SDPA is fastest on.
-    return x.transpose(0, 3, 1, 2, 4).reshape(B, H, M * bs, D)
 
 
 class BatchPagedKVCache:
@@ -119,8 +113,8 @@ class BatchPagedKVCache:
         # A prefill step's attention reads the gathered K/V: let a device kernel copy them.
         # A decode step's fused kernel reads the blocks itself and leaves them unevaluated.
         pk, pv = p.keys[layer], p.values[layer]
-        read = fused_read(pk, pv, b.slots(p.block_size)) if b.n_new > 1 else None
-        keys, values = read or (_take_blocks(pk, b.block_tables), _take_blocks(pv, b.block_tables))
+        read = fused_read(pk, pv, b.slots) if b.n_new > 1 else None
+        keys, values = read or take_blocks(pk, pv, b.slots)
         if keys.dtype != dtype:
             keys, values = keys.astype(dtype), values.astype(dtype)
         self._fetched = Fetched(keys, values)

@@ -19,6 +19,7 @@ import mlx.core as mx
 
 from .attention import fused_read
 from .block_pool import BlockPool, PoolExhaustedError
+from .kernels.read import take_blocks
 
 
 @dataclass
@@ -202,7 +203,7 @@ class KVPool:
         slots = self._token_slots(table, start, end)  # (1, T)
         keys, values = self.keys[layer], self.values[layer]
         read = fused_read(keys, values, slots) if fused else None
-        k, v = read or (_take_slots(keys, slots), _take_slots(values, slots))
+        k, v = read or take_blocks(keys, values, slots)
         dtype = self.input_dtypes[layer]
         return (k, v) if k.dtype == dtype else (k.astype(dtype), v.astype(dtype))
 
@@ -394,15 +395,6 @@ class KVPool:
     def _missing(self, table: BlockTable, end: int) -> int:
         """Blocks to append so that ``table`` reaches token ``end``."""
         return max(0, -(-end // self.block_size) - table.first - len(table.blocks))
-
-
-def _take_slots(pool: mx.array, slots: mx.array) -> mx.array:
-    """``(1, H, T, D)``: the pool rows at ``(1, T)`` slots, with portable MLX ops."""
-    nb, bs, h, d = pool.shape
-    by_head = pool.reshape(nb * bs, h, d).swapaxes(0, 1)  # (H, slots, D), a view
-    # Gathering along the slot axis writes a contiguous (H, 1, T, D): SDPA is several
-    # times slower on strided K/V.
-    return mx.take(by_head, slots, axis=1).reshape(1, h, slots.shape[1], d)
 
 
 def _release_quietly(pool: BlockPool, blocks: list[int]) -> None:
