@@ -1,5 +1,10 @@
+import os
 import sys
 from pathlib import Path
+
+# Full float32 matmuls on GPUs that would otherwise round them through TF32, so the GPU
+# tests hold the same parity tolerances as the CPU ones. Set before MLX is imported.
+os.environ.setdefault("MLX_ENABLE_TF32", "0")
 
 import mlx.core as mx
 import pytest
@@ -17,10 +22,10 @@ def pytest_configure(config):
 
 @pytest.fixture(autouse=True)
 def _device(request):
-    """Run tests on the CPU, where float32 matmuls are exact, unless marked ``gpu``.
+    """Run tests on the CPU unless marked ``gpu``.
 
-    On a CUDA machine the GPU would otherwise be the default device, and its TF32
-    matmuls move float32 results past the parity tolerances.
+    On a CUDA machine the GPU would otherwise be the default device for every test,
+    and the CPU is where mlx-lm's dense reference runs by default.
     """
     before = mx.default_device()
     want = mx.gpu if request.node.get_closest_marker("gpu") else mx.cpu

@@ -7,11 +7,13 @@ import logging
 
 import mlx.core as mx
 import pytest
+from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
-from test_parity import BLOCK, DECODE_STEPS, max_diff, prompt_tokens, run_generate_step
+from test_engine import MAX_TOKENS, mixed_prompts, run_all
+from test_parity import BLOCK, DECODE_STEPS, TOL, max_diff, prompt_tokens, run_generate_step
 from tiny_models import tiny_model
 
-from mlx_paged import attention, make_paged_cache
+from mlx_paged import PagedEngine, attention, make_paged_cache
 from mlx_paged.attention import path_counts, set_attention_path
 from mlx_paged.batch_cache import BatchPagedKVCache, DecodeBatch
 from mlx_paged.cache import PagedKVCache
@@ -354,3 +356,48 @@ def test_cuda_split_launches_evaluated_together_keep_their_own_counters():
         with mx.stream(mx.cpu):
             want = reference_paged_decode(b.queries, b.view, 128**-0.5, None)
         assert max_diff(got.astype(mx.float32), want.astype(mx.float32)) <= 4e-3
+
+
+@cuda_only
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", "gpt_oss"])
+def test_models_through_the_cuda_kernels_match_dense(family):
+    """mlx-lm's generate_step on the GPU: every prefill read and decode attention call goes
+    through the CUDA kernels, and the logits match mlx-lm's dense cache on the same GPU."""
+    set_attention_path("auto")
+    model = tiny_model(family)
+    prompt = prompt_tokens(45)
+    gpu = mx.new_stream(mx.gpu)
+    decodes, reads = path_counts["cuda_paged_decode"], attention.read_counts["cuda_block_read"]
+    dense_tokens, dense = run_generate_step(model, prompt, make_prompt_cache(model), stream=gpu)
+    cache = make_paged_cache(model, BLOCK)
+    tokens, paged = run_generate_step(model, prompt, cache, stream=gpu)
+    layers = len(cache)
+    assert path_counts["cuda_paged_decode"] - decodes == layers * (DECODE_STEPS + 1)
+    assert attention.read_counts["cuda_block_read"] - reads == layers * 3  # 16 + 16 + 12 tokens
+    assert tokens == dense_tokens
+    assert max_diff(dense, paged) <= TOL  # conftest turns TF32 off
+
+
+@cuda_only
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_engine_through_the_cuda_kernels_matches_solo_dense(family):
+    """Batched suffix prefill and decode through the CUDA kernels give each request the
+    tokens it gets alone on mlx-lm's dense cache, on the same GPU."""
+    set_attention_path("auto")
+    model = tiny_model(family)
+    prompts = mixed_prompts(seed=2)
+    decodes, reads = path_counts["cuda_paged_decode"], attention.read_counts["cuda_block_read"]
+    engine = PagedEngine(model, block_size=BLOCK, max_batch_size=6, prefill_step_size=16)
+    outputs = run_all(engine, prompts)
+    assert path_counts["cuda_paged_decode"] > decodes
+    assert attention.read_counts["cuda_block_read"] > reads
+    gpu = mx.new_stream(mx.gpu)
+    for prompt, got in zip(prompts, outputs, strict=True):
+        solo = generate_step(
+            mx.array(prompt),
+            model,
+            prompt_cache=make_prompt_cache(model),
+            max_tokens=MAX_TOKENS,
+            stream=gpu,
+        )
+        assert got == [tok for tok, _ in solo]

@@ -43,8 +43,8 @@ def prompt_tokens(n: int, seed: int = 1) -> mx.array:
     return mx.random.randint(0, VOCAB, (n,), key=mx.random.key(seed))
 
 
-def run_generate_step(model, prompt, cache, steps=DECODE_STEPS, prefill_step_size=16):
-    """Greedy tokens and the raw logits of every step."""
+def run_generate_step(model, prompt, cache, steps=DECODE_STEPS, prefill_step_size=16, **kwargs):
+    """Greedy tokens and the raw logits of every step (``kwargs`` go to ``generate_step``)."""
     logits = []
 
     def record(_tokens, x):
@@ -60,6 +60,7 @@ def run_generate_step(model, prompt, cache, steps=DECODE_STEPS, prefill_step_siz
             prefill_step_size=prefill_step_size,
             max_tokens=steps,
             logits_processors=[record],
+            **kwargs,
         ),
         range(steps),
         strict=False,
