@@ -33,8 +33,7 @@ import sys
 import weakref
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import mlx.core as mx
 from mlx_lm.models import base
@@ -45,8 +44,7 @@ logger = logging.getLogger("mlx_paged.attention")
 ATTENTION_PATHS = ("auto", "kernel", "gather")
 
 
-@dataclass(frozen=True)
-class PagedView:
+class PagedView(NamedTuple):
     """Where one layer's K/V lie in the blocks, for a batch of ``B`` sequences.
 
     The key at token position ``p`` of sequence ``b`` is
@@ -55,6 +53,9 @@ class PagedView:
     attends to positions ``max(starts[b], lengths[b] - window) .. lengths[b] - 1``
     (``window`` ``None`` means no limit). Rows of ``block_tables`` past a
     sequence's last block hold arbitrary ids and must not be read.
+
+    A named tuple: every layer of every decode step makes one, and a tuple is
+    the cheapest immutable record to make.
     """
 
     keys: mx.array  # (num_blocks, block_size, n_kv_heads, k_head_dim)

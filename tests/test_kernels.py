@@ -126,6 +126,34 @@ def test_plan_declines_unsupported_shapes():
     assert plan.reason is None and plan.group == 4 and plan.heads_per_block == 4
 
 
+def test_device_entry_makes_one_launch_per_shape_and_reuses_it(monkeypatch):
+    """A ``KERNELS`` entry's hot path: one launch per call shape, reused; declines stay out."""
+    monkeypatch.setattr(dispatch, "_verdicts", {})
+    monkeypatch.setattr(dispatch, "backend_available", lambda backend: backend == "fake")
+    made, ran = [], []
+
+    def run(q, view, scale, sinks, splits=None):  # what the self-check runs
+        return reference_paged_decode(q, view, scale, sinks)
+
+    def launch_for(q, view, scale, sinks):
+        made.append(view.block_tables.shape)
+
+        def launch(q, view, sinks):
+            ran.append(view.block_tables.shape)
+            return reference_paged_decode(q, view, scale, sinks)
+
+        return launch
+
+    entry = dispatch._device_kernel("fake", run, launch_for, "fake_decode")
+    short, wide = random_paged_batch([40], 4, 2, 64), random_paged_batch([70], 4, 2, 64)
+    for batch in (short, short, wide, short):
+        got = entry(batch.queries, batch.view, 0.125, None)
+        assert max_diff(got, dense_decode(batch, 0.125)) < 1e-5
+    assert made == [(1, 3), (1, 5)] and ran == [(1, 3), (1, 3), (1, 5), (1, 3)]
+    odd = random_paged_batch([20], 4, 2, 80, dtype=mx.float16)  # the plan declines it
+    assert entry(odd.queries, odd.view, 0.125, None) is None and len(made) == 2
+
+
 def test_self_check_failures_decline_and_warn(caplog, monkeypatch):
     monkeypatch.setattr(dispatch, "_verdicts", {})
     batch = random_paged_batch([30], 4, 2, 64, seed=3)
@@ -263,7 +291,7 @@ def test_launch_cache_makes_each_shape_once_and_drops_the_oldest():
     cache = LaunchCache(limit=2)
     first = cache.get(("a",), maker(1))
     assert cache.get(("a",), maker(1)) is first and made == [1]
-    assert first(mx.array(1)).item() == 2  # compiled, and computes what ``make`` returned
+    assert first(mx.array(1)).item() == 2  # what ``make`` returned
     cache.get(("b",), maker(2))
     cache.get(("c",), maker(3))
     assert list(cache.fns) == [("b",), ("c",)] and made == [1, 2, 3]

@@ -32,6 +32,7 @@ from .plan import (
     LaunchCache,
     base_template,
     call_key,
+    compiled_launch,
     placeholder,
     plan_decode,
 )
@@ -488,7 +489,7 @@ def _make_launch(
     head_warps: int | None,
     prefetch: bool | None,
 ) -> Launch | None:
-    """A function of the kernel's arrays that launches it for this call's shapes."""
+    """The launch for this call's shapes, or ``None`` if the kernel cannot run them."""
     nw = num_warps or NUM_WARPS
     hw = head_warps or HEAD_WARPS
     plan = cuda_plan(queries, view, num_splits, nw, hw)
@@ -514,7 +515,7 @@ def _make_launch(
     output_dtypes = [queries.dtype, mx.float32, mx.float32, mx.float32]
     slots = B * blocks if S > 1 else 0  # split counters: one per (sequence, block column)
 
-    def launch(q, keys, values, tables, starts, lengths, sinks, no_counters):
+    def kernel_call(q, keys, values, tables, starts, lengths, sinks, no_counters):
         counters = mx.zeros((slots,), dtype=mx.int32) if slots else no_counters
         return _kernel()(
             inputs=[q, keys, values, tables, starts, lengths, sinks, counters],
@@ -525,10 +526,58 @@ def _make_launch(
             output_dtypes=output_dtypes,
         )[0]
 
+    replay = compiled_launch(kernel_call)
+
+    def launch(q: mx.array, view: PagedView, sinks: mx.array | None) -> mx.array:
+        return replay(
+            q,
+            view.keys,
+            view.values,
+            _as(view.block_tables, mx.int32),
+            _as(view.starts, mx.int32),
+            _as(view.lengths, mx.int32),
+            placeholder(mx.float32) if sinks is None else _as(sinks, mx.float32),
+            placeholder(mx.int32),  # the counters, when the launch has no splits
+        )
+
     return launch
 
 
 _launches = LaunchCache()
+
+
+def decode_launch(
+    queries: mx.array,
+    view: PagedView,
+    scale: float,
+    sinks: mx.array | None,
+    num_splits: int | None = None,
+    *,
+    num_warps: int | None = None,
+    rows: int | None = None,
+    head_warps: int | None = None,
+    prefetch: bool | None = None,
+) -> Launch | None:
+    """The launch for calls shaped like this one (made once per shape), or ``None``.
+
+    Arguments as in ``paged_decode_cuda``. Decode calls repeat the same shapes
+    layer after layer; callers that keep the launch skip the lookup.
+    """
+    key = call_key(queries, view, scale, sinks, num_splits, num_warps, rows, head_warps, prefetch)
+    return _launches.get(
+        key,
+        lambda: _make_launch(
+            queries,
+            view,
+            scale,
+            sinks is not None,
+            num_splits,
+            num_warps,
+            rows,
+            head_warps,
+            prefetch,
+        ),
+    )
 
 
 def paged_decode_cuda(
@@ -557,31 +606,15 @@ def paged_decode_cuda(
             ``ROWS_PER_STEP`` or ``ROWS_PER_STEP_SHORT`` / ``HEAD_WARPS`` /
             ``PREFETCH``.
     """
-    # Decode calls repeat the same shapes layer after layer: build each launch once.
-    key = call_key(queries, view, scale, sinks, num_splits, num_warps, rows, head_warps, prefetch)
-    launch = _launches.get(
-        key,
-        lambda: _make_launch(
-            queries,
-            view,
-            scale,
-            sinks is not None,
-            num_splits,
-            num_warps,
-            rows,
-            head_warps,
-            prefetch,
-        ),
-    )
-    if launch is None:
-        return None
-    return launch(
+    launch = decode_launch(
         queries,
-        view.keys,
-        view.values,
-        _as(view.block_tables, mx.int32),
-        _as(view.starts, mx.int32),
-        _as(view.lengths, mx.int32),
-        placeholder(mx.float32) if sinks is None else _as(sinks, mx.float32),
-        placeholder(mx.int32),  # the counters, when the launch has no splits
+        view,
+        scale,
+        sinks,
+        num_splits,
+        num_warps=num_warps,
+        rows=rows,
+        head_warps=head_warps,
+        prefetch=prefetch,
     )
+    return None if launch is None else launch(queries, view, sinks)

@@ -16,9 +16,8 @@ from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
-from .cuda import paged_decode_cuda
-from .metal import paged_decode_metal
-from .plan import plan_decode
+from . import cuda, metal
+from .plan import Launch, LaunchCache, call_key, plan_decode
 from .read import read_blocks, read_reason, take_blocks
 from .reference import reference_paged_decode
 
@@ -127,35 +126,26 @@ def _passes(backend: str, what: str, fallback: str, check: Callable[[], str | No
     return why is None
 
 
-def _device_kernel(backend: str, run: Runner, name: str):
-    # Whether calls of a shape class run: every layer of every decode step asks again.
-    accepts: dict[tuple, bool] = {}
+def _device_kernel(backend: str, run: Runner, launch_for: Callable[..., Launch | None], name: str):
+    # The launch for each call shape, or None where the kernel declines: every layer of
+    # every decode step asks again, so one key and one lookup answer both questions.
+    launches = LaunchCache()
 
     def kernel(
         queries: mx.array, view: PagedView, scale: float, sinks: mx.array | None
     ) -> mx.array | None:
         if not backend_available(backend):
             return None
-        tables = view.block_tables
-        key = (
-            queries.shape[1:],
-            queries.dtype,
-            view.keys.shape[1:],
-            view.keys.dtype,
-            view.values.shape[1:],
-            view.values.dtype,
-            tables.ndim == 2 and tables.shape[0] == queries.shape[0],
-            view.window,
-            sinks is None,
-            scale,
-        )
-        ok = accepts.get(key)
-        if ok is None:
-            ok = not plan_decode(queries, view).reason and _verified(
-                backend, run, queries, view, scale, sinks
-            )
-            accepts[key] = ok
-        return run(queries, view, scale, sinks) if ok else None
+
+        def make() -> Launch | None:
+            if plan_decode(queries, view).reason:
+                return None
+            if not _verified(backend, run, queries, view, scale, sinks):
+                return None
+            return launch_for(queries, view, scale, sinks)
+
+        launch = launches.get(call_key(queries, view, scale, sinks), make)
+        return None if launch is None else launch(queries, view, sinks)
 
     kernel.__name__ = kernel.__qualname__ = name
     kernel.__doc__ = f"``KERNELS`` entry for the {backend} paged decode kernel (self-checked)."
@@ -163,9 +153,13 @@ def _device_kernel(backend: str, run: Runner, name: str):
 
 
 #: The CUDA kernel as a ``KERNELS`` entry; its name is what ``path_counts`` shows.
-cuda_paged_decode = _device_kernel("cuda", paged_decode_cuda, "cuda_paged_decode")
+cuda_paged_decode = _device_kernel(
+    "cuda", cuda.paged_decode_cuda, cuda.decode_launch, "cuda_paged_decode"
+)
 #: The Metal kernel (never run here; see ``metal.py``) as a ``KERNELS`` entry.
-metal_paged_decode = _device_kernel("metal", paged_decode_metal, "metal_paged_decode")
+metal_paged_decode = _device_kernel(
+    "metal", metal.paged_decode_metal, metal.decode_launch, "metal_paged_decode"
+)
 
 DEVICE_KERNELS = [cuda_paged_decode, metal_paged_decode]
 

@@ -24,6 +24,7 @@ from .plan import (
     LaunchCache,
     base_template,
     call_key,
+    compiled_launch,
     placeholder,
     plan_decode,
 )
@@ -265,7 +266,7 @@ def metal_plan(queries: mx.array, view: PagedView, num_splits: int | None = None
 def _make_launch(
     queries: mx.array, view: PagedView, scale: float, has_sinks: bool, num_splits: int | None
 ) -> Launch | None:
-    """A function of the kernel's arrays that launches it for this call's shapes."""
+    """The launch for this call's shapes, or ``None`` if the kernel cannot run them."""
     plan = metal_plan(queries, view, num_splits)
     if plan.reason:
         return None
@@ -277,7 +278,7 @@ def _make_launch(
     threads = (NUM_SIMDGROUPS * 32, 1, 1)
     dtype = queries.dtype
 
-    def launch(q, keys, values, tables, starts, lengths, sinks):
+    def kernel_calls(q, keys, values, tables, starts, lengths, sinks):
         inputs = [q, keys, values, tables, starts, lengths, sinks]
         if S == 1:
             (out,) = _kernel("final")(
@@ -307,10 +308,33 @@ def _make_launch(
         )
         return out
 
+    replay = compiled_launch(kernel_calls)
+
+    def launch(q: mx.array, view: PagedView, sinks: mx.array | None) -> mx.array:
+        tables, starts, lengths = (
+            x.astype(mx.int32) for x in (view.block_tables, view.starts, view.lengths)
+        )
+        sinks = placeholder(mx.float32) if sinks is None else sinks.astype(mx.float32)
+        return replay(q, view.keys, view.values, tables, starts, lengths, sinks)
+
     return launch
 
 
 _launches = LaunchCache()
+
+
+def decode_launch(
+    queries: mx.array,
+    view: PagedView,
+    scale: float,
+    sinks: mx.array | None,
+    num_splits: int | None = None,
+) -> Launch | None:
+    """The launch for calls shaped like this one (made once per shape), or ``None``."""
+    key = call_key(queries, view, scale, sinks, num_splits)
+    return _launches.get(
+        key, lambda: _make_launch(queries, view, scale, sinks is not None, num_splits)
+    )
 
 
 def paged_decode_metal(
@@ -321,13 +345,5 @@ def paged_decode_metal(
     num_splits: int | None = None,
 ) -> mx.array | None:
     """Run the Metal kernel (never run here: see the module docstring); ``None`` to decline."""
-    key = call_key(queries, view, scale, sinks, num_splits)
-    launch = _launches.get(
-        key, lambda: _make_launch(queries, view, scale, sinks is not None, num_splits)
-    )
-    if launch is None:
-        return None
-    if sinks is None:
-        sinks = placeholder(mx.float32)
-    as_int = [x.astype(mx.int32) for x in (view.block_tables, view.starts, view.lengths)]
-    return launch(queries, view.keys, view.values, *as_int, sinks.astype(mx.float32))
+    launch = decode_launch(queries, view, scale, sinks, num_splits)
+    return None if launch is None else launch(queries, view, sinks)

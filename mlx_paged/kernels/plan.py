@@ -128,31 +128,34 @@ def call_key(
     )
 
 
-Launch = Callable[..., mx.array]
+#: A decode launch for one call shape: ``launch(queries, view, sinks)`` returns the output.
+Launch = Callable[[mx.array, "PagedView", "mx.array | None"], mx.array]
 _MISSING = object()
 
 
-class LaunchCache:
-    """Launch functions keyed by call shape, each wrapped in ``mx.compile``.
+def compiled_launch(launch: Callable[..., mx.array]) -> Callable[..., mx.array]:
+    """``launch`` (a function of arrays that calls ``mx.fast`` kernels) wrapped in ``mx.compile``.
 
     Calling an ``mx.fast`` custom kernel costs about 10 us of host time (MLX
     writes out the kernel's whole source and argument list on every call); a
     compiled function replays the kernel it recorded instead. All layers of a
     decode step share a shape, so a new shape costs one trace per step.
-    Holds at most ``limit`` shapes, dropping the oldest first.
     """
+    return mx.compile(launch)
+
+
+class LaunchCache:
+    """Launches keyed by call shape, made once each; at most ``limit``, oldest dropped first."""
 
     def __init__(self, limit: int = 256):
         self.limit = limit
         self.fns: dict[tuple, Launch | None] = {}
 
     def get(self, key: tuple, make: Callable[[], Launch | None]) -> Launch | None:
-        """The launch for ``key``, made (and compiled) by ``make`` on first use; ``None`` if
-        ``make`` declines."""
+        """The launch for ``key``, made by ``make`` on first use; ``None`` if ``make`` declines."""
         fn = self.fns.get(key, _MISSING)
         if fn is _MISSING:
             if len(self.fns) >= self.limit:
                 del self.fns[next(iter(self.fns))]
-            made = make()
-            fn = self.fns[key] = None if made is None else mx.compile(made)
+            fn = self.fns[key] = make()
         return fn  # type: ignore[return-value]
