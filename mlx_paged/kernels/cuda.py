@@ -558,10 +558,20 @@ def decode_launch(
     head_warps: int | None = None,
     prefetch: bool | None = None,
 ) -> Launch | None:
-    """The launch for calls shaped like this one (made once per shape), or ``None``.
+    """The launch for calls shaped like this one (made once per shape), or ``None`` if the
+    kernel does not support their shapes or dtypes.
 
-    Arguments as in ``paged_decode_cuda``. Decode calls repeat the same shapes
-    layer after layer; callers that keep the launch skip the lookup.
+    Args:
+        queries: ``(B, n_heads, 1, k_head_dim)``.
+        view: the batch's blocks.
+        scale, sinks: as in ``mx.fast.scaled_dot_product_attention``.
+        num_splits: force the number of splits per sequence (1 turns split-K off);
+            ``None`` picks one from the batch size and the table width.
+        num_warps, rows, head_warps, prefetch: tuning overrides (warps per block;
+            rows per warp step for 256-byte rows; most head groups per block; load the
+            next step during this one); ``None`` takes ``NUM_WARPS`` (or ``NUM_WARPS_WIDE``) /
+            ``ROWS_PER_STEP`` or ``ROWS_PER_STEP_SHORT`` / ``HEAD_WARPS`` /
+            ``PREFETCH``.
     """
     key = call_key(queries, view, scale, sinks, num_splits, num_warps, rows, head_warps, prefetch)
     return _launches.get(
@@ -586,35 +596,11 @@ def paged_decode_cuda(
     scale: float,
     sinks: mx.array | None,
     num_splits: int | None = None,
-    *,
-    num_warps: int | None = None,
-    rows: int | None = None,
-    head_warps: int | None = None,
-    prefetch: bool | None = None,
+    **tuning: int | bool | None,
 ) -> mx.array | None:
     """Run the CUDA kernel; ``None`` if this call's shapes or dtypes are not supported.
 
-    Args:
-        queries: ``(B, n_heads, 1, k_head_dim)``.
-        view: the batch's blocks.
-        scale, sinks: as in ``mx.fast.scaled_dot_product_attention``.
-        num_splits: force the number of splits per sequence (1 turns split-K off);
-            ``None`` picks one from the batch size and the table width.
-        num_warps, rows, head_warps, prefetch: tuning overrides (warps per block;
-            rows per warp step for 256-byte rows; most head groups per block; load the
-            next step during this one); ``None`` takes ``NUM_WARPS`` (or ``NUM_WARPS_WIDE``) /
-            ``ROWS_PER_STEP`` or ``ROWS_PER_STEP_SHORT`` / ``HEAD_WARPS`` /
-            ``PREFETCH``.
+    Arguments as in ``decode_launch``.
     """
-    launch = decode_launch(
-        queries,
-        view,
-        scale,
-        sinks,
-        num_splits,
-        num_warps=num_warps,
-        rows=rows,
-        head_warps=head_warps,
-        prefetch=prefetch,
-    )
+    launch = decode_launch(queries, view, scale, sinks, num_splits, **tuning)
     return None if launch is None else launch(queries, view, sinks)
