@@ -30,7 +30,7 @@ import time
 import mlx.core as mx
 
 from mlx_paged.attention import PagedView
-from mlx_paged.kernels.cuda import paged_decode_cuda
+from mlx_paged.attention.kernels.cuda import paged_decode_cuda
 
 HQ, HKV, D, BS = 32, 8, 128, 16
 

@@ -28,9 +28,8 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from mlx_paged import make_paged_cache
 from mlx_paged.attention import path_counts, read_counts, set_attention_path
-from mlx_paged.batch_cache import BatchPagedKVCache, DecodeBatch
-from mlx_paged.cache import PagedLayout
-from mlx_paged.kv_pool import KVPool
+from mlx_paged.cache import BatchPagedKVCache, DecodeBatch, PagedLayout
+from mlx_paged.storage import KVPool
 
 KV_HEADS, HEAD_DIM = 8, 64
 

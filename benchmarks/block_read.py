@@ -17,8 +17,9 @@ import time
 
 import mlx.core as mx
 
-from mlx_paged.kernels.dispatch import backend_available
-from mlx_paged.kernels.read import read_blocks, take_blocks
+from mlx_paged.attention.kernels.dispatch import backend_available
+from mlx_paged.attention.kernels.read import read_blocks
+from mlx_paged.storage import take_blocks
 
 CASES = [(2048, 8, 128), (4608, 8, 64), (16384, 8, 128), (18432, 8, 64)]
 

@@ -11,10 +11,11 @@ import sys
 
 import mlx.core as mx
 
-from mlx_paged.kernels.cuda import paged_decode_cuda
-from mlx_paged.kernels.read import read_blocks, take_blocks
-from mlx_paged.kernels.reference import reference_paged_decode
-from mlx_paged.kernels.synthetic import dense_decode, random_paged_batch
+from mlx_paged.attention.kernels.cuda import paged_decode_cuda
+from mlx_paged.attention.kernels.read import read_blocks
+from mlx_paged.attention.kernels.reference import reference_paged_decode
+from mlx_paged.attention.kernels.synthetic import dense_decode, random_paged_batch
+from mlx_paged.storage import take_blocks
 
 TOL = {mx.float32: 1e-4, mx.float16: 4e-3, mx.bfloat16: 3e-2}
 

@@ -15,8 +15,8 @@ import argparse
 import time
 
 from mlx_paged import PagedEngine
+from mlx_paged.cache.memory import fmt_bytes, probe_footprint
 from mlx_paged.embedded import load_model
-from mlx_paged.generate import fmt_bytes, probe_footprint
 
 RULES = [
     "You are the help desk assistant of a small public library.",

@@ -1,9 +1,15 @@
-"""mlx_paged: a paged KV cache for mlx-lm."""
+"""mlx_paged: a paged KV cache for mlx-lm.
 
-from .block_pool import BlockPool, PagedCacheStats, PoolExhaustedError
+Layers, each importing only those below it: ``engine`` (scheduler, model
+runner) → ``cache`` (mlx-lm's cache protocol) → ``attention`` (routing,
+kernels) → ``storage`` (the pool's MLX arrays) → ``blocks`` (pure-Python
+bookkeeping). Importing the package routes mlx-lm's attention to the paged path
+and registers ``PagedKVCache`` for ``load_prompt_cache``.
+"""
+
+from .blocks import BlockPool, PagedCacheStats, PoolExhaustedError, PrefixIndex
 from .cache import PagedKVCache, make_paged_cache
 from .engine import EngineStats, Event, PagedEngine
-from .prefix_index import PrefixIndex
 
 __all__ = [
     "BlockPool",

@@ -14,51 +14,35 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import generate, setup_arg_parser
-from mlx_lm.models.cache import CacheList
 from mlx_lm.sample_utils import make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .cache import make_paged_cache
+from .cache.memory import (
+    blocks_for_memory,
+    fmt_bytes,
+    kv_footprint,
+    paged_pools,
+    parse_memory,
+    probe_footprint,
+)
 from .embedded import MODEL_DTYPES, EmbeddedModelMissing, load_model
 from .engine import PagedEngine
 from .progress import ProgressBar
+from .prompts import encode_prompt, read_prompts
 
 KV_DTYPES = ("float16", "bfloat16", "float32")
-# mlx-lm's KVCache grows in steps of this many tokens: what a dense cache really holds.
-DENSE_STEP = 256
-_UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}
-_UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
 
 
 # ---- arguments ------------------------------------------------------------
-
-
-def parse_memory(text: str) -> int:
-    """``"2GB"`` -> 2_000_000_000 bytes; also ``512MiB``, ``1.5 GB``, ``4096`` (bytes).
-
-    Raises:
-        ValueError: if ``text`` is not a positive size.
-    """
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
-    unit = m.group(2).upper() if m else ""
-    if m and unit and not unit.endswith("B"):
-        unit += "B"  # "2G" means 2GB
-    if not m or unit not in _UNITS or float(m.group(1)) <= 0:
-        raise ValueError(
-            f"{text!r} is not a memory size; write e.g. 2GB, 512MB or 1.5GiB "
-            "(units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)."
-        )
-    return int(float(m.group(1)) * _UNITS[unit])
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -161,144 +145,6 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
             parser.error("--draft-model is not supported with --prompts-file.")
         if not Path(args.prompts_file).is_file():
             parser.error(f"--prompts-file {args.prompts_file!r}: no such file.")
-
-
-# ---- prompts --------------------------------------------------------------
-
-
-def read_prompts(path: str) -> list[str | list[dict]]:
-    """Prompts from a file: plain lines, or JSONL lines holding a string,
-    ``{"prompt": str}`` or ``{"messages": [...]}``. Blank lines are skipped.
-
-    Raises:
-        ValueError: for a JSON line of another shape, or an empty file.
-    """
-    prompts: list[str | list[dict]] = []
-    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError:
-            prompts.append(line)  # a plain-text prompt
-            continue
-        if isinstance(item, str):
-            prompts.append(item)
-        elif isinstance(item, dict) and isinstance(item.get("prompt"), str):
-            prompts.append(item["prompt"])
-        elif isinstance(item, dict) and isinstance(item.get("messages"), list):
-            prompts.append(item["messages"])
-        else:
-            raise ValueError(
-                f"{path}:{n}: a JSON line must be a string, {{'prompt': ...}} or "
-                "{'messages': [...]}."
-            )
-    if not prompts:
-        raise ValueError(f"{path} holds no prompts.")
-    return prompts
-
-
-def encode_prompt(
-    tokenizer: TokenizerWrapper,
-    prompt: str | list[dict],
-    args: argparse.Namespace,
-) -> list[int]:
-    """Token ids for a prompt, through the chat template unless told otherwise (as mlx_lm)."""
-    use_chat = not args.ignore_chat_template and tokenizer.has_chat_template
-    if not use_chat:
-        if not isinstance(prompt, str):
-            raise ValueError(
-                "a messages list needs the chat template; drop --ignore-chat-template."
-            )
-        return tokenizer.encode(prompt)
-    if isinstance(prompt, str):
-        messages = (
-            []
-            if args.system_prompt is None
-            else [{"role": "system", "content": args.system_prompt}]
-        )
-        messages.append({"role": "user", "content": prompt})
-    else:
-        messages = prompt
-    prefill = args.prefill_response is not None
-    if prefill:
-        messages = [*messages, {"role": "assistant", "content": args.prefill_response}]
-    kwargs = json.loads(args.chat_template_config) if args.chat_template_config else {}
-    text = tokenizer.apply_chat_template(
-        messages,
-        tokenize=False,
-        continue_final_message=prefill,
-        add_generation_prompt=not prefill,
-        **kwargs,
-    )
-    return tokenizer.encode(text, add_special_tokens=False)
-
-
-# ---- memory accounting ----------------------------------------------------
-
-
-@dataclass(frozen=True)
-class KVFootprint:
-    """Bytes per block of the paged pools, and per token of a dense cache, for one model."""
-
-    bytes_per_block: int
-    dense_bytes_per_token: int
-    block_size: int
-
-    def dense_bytes(self, tokens: int) -> int:
-        """What mlx-lm's KVCache allocates for ``tokens`` (it grows in 256-token steps)."""
-        return -(-tokens // DENSE_STEP) * DENSE_STEP * self.dense_bytes_per_token
-
-
-def paged_pools(caches: list[Any]) -> list[Any]:
-    """The distinct ``KVPool``s behind a cache list (CacheList entries included)."""
-    pools: dict[int, Any] = {}
-    for c in caches:
-        if isinstance(c, CacheList):
-            for p in paged_pools(list(c.caches)):
-                pools[id(p)] = p
-        elif hasattr(c, "pool"):
-            pools[id(c.pool)] = c.pool
-    return list(pools.values())
-
-
-def kv_footprint(pools: list[Any], block_size: int) -> KVFootprint:
-    """Measure bytes per block and per dense token from pools that have seen a write."""
-    per_block = dense = 0
-    for pool in pools:
-        per_block += pool.bytes_per_block
-        for k, v, dtype in zip(pool.keys, pool.values, pool.input_dtypes, strict=True):
-            if k is not None:
-                size = (k.shape[2] * k.shape[3] + v.shape[2] * v.shape[3]) * dtype.size
-                dense += size
-    return KVFootprint(per_block, dense, block_size)
-
-
-def probe_footprint(model: nn.Module, block_size: int, kv_dtype: mx.Dtype | None) -> KVFootprint:
-    """Run one token through a throwaway paged cache to learn the model's K/V sizes."""
-    caches = make_paged_cache(model, block_size=block_size, kv_dtype=kv_dtype)
-    mx.eval(model(mx.array([[0]]), cache=caches))
-    return kv_footprint(paged_pools(caches), block_size)
-
-
-def blocks_for_memory(nbytes: int, footprint: KVFootprint) -> int:
-    """How many blocks (per pool) fit in ``nbytes``; raises ValueError if not even one."""
-    n = nbytes // max(footprint.bytes_per_block, 1)
-    if n < 1:
-        raise ValueError(
-            f"--kv-memory of {nbytes} bytes holds no block; one block takes "
-            f"{footprint.bytes_per_block} bytes. Give more memory or a smaller --block-size."
-        )
-    return n
-
-
-def fmt_bytes(n: float) -> str:
-    """``1234567`` -> ``"1.23 MB"``."""
-    for unit in ("B", "KB", "MB", "GB"):
-        if abs(n) < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1000
-    return f"{n:.2f} GB"
 
 
 # ---- running --------------------------------------------------------------

@@ -15,8 +15,9 @@ from mlx_lm.models.cache import make_prompt_cache
 from tiny_models import VOCAB, tiny_model
 
 from mlx_paged import PagedEngine, attention
+from mlx_paged.attention import routing
+from mlx_paged.attention.kernels.reference import reference_paged_decode
 from mlx_paged.engine import Event
-from mlx_paged.kernels.reference import reference_paged_decode
 
 BS = 8
 MAX_TOKENS = 10
@@ -95,7 +96,7 @@ def test_mixed_batch_equals_solo(family):
 @pytest.mark.parametrize("family", ["llama", "gemma3_text"])
 def test_kernel_path_reads_the_batch_where_it_lies(family, monkeypatch):
     """With the reference paged kernel offered, batched decode reads through the PagedView."""
-    monkeypatch.setattr(attention, "KERNELS", [reference_paged_decode])
+    monkeypatch.setattr(routing, "KERNELS", [reference_paged_decode])
     prompts = mixed_prompts(seed=6)
     engine = PagedEngine(model_of(family), block_size=BS, max_batch_size=6, prefill_step_size=16)
     before = attention.path_counts["reference_paged_decode"]

@@ -14,16 +14,15 @@ from test_parity import BLOCK, DECODE_STEPS, TOL, max_diff, prompt_tokens, run_g
 from tiny_models import tiny_model
 
 from mlx_paged import PagedEngine, attention, make_paged_cache
-from mlx_paged.attention import path_counts, set_attention_path
-from mlx_paged.batch_cache import BatchPagedKVCache, DecodeBatch
-from mlx_paged.cache import PagedKVCache
-from mlx_paged.kernels import dispatch
-from mlx_paged.kernels.cuda import paged_decode_cuda
-from mlx_paged.kernels.plan import LaunchCache, plan_decode
-from mlx_paged.kernels.read import read_reason, take_blocks
-from mlx_paged.kernels.reference import reference_paged_decode
-from mlx_paged.kernels.synthetic import dense_decode, random_paged_batch
-from mlx_paged.kv_pool import KVPool
+from mlx_paged.attention import path_counts, routing, set_attention_path
+from mlx_paged.attention.kernels import dispatch
+from mlx_paged.attention.kernels.cuda import paged_decode_cuda
+from mlx_paged.attention.kernels.plan import LaunchCache, plan_decode
+from mlx_paged.attention.kernels.read import read_reason
+from mlx_paged.attention.kernels.reference import reference_paged_decode
+from mlx_paged.attention.kernels.synthetic import dense_decode, random_paged_batch
+from mlx_paged.cache import BatchPagedKVCache, DecodeBatch, PagedKVCache
+from mlx_paged.storage import KVPool, take_blocks
 
 # (lengths, n_heads, n_kv_heads, dk, dv, block_size, window, sinks, first_blocks)
 CONFIGS = [
@@ -54,7 +53,7 @@ def test_reference_matches_sdpa_on_contiguous_kv(config, shuffle):
 @pytest.fixture
 def reference_kernel(monkeypatch):
     """Offer decode calls to the reference only, as a device kernel would be offered them."""
-    monkeypatch.setattr(attention, "KERNELS", [reference_paged_decode])
+    monkeypatch.setattr(routing, "KERNELS", [reference_paged_decode])
     set_attention_path("auto")
     yield
     set_attention_path("auto")
@@ -186,7 +185,7 @@ def recording_reader(monkeypatch):
         calls.append(slots.shape)
         return take_blocks(keys, values, slots)
 
-    monkeypatch.setattr(attention, "READERS", [reader])
+    monkeypatch.setattr(routing, "READERS", [reader])
     set_attention_path("auto")
     yield calls
     set_attention_path("auto")
@@ -307,7 +306,7 @@ def test_launch_cache_makes_each_shape_once_and_drops_the_oldest():
 )
 def test_cuda_launch_parameters_without_a_gpu(monkeypatch, batch, length, splits, warps, rows):
     """The CUDA launch's plumbing, with a stand-in for the kernel object (CPU runs no CUDA)."""
-    from mlx_paged.kernels import cuda
+    from mlx_paged.attention.kernels import cuda
 
     calls = []
 

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from mlx_paged import PoolExhaustedError
-from mlx_paged.kv_pool import BlockTable, KVPool
+from mlx_paged.blocks import BlockTable
+from mlx_paged.storage import KVPool
 
 RNG = np.random.default_rng(0)
 

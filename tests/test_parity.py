@@ -298,7 +298,7 @@ def test_caches_do_not_keep_the_kv_they_returned_alive():
     otherwise hold every layer's copy at once)."""
     import weakref
 
-    from mlx_paged.batch_cache import BatchPagedKVCache, DecodeBatch
+    from mlx_paged.cache import BatchPagedKVCache, DecodeBatch
 
     model = tiny_model("llama")
     cache = make_paged_cache(model, BLOCK)

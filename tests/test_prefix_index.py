@@ -7,8 +7,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from mlx_paged.block_pool import BlockPool
-from mlx_paged.prefix_index import PrefixIndex
+from mlx_paged.blocks import BlockPool, PrefixIndex
 
 BS = 4
 

@@ -7,8 +7,6 @@ not layers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import mlx.nn as nn
 from mlx_lm.models.cache import (
     ArraysCache,
@@ -18,12 +16,7 @@ from mlx_lm.models.cache import (
     RotatingKVCache,
 )
 
-
-@dataclass(frozen=True)
-class LayerKind:
-    """Which pool a paged layer joins: full attention, or a sliding window of ``window`` tokens."""
-
-    window: int | None = None
+from ..blocks import LayerKind
 
 
 def model_type(model: nn.Module) -> str:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ..attention import PagedView
+from ..records import PagedView
 
 
 @dataclass

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .attention import Fetched, PagedView, fused_read
-from .kernels.read import take_blocks
-from .kv_pool import BlockTable, KVPool
+from ..attention import Fetched, PagedLayerCache, PagedView, fused_read
+from ..blocks import BlockTable
+from ..storage import KVPool, take_blocks
 
 
 class DecodeBatch:
@@ -83,7 +83,7 @@ class DecodeBatch:
             t.lengths[:] = [n] * len(t.lengths)
 
 
-class BatchPagedKVCache:
+class BatchPagedKVCache(PagedLayerCache):
     """One layer's cache for a ``DecodeBatch`` (mlx-lm protocol)."""
 
     def __init__(self, pool: KVPool, batch: DecodeBatch, layer: int, window: int | None = None):

@@ -5,14 +5,28 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
 if TYPE_CHECKING:
-    from ..attention import PagedView
+    from ..records import PagedView
 
 FLOAT_TYPES = (mx.float16, mx.bfloat16, mx.float32)
+BODY_MARK = "// ---- body\n"
+
+
+def kernel_source(name: str) -> tuple[str, str]:
+    """``(header, body)`` of a kernel source file in this package, split at ``BODY_MARK``.
+
+    The header holds helpers and macros; MLX wraps the body in the kernel
+    signature it generates from the input and output names.
+    """
+    text = (Path(__file__).parent / name).read_text()
+    header, mark, body = text.partition(BODY_MARK)
+    assert mark, f"{name} has no {BODY_MARK.strip()!r} line between its header and body"
+    return header, body
 
 
 @dataclass

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 
 if TYPE_CHECKING:
-    from ..attention import PagedView
+    from ..records import PagedView
 
 
 def visible_range(view: PagedView) -> tuple[mx.array, mx.array]:

@@ -30,7 +30,7 @@ from .plan import (
 )
 
 if TYPE_CHECKING:
-    from ..attention import PagedView
+    from ..records import PagedView
 
 NUM_SIMDGROUPS = 4
 PART = 512  # rows of logits kept in threadgroup memory per chunk

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .block_pool import BlockPool
+from .pool import BlockPool
 
 
 @dataclass(eq=False)

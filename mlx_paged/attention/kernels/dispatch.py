@@ -16,13 +16,14 @@ from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
+from ...storage import take_blocks
 from . import cuda, metal
 from .plan import Launch, LaunchCache, call_key, plan_decode
-from .read import read_blocks, read_reason, take_blocks
+from .read import read_blocks, read_reason
 from .reference import reference_paged_decode
 
 if TYPE_CHECKING:
-    from ..attention import PagedView
+    from ..records import PagedView
 
 logger = logging.getLogger("mlx_paged.kernels")
 

@@ -22,7 +22,7 @@ Prefill calls (more than one query) read the blocks into contiguous K/V for
 SDPA; ``fused_read`` offers that read to the device kernels of ``READERS``
 (one 16-byte-wide copy of K and V) unless the path is ``gather``, which keeps
 every read in portable MLX ops. The CUDA and Metal kernels of
-``mlx_paged.kernels`` are registered at import.
+``mlx_paged.attention.kernels`` are registered at import.
 """
 
 from __future__ import annotations
@@ -30,62 +30,20 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import weakref
 from collections import Counter
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models import base
+
+from .kernels import DEVICE_KERNELS, DEVICE_READERS
+from .records import PagedLayerCache, PagedView
 
 _original_sdpa = base.scaled_dot_product_attention
 logger = logging.getLogger("mlx_paged.attention")
 
 ATTENTION_PATHS = ("auto", "kernel", "gather")
-
-
-class PagedView(NamedTuple):
-    """Where one layer's K/V lie in the blocks, for a batch of ``B`` sequences.
-
-    The key at token position ``p`` of sequence ``b`` is
-    ``keys[block_tables[b, (p - starts[b]) // block_size], p % block_size]``.
-    A decode query of sequence ``b`` sits at position ``lengths[b] - 1`` and
-    attends to positions ``max(starts[b], lengths[b] - window) .. lengths[b] - 1``
-    (``window`` ``None`` means no limit). Rows of ``block_tables`` past a
-    sequence's last block hold arbitrary ids and must not be read.
-
-    A named tuple: every layer of every decode step makes one, and a tuple is
-    the cheapest immutable record to make.
-    """
-
-    keys: mx.array  # (num_blocks, block_size, n_kv_heads, k_head_dim)
-    values: mx.array  # (num_blocks, block_size, n_kv_heads, v_head_dim)
-    block_tables: mx.array  # (B, max_blocks) int32
-    starts: mx.array  # (B,) int32, multiples of block_size
-    lengths: mx.array  # (B,) int32
-    window: int | None
-
-    @property
-    def block_size(self) -> int:
-        return self.keys.shape[1]
-
-
-class Fetched:
-    """Weak references to the K/V a paged cache last returned.
-
-    Attention recognises the cache's own K/V by identity; holding them weakly
-    keeps neither their buffers nor the pool arrays their lazy gather reads
-    alive once the model is done with them.
-    """
-
-    __slots__ = ("_keys", "_values")
-
-    def __init__(self, keys: mx.array, values: mx.array):
-        self._keys, self._values = weakref.ref(keys), weakref.ref(values)
-
-    def matches(self, keys: mx.array, values: mx.array) -> bool:
-        """Whether ``keys`` and ``values`` are the very arrays recorded."""
-        return self._keys() is keys and self._values() is values
 
 
 #: Fused paged decode kernels, tried in order. Each is called as
@@ -204,9 +162,6 @@ def fused_read(
     return None
 
 
-_paged_types: tuple[type, ...] = ()  # set on first use: the cache modules import this one
-
-
 def scaled_dot_product_attention(
     queries: mx.array,
     keys: mx.array,
@@ -217,13 +172,7 @@ def scaled_dot_product_attention(
     sinks: mx.array | None = None,
 ) -> mx.array:
     """Drop-in for mlx-lm's function: paged caches go to ``paged_attention``."""
-    global _paged_types
-    if not _paged_types:
-        from .batch_cache import BatchPagedKVCache
-        from .cache import PagedKVCache
-
-        _paged_types = (PagedKVCache, BatchPagedKVCache)
-    if isinstance(cache, _paged_types):
+    if isinstance(cache, PagedLayerCache):
         return paged_attention(queries, keys, values, cache, scale, mask, sinks)
     return _original_sdpa(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
 
@@ -245,8 +194,6 @@ def route_attention() -> int:
 
 
 def _register_device_kernels() -> None:
-    from .kernels import DEVICE_KERNELS, DEVICE_READERS
-
     for kernel in DEVICE_KERNELS:
         if kernel not in KERNELS:
             KERNELS.append(kernel)

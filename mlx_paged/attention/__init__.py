@@ -1,0 +1,38 @@
+"""Attention over paged K/V: routing of mlx-lm's attention, the path choice and the kernels.
+
+``routing`` sends layers with a paged cache to ``paged_attention`` (fused
+kernels where one runs, else MLX's SDPA on gathered K/V); ``kernels`` holds the
+CUDA and Metal kernels and their MLX reference; ``records`` the shared records.
+"""
+
+from .records import Fetched, PagedLayerCache, PagedView
+from .routing import (
+    ATTENTION_PATHS,
+    KERNELS,
+    READERS,
+    attention_path,
+    fused_read,
+    paged_attention,
+    path_counts,
+    read_counts,
+    route_attention,
+    scaled_dot_product_attention,
+    set_attention_path,
+)
+
+__all__ = [
+    "ATTENTION_PATHS",
+    "KERNELS",
+    "READERS",
+    "Fetched",
+    "PagedLayerCache",
+    "PagedView",
+    "attention_path",
+    "fused_read",
+    "paged_attention",
+    "path_counts",
+    "read_counts",
+    "route_attention",
+    "scaled_dot_product_attention",
+    "set_attention_path",
+]

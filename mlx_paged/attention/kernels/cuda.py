@@ -1,0 +1,263 @@
+"""Fused paged decode attention for MLX's CUDA backend (``mx.fast.cuda_kernel``).
+
+One thread block serves one (sequence, KV head, split) and all the query heads
+of that KV head (up to ``heads_per_block``), so each K/V row is read from the
+pool once, with 16-byte loads straight through the block table.
+
+Each warp walks its own contiguous run of the block's rows, ``RS`` rows per
+step, with no block-wide barrier in the loop: a step issues the K *and* V loads
+of its rows together, and (``PF``) the next step's loads before it computes, so
+load latency hides behind the dot products; it keeps the logits in registers
+and updates the warp's own float32 online softmax. The
+warps' partial results are merged through shared memory once, at the end.
+
+With more than one split (flash-decoding: long contexts, small batches) each
+block writes a partial output with its max and sum; the last block of a
+(sequence, KV head) to finish, found with an atomic counter, merges the splits
+and the sinks, so one launch does it all. Each launch zeroes its own counters
+(a fill in the same compiled graph), so launches that MLX runs concurrently, as
+independent nodes of one CUDA graph, never share them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import mlx.core as mx
+
+from .plan import (
+    DecodePlan,
+    Launch,
+    LaunchCache,
+    base_template,
+    call_key,
+    compiled_launch,
+    kernel_source,
+    placeholder,
+    plan_decode,
+)
+
+if TYPE_CHECKING:
+    from ..records import PagedView
+
+NUM_WARPS = 8
+# Warps per block for unsplit launches with at least WIDE_BLOCKS blocks (B=64 x 8 KV heads):
+# measured on an H100, 4 warps walking longer runs beat 8 by 2-6 % there.
+NUM_WARPS_WIDE = 4
+WIDE_BLOCKS = 512
+# Warps of a block that serve different head groups (at most). Measured on an H100, whole
+# blocks per head group (1) beat spreading a block over heads at every batch and length.
+HEAD_WARPS = 1
+# Rows one warp loads per step, for 256-byte rows (fp16 x 128): ROWS_PER_STEP when each
+# warp walks at least LONG_RUN rows, else ROWS_PER_STEP_SHORT. Measured on an H100 with
+# prefetch, in graphs of dependent calls (32 rows spilled registers and ran 3x slower).
+ROWS_PER_STEP = 16
+ROWS_PER_STEP_SHORT = 8
+LONG_RUN = 128
+PREFETCH = True  # load a warp's next step while it computes this one (measured 1.1-1.3x)
+# Split a sequence when the batch alone gives fewer warps than this. Measured on an H100
+# with prefetch: B=16 ran fastest unsplit; B=1 in sqrt(tokens / 64) splits (4 at 1k, 8 at
+# 4k, 16 at 16k); more splits only added partial outputs to merge.
+TARGET_WARPS = 1024
+SPLIT_UNIT = 64
+MAX_SPLITS = 32  # the merging block holds every split's weights (MAXS in the kernel)
+LOG2E = 1.4426950408889634
+
+# The kernel's source: a header (helpers) and the body MLX wraps in its generated signature.
+HEADER, DECODE_SOURCE = kernel_source("paged_decode.cu")
+
+_INPUTS = ["queries", "keys", "values", "block_tables", "starts", "lengths", "sinks", "counters"]
+_OUTPUTS = ["out", "part_out", "part_max", "part_sum"]
+_kernel_obj: list[object] = []
+
+
+def _kernel() -> object:
+    """The kernel object (MLX compiles and caches one binary per template set)."""
+    if not _kernel_obj:
+        _kernel_obj.append(
+            mx.fast.cuda_kernel("paged_decode", _INPUTS, _OUTPUTS, DECODE_SOURCE, header=HEADER)
+        )
+    return _kernel_obj[0]
+
+
+def _as(x: mx.array, dtype: mx.Dtype) -> mx.array:
+    return x if x.dtype == dtype else x.astype(dtype)
+
+
+def rows_per_step(dk: int, dv: int, itemsize: int, base: int = ROWS_PER_STEP) -> int:
+    """Rows a warp loads per step: ``base`` for 256-byte rows, fewer for wider rows.
+
+    A power of two, and at least the rows one warp load covers for K and for V.
+    """
+    vec = 16 // itemsize
+    per_load = max(32 // min(d // vec, 32) for d in (dk, dv))
+    rows = max(1, base * 256 // (max(dk, dv) * itemsize))
+    return max(per_load, 1 << (rows.bit_length() - 1))
+
+
+def warp_layout(groups: int, num_warps: int, head_warps: int) -> tuple[int, int]:
+    """Split a block's warps into (head groups per block, warps per head group's rows).
+
+    Warps of one block that serve different KV heads of the same rows read
+    neighbouring slices of each pool row (layout A keeps a token's heads together),
+    so the block streams whole rows.
+    """
+    wh = math.gcd(groups, num_warps, head_warps)
+    return wh, num_warps // wh
+
+
+def _span(view: PagedView) -> int:
+    """The most tokens one sequence's query reads: the table's width, or the window."""
+    span = view.block_tables.shape[1] * view.block_size
+    return span if view.window is None else min(span, view.window)
+
+
+def cuda_plan(
+    queries: mx.array,
+    view: PagedView,
+    num_splits: int | None = None,
+    num_warps: int = NUM_WARPS,
+    head_warps: int = HEAD_WARPS,
+) -> DecodePlan:
+    """How the kernel would run this call, or a plan with ``reason`` set if it cannot."""
+    plan = plan_decode(queries, view, max_lanes_elems=32)
+    if plan.reason:
+        return plan
+    if num_splits is None:
+        groups = plan.n_kv_heads * (plan.group // plan.heads_per_block)
+        _, wr = warp_layout(groups, num_warps, head_warps)
+        warps = plan.batch * groups * wr  # warps with one split
+        span = _span(view)
+        want = math.ceil(TARGET_WARPS / warps)
+        num_splits = max(1, min(want, math.isqrt(span // SPLIT_UNIT), MAX_SPLITS))
+    plan.num_splits = max(1, min(num_splits, MAX_SPLITS))
+    return plan
+
+
+def _make_launch(
+    queries: mx.array,
+    view: PagedView,
+    scale: float,
+    has_sinks: bool,
+    num_splits: int | None,
+    num_warps: int | None,
+    rows: int | None,
+    head_warps: int | None,
+    prefetch: bool | None,
+) -> Launch | None:
+    """The launch for this call's shapes, or ``None`` if the kernel cannot run them."""
+    nw = num_warps or NUM_WARPS
+    hw = head_warps or HEAD_WARPS
+    plan = cuda_plan(queries, view, num_splits, nw, hw)
+    if plan.reason:
+        return None
+    B, HQ, dv, S = plan.batch, plan.n_heads, plan.dv, plan.num_splits
+    groups = plan.n_kv_heads * (plan.group // plan.heads_per_block)
+    if num_warps is None and S == 1 and B * groups >= WIDE_BLOCKS:
+        nw = NUM_WARPS_WIDE
+    wh, wr = warp_layout(groups, nw, hw)
+    run = math.ceil(_span(view) / (S * wr))  # rows each warp walks
+    base = rows or (ROWS_PER_STEP if run >= LONG_RUN else ROWS_PER_STEP_SHORT)
+    rs = rows_per_step(plan.dk, dv, view.keys.dtype.size, base)
+    # Logits live in the log2 domain (exp2f), so the scale carries log2(e).
+    template = base_template(plan, queries, view, has_sinks, scale * LOG2E)
+    pf = PREFETCH if prefetch is None else prefetch
+    template += [("NW", nw), ("WH", wh), ("RS", rs), ("PF", pf)]
+    blocks = groups // wh
+    parts = (B, HQ, S) if S > 1 else (1,)  # unused without splits
+    grid = (blocks * nw * 32, B, S)
+    threads = (nw * 32, 1, 1)
+    output_shapes = [(B, HQ, 1, dv), (*parts, dv) if S > 1 else (1,), parts, parts]
+    output_dtypes = [queries.dtype, mx.float32, mx.float32, mx.float32]
+    slots = B * blocks if S > 1 else 0  # split counters: one per (sequence, block column)
+
+    def kernel_call(q, keys, values, tables, starts, lengths, sinks, no_counters):
+        counters = mx.zeros((slots,), dtype=mx.int32) if slots else no_counters
+        return _kernel()(
+            inputs=[q, keys, values, tables, starts, lengths, sinks, counters],
+            template=template,
+            grid=grid,
+            threadgroup=threads,
+            output_shapes=output_shapes,
+            output_dtypes=output_dtypes,
+        )[0]
+
+    replay = compiled_launch(kernel_call)
+
+    def launch(q: mx.array, view: PagedView, sinks: mx.array | None) -> mx.array:
+        return replay(
+            q,
+            view.keys,
+            view.values,
+            _as(view.block_tables, mx.int32),
+            _as(view.starts, mx.int32),
+            _as(view.lengths, mx.int32),
+            placeholder(mx.float32) if sinks is None else _as(sinks, mx.float32),
+            placeholder(mx.int32),  # the counters, when the launch has no splits
+        )
+
+    return launch
+
+
+_launches = LaunchCache()
+
+
+def decode_launch(
+    queries: mx.array,
+    view: PagedView,
+    scale: float,
+    sinks: mx.array | None,
+    num_splits: int | None = None,
+    *,
+    num_warps: int | None = None,
+    rows: int | None = None,
+    head_warps: int | None = None,
+    prefetch: bool | None = None,
+) -> Launch | None:
+    """The launch for calls shaped like this one (made once per shape), or ``None`` if the
+    kernel does not support their shapes or dtypes.
+
+    Args:
+        queries: ``(B, n_heads, 1, k_head_dim)``.
+        view: the batch's blocks.
+        scale, sinks: as in ``mx.fast.scaled_dot_product_attention``.
+        num_splits: force the number of splits per sequence (1 turns split-K off);
+            ``None`` picks one from the batch size and the table width.
+        num_warps, rows, head_warps, prefetch: tuning overrides (warps per block;
+            rows per warp step for 256-byte rows; most head groups per block; load the
+            next step during this one); ``None`` takes ``NUM_WARPS`` (or ``NUM_WARPS_WIDE``) /
+            ``ROWS_PER_STEP`` or ``ROWS_PER_STEP_SHORT`` / ``HEAD_WARPS`` /
+            ``PREFETCH``.
+    """
+    key = call_key(queries, view, scale, sinks, num_splits, num_warps, rows, head_warps, prefetch)
+    return _launches.get(
+        key,
+        lambda: _make_launch(
+            queries,
+            view,
+            scale,
+            sinks is not None,
+            num_splits,
+            num_warps,
+            rows,
+            head_warps,
+            prefetch,
+        ),
+    )
+
+
+def paged_decode_cuda(
+    queries: mx.array,
+    view: PagedView,
+    scale: float,
+    sinks: mx.array | None,
+    num_splits: int | None = None,
+    **tuning: int | bool | None,
+) -> mx.array | None:
+    """Run the CUDA kernel; ``None`` if this call's shapes or dtypes are not supported.
+
+    Arguments as in ``decode_launch``.
+    """
+    launch = decode_launch(queries, view, scale, sinks, num_splits, **tuning)
+    return None if launch is None else launch(queries, view, sinks)

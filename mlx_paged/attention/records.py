@@ -1,0 +1,72 @@
+"""Records the attention router, the kernels and the caches share.
+
+A leaf module: it imports nothing from the project, so kernels and caches can
+speak of a ``PagedView`` without importing the router.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import NamedTuple
+
+import mlx.core as mx
+
+
+class PagedView(NamedTuple):
+    """Where one layer's K/V lie in the blocks, for a batch of ``B`` sequences.
+
+    The key at token position ``p`` of sequence ``b`` is
+    ``keys[block_tables[b, (p - starts[b]) // block_size], p % block_size]``.
+    A decode query of sequence ``b`` sits at position ``lengths[b] - 1`` and
+    attends to positions ``max(starts[b], lengths[b] - window) .. lengths[b] - 1``
+    (``window`` ``None`` means no limit). Rows of ``block_tables`` past a
+    sequence's last block hold arbitrary ids and must not be read.
+
+    A named tuple: every layer of every decode step makes one, and a tuple is
+    the cheapest immutable record to make.
+    """
+
+    keys: mx.array  # (num_blocks, block_size, n_kv_heads, k_head_dim)
+    values: mx.array  # (num_blocks, block_size, n_kv_heads, v_head_dim)
+    block_tables: mx.array  # (B, max_blocks) int32
+    starts: mx.array  # (B,) int32, multiples of block_size
+    lengths: mx.array  # (B,) int32
+    window: int | None
+
+    @property
+    def block_size(self) -> int:
+        return self.keys.shape[1]
+
+
+class Fetched:
+    """Weak references to the K/V a paged cache last returned.
+
+    Attention recognises the cache's own K/V by identity; holding them weakly
+    keeps neither their buffers nor the pool arrays their lazy gather reads
+    alive once the model is done with them.
+    """
+
+    __slots__ = ("_keys", "_values")
+
+    def __init__(self, keys: mx.array, values: mx.array):
+        self._keys, self._values = weakref.ref(keys), weakref.ref(values)
+
+    def matches(self, keys: mx.array, values: mx.array) -> bool:
+        """Whether ``keys`` and ``values`` are the very arrays recorded."""
+        return self._keys() is keys and self._values() is values
+
+
+class PagedLayerCache:
+    """Base of the caches whose layers ``paged_attention`` serves.
+
+    A subclass tells attention whether the K/V and mask it got are the cache's
+    own (``fetched``) and where its blocks lie (``paged_view``).
+    """
+
+    def fetched(self, keys: mx.array, values: mx.array, mask: object) -> bool:
+        """Whether attention got this layer's own K/V and mask, untouched by the model."""
+        raise NotImplementedError
+
+    def paged_view(self) -> PagedView:
+        """Where this layer's K/V lie in the blocks, for fused kernels."""
+        raise NotImplementedError

@@ -1,0 +1,208 @@
+"""Block tables: which blocks hold a sequence's tokens, and the bookkeeping on them.
+
+A layer group is the set of layers that share block ids: all full-attention
+layers of a model, or all sliding-window layers with one window (``LayerKind``).
+``BlockTables`` makes, forks, trims and reserves the block tables of one group
+over its ``BlockPool``. It moves no K/V: the storage layer subclasses it and
+copies a block's bytes where this class only re-points a table. Pure Python.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from .pool import BlockPool, PoolExhaustedError
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class LayerKind:
+    """Which group a paged layer joins: full attention, or a sliding window of ``window`` tokens."""
+
+    window: int | None = None
+
+
+@dataclass
+class BlockTable:
+    """One sequence's blocks in one group, plus how far each layer has written.
+
+    ``blocks[i]`` holds tokens ``[(first + i) * block_size, (first + i + 1) *
+    block_size)``; ``first`` is the number of leading blocks already given back
+    (sliding-window layers drop blocks that fell out of the window).
+    """
+
+    blocks: list[int] = field(default_factory=list)
+    first: int = 0
+    lengths: list[int] = field(default_factory=list)
+    version: int = 0  # bumped whenever ``blocks`` or ``first`` changes
+    # (version, start, end, pool shares) of the span ``reserve`` last made private: the
+    # later layers of a prefill step skip the check while nothing changed.
+    reserved_key: tuple | None = field(default=None, repr=False)
+    # The mask the cache's make_mask last returned for this sequence's layers, so
+    # attention can tell it from a mask the model made itself.
+    mask: object = field(default=None, repr=False)
+    # Device arrays derived from the table (block ids, pool slots, ...), each with the
+    # key it was derived from; the layers of a step share them.
+    _derived: dict[str, tuple[tuple, Any]] = field(default_factory=dict, repr=False)
+
+    @property
+    def end(self) -> int:
+        """Tokens written by the furthest layer."""
+        return max(self.lengths, default=0)
+
+    def derived(self, name: str, key: tuple, make: Callable[[], T]) -> T:
+        """The value ``make()`` gave for ``key`` under ``name``, made again when ``key`` changes."""
+        held = self._derived.get(name)
+        if held is None or held[0] != key:
+            held = self._derived[name] = (key, make())
+        return held[1]
+
+
+class BlockTables:
+    """The block tables of one layer group, over the ``BlockPool`` that owns their ids.
+
+    Args:
+        num_layers: Layers in this group.
+        block_size: Token slots per block.
+        num_blocks: Fixed capacity, or ``None`` to grow on demand.
+    """
+
+    def __init__(self, num_layers: int, block_size: int, num_blocks: int | None = None):
+        self.blocks = BlockPool(num_blocks, block_size)
+        self.block_size = block_size
+        self.num_layers = num_layers
+
+    # ---- tables -----------------------------------------------------------
+
+    def new_table(self) -> BlockTable:
+        """An empty table whose blocks are released when it is garbage collected."""
+        table = BlockTable(lengths=[0] * self.num_layers)
+        weakref.finalize(table, _release_quietly, self.blocks, table.blocks)
+        return table
+
+    def fork(self, table: BlockTable) -> BlockTable:
+        """A new table holding references to the same blocks (no K/V is copied)."""
+        for b in table.blocks:
+            self.blocks.retain(b)
+        forked = self.new_table()
+        forked.blocks.extend(table.blocks)
+        forked.first = table.first
+        forked.lengths[:] = table.lengths
+        return forked
+
+    def release(self, table: BlockTable) -> None:
+        """Give back every block of a table and empty it."""
+        self.blocks.release_all(table.blocks)
+        table.blocks.clear()
+        table.first = 0
+        table.lengths[:] = [0] * self.num_layers
+        table.version += 1
+
+    def truncate(self, table: BlockTable, layer: int, length: int) -> None:
+        """Set a layer's length to ``length`` and give back blocks no layer reaches."""
+        table.lengths[layer] = length
+        keep = -(-table.end // self.block_size) - table.first
+        if keep < len(table.blocks):
+            self.blocks.release_all(table.blocks[keep:])
+            del table.blocks[keep:]
+            table.version += 1
+
+    def drop_before(self, table: BlockTable, position: int) -> None:
+        """Give back the blocks that hold only tokens before ``position``."""
+        n = position // self.block_size - table.first
+        if n > 0:
+            self.blocks.release_all(table.blocks[:n])
+            del table.blocks[:n]
+            table.first += n
+            table.version += 1
+
+    # ---- reservations -----------------------------------------------------
+
+    def blocks_needed(self, table: BlockTable, start: int, end: int) -> int:
+        """Blocks ``reserve(table, start, end)`` would take: new ones plus copies of shared ones."""
+        return len(self._shared_in(table, start, end)) + self._missing(table, end)
+
+    def reserve(self, table: BlockTable, start: int, end: int) -> None:
+        """Give tokens ``[start, end)`` private blocks in ``table``, copying shared ones.
+
+        Raises:
+            ValueError: if the table would need more blocks than the pool has.
+            PoolExhaustedError: if the blocks cannot be freed now; nothing changes.
+        """
+        bs = self.block_size
+        span = -(-end // bs) - table.first
+        if not self.blocks.growable and span > self.blocks.capacity:
+            raise ValueError(
+                f"{end} tokens need {span} blocks of {bs}, but the pool holds only "
+                f"{self.blocks.capacity}; pass a larger num_blocks (or None to grow)."
+            )
+        shared = self._shared_in(table, start, end)
+        missing = self._missing(table, end)
+        if not self.blocks.can_allocate(len(shared) + missing):
+            raise PoolExhaustedError(
+                f"the pool needs {len(shared) + missing} more blocks but only "
+                f"{self.blocks.num_available} of {self.blocks.capacity} can be freed; "
+                "release sequences or build a larger pool."
+            )
+        for i in shared:
+            self.copy_on_write_block(table, i)
+        if missing:
+            table.blocks.extend(self._allocate(missing))
+            table.version += 1
+        table.reserved_key = (table.version, start, end, self.blocks.shares)
+
+    def copy_on_write_block(self, table: BlockTable, index: int) -> int:
+        """Give ``table.blocks[index]`` a private copy; return its id.
+
+        The new block gets the old one's contents (``copy_block``) before this
+        table's reference to the old one is released.
+        """
+        old = table.blocks[index]
+        (new,) = self._allocate(1)
+        self.copy_block(old, new)
+        table.blocks[index] = new
+        table.version += 1
+        self.blocks.release(old)
+        return new
+
+    # ---- storage hooks ----------------------------------------------------
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy block ``src``'s K/V into block ``dst`` (bookkeeping only here: no data)."""
+
+    def grown(self) -> None:
+        """Called after the pool grew, so storage can grow its arrays to match."""
+
+    # ---- internals --------------------------------------------------------
+
+    def _allocate(self, n: int) -> list[int]:
+        capacity = self.blocks.capacity
+        ids = self.blocks.allocate(n)
+        if ids is None:
+            raise PoolExhaustedError(
+                f"the pool needs {n} more blocks but only {self.blocks.num_available} of "
+                f"{capacity} can be freed; release sequences or build a larger pool."
+            )
+        if self.blocks.capacity != capacity:
+            self.grown()
+        return ids
+
+    def _shared_in(self, table: BlockTable, start: int, end: int) -> list[int]:
+        """Indices into ``table.blocks`` of shared blocks that tokens ``[start, end)`` touch."""
+        bs = self.block_size
+        lo, hi = start // bs - table.first, min(len(table.blocks), -(-end // bs) - table.first)
+        return [i for i in range(lo, hi) if self.blocks.is_shared(table.blocks[i])]
+
+    def _missing(self, table: BlockTable, end: int) -> int:
+        """Blocks to append so that ``table`` reaches token ``end``."""
+        return max(0, -(-end // self.block_size) - table.first - len(table.blocks))
+
+
+def _release_quietly(pool: BlockPool, blocks: list[int]) -> None:
+    """Finalizer: a table dropped without ``release`` gives its blocks back."""
+    pool.release_all(blocks)
+    blocks.clear()

@@ -1,0 +1,121 @@
+"""Which of a model's caches are paged, in which pool, and ``make_paged_cache``."""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import CacheList
+
+from ..attention import route_attention
+from ..blocks import LayerKind, check_block_size
+from ..storage import KVPool
+from .families import classify, default_caches, model_type
+from .paged import PagedKVCache
+
+
+def make_paged_cache(
+    model: nn.Module,
+    block_size: int = 16,
+    num_blocks: int | None = None,
+    kv_dtype: mx.Dtype | None = None,
+) -> list[Any]:
+    """Build ``model``'s prompt cache with every attention layer paged.
+
+    Transforms what ``model.make_cache()`` (or mlx-lm's default) returns:
+    ``KVCache`` becomes a full-attention ``PagedKVCache``; ``RotatingKVCache``
+    becomes a sliding-window one that gives back blocks outside the window;
+    ``ArraysCache`` (SSM / recurrent state) stays native; ``CacheList`` is
+    converted item by item.
+
+    Args:
+        model: An mlx-lm model.
+        block_size: Token slots per block.
+        num_blocks: Blocks per pool (one pool per full/sliding layer group);
+            ``None`` grows the pool on demand.
+        kv_dtype: Storage dtype for K/V, e.g. ``mx.float16``; ``None`` keeps the
+            model's.
+
+    Raises:
+        ValueError: for a bad ``block_size``/``num_blocks``, or a cache layout
+            mlx_paged cannot page (the message names the model type).
+    """
+    check_block_size(block_size)
+    if kv_dtype is not None and not isinstance(kv_dtype, mx.Dtype):
+        raise ValueError(f"kv_dtype must be an mx.Dtype such as mx.float16, got {kv_dtype!r}.")
+    layout = PagedLayout.of(model)
+    pools = {kind: KVPool(n, block_size, num_blocks, kv_dtype) for kind, n in layout.counts.items()}
+    tables = {kind: pool.new_table() for kind, pool in pools.items()}
+    route_attention()
+    return layout.bind(pools, tables)
+
+
+@dataclass
+class PagedLayout:
+    """Which of a model's caches are paged, and in which pool.
+
+    ``template`` is what ``model.make_cache()`` (or mlx-lm's default) returns;
+    ``counts`` says how many paged layers each kind (full attention, or one
+    sliding window) has; ``native`` counts caches kept as they are.
+    """
+
+    template: list
+    family: str
+    counts: Counter[LayerKind]
+    native: int
+
+    @classmethod
+    def of(cls, model: nn.Module) -> PagedLayout:
+        """Classify ``model``'s caches; raises ValueError for layouts mlx_paged cannot page."""
+        family = model_type(model)
+        template = default_caches(model)
+        counts: Counter[LayerKind] = Counter()
+        native = 0
+
+        def count(kind: LayerKind | None) -> None:
+            nonlocal native
+            if kind is None:
+                native += 1
+            else:
+                counts[kind] += 1
+
+        _walk(template, family, count)
+        return cls(template, family, counts, native)
+
+    def bind(
+        self,
+        pools: dict[LayerKind, KVPool],
+        tables: dict[LayerKind, Any],
+        factory: Callable[..., Any] = PagedKVCache,
+    ) -> list[Any]:
+        """A cache list shaped like ``template``: paged layers made by
+        ``factory(pool, table, layer, window)``, native caches fresh."""
+        next_layer: Counter[LayerKind] = Counter()
+
+        def paged(kind: LayerKind) -> Any:
+            layer = next_layer[kind]
+            next_layer[kind] += 1
+            return factory(pools[kind], tables[kind], layer, kind.window)
+
+        return _walk(self.template, self.family, paged, native=copy.deepcopy)
+
+
+def _walk(caches: list, family: str, visit, native=None) -> list:
+    """Replace each pageable cache with ``visit(kind)``, recursing into CacheList.
+
+    Native caches become ``native(cache)``; without ``native`` they are passed
+    to ``visit`` as ``None``.
+    """
+    out = []
+    for c in caches:
+        if isinstance(c, CacheList):
+            out.append(CacheList(*_walk(list(c.caches), family, visit, native)))
+            continue
+        kind = classify(c, family)
+        out.append(native(c) if kind is None and native is not None else visit(kind))
+    return out

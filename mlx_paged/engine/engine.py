@@ -1,0 +1,170 @@
+"""``PagedEngine``: continuous batching over the block pool.
+
+The facade wires a ``Scheduler`` (queues, admission, preemption, finishing:
+plain Python over ids and counts) to a ``ModelRunner`` (forward passes and
+sampling). Each ``step()``:
+
+1. admits waiting requests while blocks allow (``Scheduler.admit``): each
+   adopts the longest cached prefix of its tokens and prefills only the rest;
+2. runs one batched decode forward over every running request, each with its
+   own offset and length, reading K/V where it lies in the blocks;
+3. samples per request; finished requests park their blocks in the prefix
+   index for the next request with the same prefix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..attention import route_attention
+from ..blocks import check_block_size
+from ..cache import PagedLayout
+from ..storage import KVPool
+from .request import EngineStats, Event, LogitsProcessor, Prefill, Request, Sampler
+from .runner import ModelRunner
+from .scheduler import Scheduler
+
+
+class PagedEngine:
+    """Runs many requests at once over one paged KV cache.
+
+    Args:
+        model: An mlx-lm model whose caches are all pageable (full attention
+            and/or sliding window; not SSM/recurrent layers).
+        block_size: Token slots per block.
+        num_blocks: Blocks per layer group, or ``None`` to grow on demand.
+        max_batch_size: Most sequences decoding at once.
+        prefill_step_size: Most tokens per prefill forward.
+        kv_dtype: Storage dtype for K/V; ``None`` keeps the model's.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        max_batch_size: int = 64,
+        prefill_step_size: int = 512,
+        kv_dtype: mx.Dtype | None = None,
+    ):
+        check_block_size(block_size)
+        sizes = {"max_batch_size": max_batch_size, "prefill_step_size": prefill_step_size}
+        for name, v in sizes.items():
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"{name} must be a positive int, got {v!r}.")
+        layout = PagedLayout.of(model)
+        if layout.native:
+            raise ValueError(
+                f"{layout.family}: PagedEngine needs every cache to be paged, but this model "
+                f"has {layout.native} recurrent/SSM caches; use make_paged_cache per request."
+            )
+        pools = {
+            kind: KVPool(n, block_size, num_blocks, kv_dtype) for kind, n in layout.counts.items()
+        }
+        self.scheduler = Scheduler(pools, max_batch_size, prefill_step_size)
+        self.runner = ModelRunner(model, layout, pools)
+        self._next_uid = 0
+        route_attention()
+
+    # ---- public API -------------------------------------------------------
+
+    @property
+    def waiting(self) -> Sequence[Request]:
+        """Requests queued for admission, next first."""
+        return self.scheduler.waiting
+
+    @property
+    def running(self) -> Sequence[Request]:
+        """Requests holding blocks and decoding, in batch order."""
+        return self.scheduler.running
+
+    def add_request(
+        self,
+        tokens: Sequence[int] | mx.array,
+        max_tokens: int,
+        sampler: Sampler | None = None,
+        logits_processors: Iterable[LogitsProcessor] | None = None,
+        stop_tokens: Iterable[int] | None = None,
+    ) -> int:
+        """Queue a prompt; return its uid.
+
+        ``sampler`` maps log-probs ``(1, V)`` to a token (greedy if ``None``);
+        ``logits_processors`` see ``(tokens, logits)`` first, as in mlx-lm.
+        """
+        prompt = tokens.tolist() if isinstance(tokens, mx.array) else list(tokens)
+        if not prompt:
+            raise ValueError("the prompt is empty; give at least one token.")
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens <= 0:
+            raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}.")
+        req = Request(
+            uid=self._next_uid,
+            prompt=prompt,
+            max_tokens=max_tokens,
+            sampler=sampler,
+            logits_processors=list(logits_processors or []),
+            stop_tokens=frozenset(stop_tokens or ()),
+        )
+        self.scheduler.add(req)
+        self._next_uid += 1
+        return req.uid
+
+    def step(self) -> list[Event]:
+        """Admit and prefill what fits, then decode one token for every running request."""
+        events: list[Event] = []
+        for work in self.scheduler.admit():
+            events += self._prefill(work)
+        if self.scheduler.running:
+            events += self._decode()
+        return events
+
+    def stream(self) -> Iterator[Event]:
+        """Step until every request has finished, yielding events as they come."""
+        while self.scheduler.waiting or self.scheduler.running:
+            yield from self.step()
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], max_tokens: int = 256, **kwargs
+    ) -> list[list[int]]:
+        """Generate for every prompt (greedy unless ``sampler`` is given); return token ids."""
+        uids = [self.add_request(p, max_tokens, **kwargs) for p in prompts]
+        out: dict[int, list[int]] = {uid: [] for uid in uids}
+        for event in self.stream():
+            if event.uid in out:
+                out[event.uid].append(event.token)
+        return [out[uid] for uid in uids]
+
+    def stats(self) -> EngineStats:
+        """Pool counts summed over layer groups, plus prefix hits, prefill and preemptions."""
+        return self.scheduler.stats()
+
+    def check_invariants(self) -> None:
+        """Assert refcounts equal holders in every group and the index agrees with the pools."""
+        self.scheduler.check_invariants()
+
+    # ---- steps ------------------------------------------------------------
+
+    def _prefill(self, work: Prefill) -> list[Event]:
+        """Run a prefill's forwards, indexing the blocks each one wrote; sample first tokens."""
+        logits = None
+        for i, n in enumerate(work.steps):
+            want = work.fresh and i == len(work.steps) - 1
+            if work.alone:
+                logits = self.runner.prefill(work.requests[0], n, logits=want)
+            else:
+                logits = self.runner.forward(work.requests, n, logits=want)
+            for req in work.requests:
+                self.scheduler.written(req)
+        if not work.fresh:
+            return []
+        return self._emit(work.requests, self.runner.sample(work.requests, logits))
+
+    def _decode(self) -> list[Event]:
+        reqs = self.scheduler.schedule_decode()
+        logits = self.runner.decode(reqs)
+        return self._emit(reqs, self.runner.sample(reqs, logits))
+
+    def _emit(self, reqs: list[Request], tokens: list[int]) -> list[Event]:
+        return [self.scheduler.emit(r, t) for r, t in zip(reqs, tokens, strict=True)]

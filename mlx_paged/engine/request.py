@@ -1,0 +1,89 @@
+"""The engine's records: a request, the event each generated token makes, and the stats.
+
+Pure Python: the scheduler reads and updates these without MLX.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..blocks import BlockTable, LayerKind, PagedCacheStats
+
+#: Maps log-probs ``(1, vocab)`` to a token ``(1,)``, as mlx-lm's samplers do.
+Sampler = Callable[[Any], Any]
+#: Maps ``(tokens, logits)`` to logits, as mlx-lm's logits processors do.
+LogitsProcessor = Callable[[Any, Any], Any]
+
+
+@dataclass(frozen=True)
+class Event:
+    """One generated token. ``finish_reason`` is ``"stop"``, ``"length"`` or ``None``."""
+
+    uid: int
+    token: int
+    finish_reason: str | None
+
+
+@dataclass(frozen=True)
+class EngineStats(PagedCacheStats):
+    """Pool counts (summed over layer groups) plus the engine's counters."""
+
+    prefix_hit_tokens: int = 0
+    prefilled_tokens: int = 0
+    generated_tokens: int = 0
+    preemptions: int = 0
+    peak_live_blocks: int = 0
+
+
+@dataclass(eq=False)
+class Request:
+    """One request's data; only the scheduler moves it between queues.
+
+    ``tables`` holds the request's block table per layer group while it is
+    running, and ``None`` while it waits.
+    """
+
+    uid: int
+    prompt: list[int]
+    max_tokens: int
+    sampler: Sampler | None
+    logits_processors: list[LogitsProcessor]
+    stop_tokens: frozenset[int]
+    generated: list[int] = field(default_factory=list)
+    tables: dict[LayerKind, BlockTable] | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.generated
+
+    @property
+    def last_token(self) -> int:
+        return self.generated[-1] if self.generated else self.prompt[-1]
+
+    @property
+    def written(self) -> int:
+        """Tokens whose K/V is written (all groups and layers agree between forwards)."""
+        return next(iter(self.tables.values())).lengths[0]
+
+
+@dataclass(frozen=True)
+class Prefill:
+    """Prefill work the scheduler hands the engine.
+
+    Each request runs ``steps[0]``, then ``steps[1]``, ... more tokens from what
+    it has written, one forward per step; new requests want logits after the
+    last step (their first token). ``alone``: one request, prefilled through its
+    own cache before the next admission, so that later requests can adopt its
+    blocks. Otherwise the requests (all new, or all resumed) run batched.
+    """
+
+    requests: list[Request]
+    steps: list[int]
+    alone: bool
+
+    @property
+    def fresh(self) -> bool:
+        """Whether the requests are new (they sample their first token after the last step)."""
+        return not self.requests[0].generated

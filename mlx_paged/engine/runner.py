@@ -1,0 +1,96 @@
+"""The model runner: forward passes over block tables, and sampling.
+
+It owns every MLX call of the engine. Given requests whose block tables the
+scheduler has reserved, it binds them to paged caches (one sequence through
+``PagedKVCache``, a batch through ``DecodeBatch``), runs the model, evaluates
+the writes and samples tokens; it never changes which blocks a table holds.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..blocks import LayerKind
+from ..cache import BatchPagedKVCache, DecodeBatch, PagedKVCache, PagedLayout
+from ..storage import KVPool
+from .request import Request
+
+
+class ModelRunner:
+    """Runs ``model`` over the K/V in ``pools``.
+
+    Args:
+        model: An mlx-lm model.
+        layout: Which of the model's caches are paged, in which group.
+        pools: Per layer group, the K/V storage.
+    """
+
+    def __init__(self, model: nn.Module, layout: PagedLayout, pools: dict[LayerKind, KVPool]):
+        self.model = model
+        self.layout = layout
+        self.pools = pools
+
+    def prefill(self, req: Request, n: int, logits: bool = False) -> mx.array | None:
+        """Run ``req``'s next ``n`` tokens through its own caches.
+
+        Returns the last position's logits ``(1, V)`` if asked, else ``None``: the
+        head over every prompt position would cost more than the model.
+        """
+        start = req.written
+        caches = self.layout.bind(self.pools, req.tables, PagedKVCache)
+        out = self.model(mx.array(req.tokens[start : start + n])[None], cache=caches)
+        last = out[:, -1, :] if logits else None
+        mx.eval(last if logits else [], [c.state for c in caches])
+        return last
+
+    def forward(self, reqs: list[Request], n: int, logits: bool = False) -> mx.array | None:
+        """Run the next ``n`` tokens of each request together (blocks reserved).
+
+        Returns the last position's logits ``(B, V)`` if asked, else ``None``.
+        """
+        starts = [r.written for r in reqs]
+        batches = {
+            kind: DecodeBatch(self.pools[kind], [r.tables[kind] for r in reqs], kind.window, n)
+            for kind in self.pools
+        }
+        caches = self.layout.bind(self.pools, batches, BatchPagedKVCache)
+        inputs = mx.array([r.tokens[s : s + n] for r, s in zip(reqs, starts, strict=True)])
+        out = self.model(inputs, cache=caches)[:, -1, :]  # (B, V)
+        mx.eval(out if logits else [], [c.state for c in caches])
+        for batch in batches.values():
+            batch.finish()
+        return out if logits else None
+
+    def decode(self, reqs: list[Request]) -> mx.array:
+        """One token for every request (blocks reserved): the lazy logits ``(B, V)``."""
+        batches = {
+            kind: DecodeBatch(self.pools[kind], [r.tables[kind] for r in reqs], kind.window)
+            for kind in self.pools
+        }
+        caches = self.layout.bind(self.pools, batches, BatchPagedKVCache)
+        inputs = mx.array([[r.last_token] for r in reqs])  # (B, 1)
+        logits = self.model(inputs, cache=caches)[:, -1, :]  # (B, V)
+        for batch in batches.values():
+            batch.finish()
+        return logits
+
+    def sample(self, reqs: list[Request], logits: mx.array) -> list[int]:
+        """One token per request from ``(B, V)`` logits, each with its own settings."""
+        greedy = [i for i, r in enumerate(reqs) if r.sampler is None and not r.logits_processors]
+        if len(greedy) == len(reqs):  # the common case: one argmax, one transfer
+            return mx.argmax(logits, axis=-1).tolist()
+        out: list[mx.array | None] = [None] * len(reqs)
+        if greedy:
+            picked = mx.argmax(logits[mx.array(greedy)], axis=-1)
+            for j, i in enumerate(greedy):
+                out[i] = picked[j]
+        for i, r in enumerate(reqs):
+            if out[i] is not None:
+                continue
+            x = logits[i : i + 1]
+            for proc in r.logits_processors:
+                x = proc(mx.array(r.tokens), x)
+            logprobs = x - mx.logsumexp(x, axis=-1, keepdims=True)
+            out[i] = (r.sampler or (lambda lp: mx.argmax(lp, -1)))(logprobs).reshape(())
+        return mx.stack(out).tolist()

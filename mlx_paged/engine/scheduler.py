@@ -1,0 +1,262 @@
+"""The scheduler: queues, admission, prefill budgets, preemption and finishing.
+
+Plain Python over token ids, block ids and counts, like the schedulers of
+nano-vllm and vLLM v1. It decides; the model runner moves tensors. It sees
+each layer group through ``BlockTables`` (whose storage subclass copies a
+block's K/V when copy-on-write re-points a table) and owns the ``PrefixIndex``.
+
+Admission: a request adopts the longest cached prefix of its tokens (no K/V
+copied) and prefills only the rest. A long rest, or one that a request behind
+it could share, is prefilled alone at once, chunk by chunk; short ones are
+grouped by length and prefilled together. Full blocks are indexed as soon as
+they are written, so concurrent requests share them.
+
+Decode: every running request gets a private block for its next token; when
+the pool runs short, the newest running request is preempted: its blocks are
+parked, it goes back to the head of the queue, and it resumes later from the
+cached prefix (usually all of it).
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from collections.abc import Iterator
+
+from ..blocks import BlockTable, BlockTables, LayerKind, PrefixIndex
+from .request import EngineStats, Event, Prefill, Request
+
+
+class Scheduler:
+    """Moves requests between the waiting and running queues; owns their block tables.
+
+    Args:
+        groups: Per layer group, its block-table bookkeeping (all with one block size).
+        max_batch_size: Most requests running at once.
+        prefill_step_size: Most tokens per prefill forward.
+    """
+
+    def __init__(
+        self, groups: dict[LayerKind, BlockTables], max_batch_size: int, prefill_step_size: int
+    ):
+        self.groups = groups
+        self.kinds = list(groups)
+        self.block_size = groups[self.kinds[0]].block_size
+        self.max_batch_size = max_batch_size
+        self.prefill_step_size = prefill_step_size
+        self.index = PrefixIndex(
+            [groups[k].blocks for k in self.kinds], [k.window for k in self.kinds]
+        )
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.counters = dict(
+            prefix_hit_tokens=0,
+            prefilled_tokens=0,
+            generated_tokens=0,
+            preemptions=0,
+            peak_live_blocks=0,
+        )
+
+    # ---- public API -------------------------------------------------------
+
+    def add(self, req: Request) -> None:
+        """Queue a request; raise ValueError if it could not fit in the pool even alone."""
+        n = len(req.prompt)
+        for kind, group in self.groups.items():
+            need = self._peak_blocks(kind, n, n + req.max_tokens)
+            if not group.blocks.growable and need > group.blocks.capacity:
+                raise ValueError(
+                    f"a prompt of {n} tokens plus max_tokens={req.max_tokens} needs up to "
+                    f"{need} blocks of {self.block_size}, but the pool has "
+                    f"{group.blocks.capacity}; use a larger num_blocks or a shorter request."
+                )
+        self.waiting.append(req)
+
+    def admit(self) -> Iterator[Prefill]:
+        """Admit waiting requests in order while blocks and batch slots allow.
+
+        Yields the prefill work of each admission as it happens. The caller runs
+        an ``alone`` prefill before asking for the next one, so the requests
+        admitted after it can adopt its blocks; the batched ones come last.
+        """
+        batched: dict[tuple[int, bool], list[Request]] = {}  # (tokens, fresh) -> requests
+        bs = self.block_size
+        heads = Counter(tuple(r.prompt[:bs]) for r in self.waiting)
+        while self.waiting and len(self.running) < self.max_batch_size:
+            req = self.waiting[0]
+            # Adopting a shared partial tail costs a copy; an idle pool always
+            # fits the request computed from scratch (``add`` checked).
+            if not self._adopt(req) and (self.running or not self._adopt(req, use_cache=False)):
+                break
+            self.waiting.popleft()
+            self.running.append(req)
+            start = req.written
+            n = self.kv_target(req) - start
+            self.counters["prefilled_tokens"] += n
+            head = tuple(req.prompt[:bs])
+            heads[head] -= 1
+            shared = start < bs <= n and heads[head] > 0
+            if n > self.prefill_step_size or shared:
+                steps = self._steps(n, not req.generated, self.prefill_step_size)
+                yield Prefill([req], steps, alone=True)
+            elif n > 0:
+                # Take the blocks now, so the next admission sees them gone.
+                for kind, group in self.groups.items():
+                    group.reserve(req.tables[kind], start, start + n)
+                batched.setdefault((n, not req.generated), []).append(req)
+            self._note_peak()
+        assert self.running or not self.waiting, "an idle pool cannot take the next request"
+        for (n, fresh), reqs in batched.items():
+            per_forward = max(1, self.prefill_step_size // n)
+            for i in range(0, len(reqs), per_forward):
+                yield Prefill(reqs[i : i + per_forward], self._steps(n, fresh, n), alone=False)
+
+    def written(self, req: Request) -> None:
+        """Index the full blocks ``req`` has written, so running requests can share them.
+
+        Sliding-window blocks indexed now stay cached after the window passes them.
+        """
+        self.index.insert(req.tokens, self._table_spans(req), length=req.written, partial=False)
+
+    def schedule_decode(self) -> list[Request]:
+        """Ready every running request for one decode token; return them in batch order.
+
+        Blocks wholly before a window go back first; then each request gets a
+        private block for its next token, the newest being preempted while the
+        pool is short.
+        """
+        for kind, group in self.groups.items():
+            if kind.window is not None:
+                for r in self.running:
+                    t = r.tables[kind]
+                    group.drop_before(t, max(0, t.lengths[0] - kind.window + 1))
+        while not self._decode_fits():
+            assert len(self.running) > 1, "one request alone outgrew the pool"
+            self._preempt(self.running[-1])
+        for r in self.running:
+            for kind, group in self.groups.items():
+                t = r.tables[kind]
+                group.reserve(t, t.lengths[0], t.lengths[0] + 1)
+        self._note_peak()  # the most blocks a step holds: all running, each with its next slot
+        return list(self.running)
+
+    def emit(self, req: Request, token: int) -> Event:
+        """Record a sampled token; finish the request on a stop token or at ``max_tokens``."""
+        req.generated.append(token)
+        self.counters["generated_tokens"] += 1
+        reason = None
+        if token in req.stop_tokens:
+            reason = "stop"
+        elif len(req.generated) >= req.max_tokens:
+            reason = "length"
+        if reason is not None:
+            self._detach(req)
+        return Event(req.uid, token, reason)
+
+    def kv_target(self, req: Request) -> int:
+        """Tokens that need K/V before decoding: all of a new prompt, all but the
+        last token of a resumed request (the decode step feeds that one)."""
+        return len(req.tokens) - 1 if req.generated else len(req.tokens)
+
+    def stats(self) -> EngineStats:
+        """Pool counts summed over layer groups, plus the counters."""
+        groups = [g.blocks.stats() for g in self.groups.values()]
+        return EngineStats(
+            total_blocks=sum(s.total_blocks for s in groups),
+            live_blocks=sum(s.live_blocks for s in groups),
+            cached_blocks=sum(s.cached_blocks for s in groups),
+            free_blocks=sum(s.free_blocks for s in groups),
+            block_size=self.block_size,
+            bytes=sum(s.bytes for s in groups),
+            **self.counters,
+        )
+
+    def check_invariants(self) -> None:
+        """Assert refcounts equal holders in every group and the index agrees with the pools."""
+        for kind, group in self.groups.items():
+            group.blocks.check_invariants(tables=[r.tables[kind].blocks for r in self.running])
+        self.index.check_invariants()
+        assert len(self.running) <= self.max_batch_size, "batch over max_batch_size"
+        assert all(r.tables is None for r in self.waiting), "a waiting request holds blocks"
+
+    # ---- internals --------------------------------------------------------
+
+    def _adopt(self, req: Request, use_cache: bool = True) -> bool:
+        """Give ``req`` tables holding its cached prefix and room for the rest, or wait."""
+        tokens = req.tokens
+        target = self.kv_target(req)
+        match = self.index.match(tokens[: len(tokens) - 1]) if use_cache else None
+        hit = match.length if match else 0
+        tables = {}
+        for g, (kind, group) in enumerate(self.groups.items()):
+            table = group.new_table()
+            if match:
+                for b in match.blocks[g]:
+                    group.blocks.retain(b)
+                table.blocks.extend(match.blocks[g])
+                table.first = match.firsts[g]
+            table.lengths[:] = [hit] * group.num_layers
+            tables[kind] = table
+        # Leave each running sequence (and this one) a block to decode into.
+        headroom = len(self.running) + 1
+        need = {k: self._blocks_to_write(k, tables[k], hit, target) for k in self.kinds}
+        if not all(self.groups[k].blocks.can_allocate(n + headroom) for k, n in need.items()):
+            for kind, table in tables.items():
+                self.groups[kind].release(table)
+            return False
+        req.tables = tables
+        self.counters["prefix_hit_tokens"] += hit
+        return True
+
+    def _steps(self, n: int, fresh: bool, chunk: int) -> list[int]:
+        """Forwards for ``n`` tokens, at most ``chunk`` each.
+
+        A new request's last token runs on its own: only its logits are needed,
+        and the head over every prompt position would cost more than the model.
+        """
+        body = n - 1 if fresh else n
+        return [min(chunk, body - lo) for lo in range(0, body, chunk)] + ([1] if fresh else [])
+
+    def _blocks_to_write(self, kind: LayerKind, table: BlockTable, start: int, end: int) -> int:
+        """Blocks a prefill of ``[start, end)`` takes; a window keeps only its last blocks."""
+        need = self.groups[kind].blocks_needed(table, start, end)
+        return min(need, self._peak_blocks(kind, end - start, end))
+
+    def _peak_blocks(self, kind: LayerKind, prefill: int, total: int) -> int:
+        """Most blocks one sequence holds at once, prefilling ``prefill`` of ``total`` tokens."""
+        span = -(-total // self.block_size) + 1
+        if kind.window is None:
+            return span
+        chunk = min(self.prefill_step_size, prefill)
+        return min(span, -(-(kind.window + chunk) // self.block_size) + 1)
+
+    def _decode_fits(self) -> bool:
+        """Whether every group can give each running request its next token's block."""
+        for kind, group in self.groups.items():
+            need = 0
+            for r in self.running:
+                t = r.tables[kind]
+                need += group.blocks_needed(t, t.lengths[0], t.lengths[0] + 1)
+            if not group.blocks.can_allocate(need):
+                return False
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        """Park a running request's blocks and requeue it first; it resumes from the cache."""
+        self._detach(req)
+        self.waiting.appendleft(req)
+        self.counters["preemptions"] += 1
+
+    def _detach(self, req: Request) -> None:
+        """Park a sequence's blocks in the prefix index and drop its tables."""
+        self.index.insert(req.tokens, self._table_spans(req), length=req.written)
+        for kind, table in req.tables.items():
+            self.groups[kind].release(table)
+        req.tables = None
+        self.running.remove(req)
+
+    def _table_spans(self, req: Request) -> list[tuple[int, list[int]]]:
+        return [(req.tables[k].first, req.tables[k].blocks) for k in self.kinds]
+
+    def _note_peak(self) -> None:
+        live = sum(g.blocks.stats().live_blocks for g in self.groups.values())
+        self.counters["peak_live_blocks"] = max(self.counters["peak_live_blocks"], live)
