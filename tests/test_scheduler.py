@@ -1,0 +1,191 @@
+"""The scheduler on pure-Python block tables: admission, prefix adoption, preemption, finishing.
+
+No model and no MLX: a stand-in runner does what the model runner does to the
+tables (reserve the written span, advance every layer's length), so each test
+checks exact block ids, refcounts and queue states in milliseconds.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mlx_paged.blocks import BlockTables, LayerKind
+from mlx_paged.engine.request import Prefill, Request
+from mlx_paged.engine.scheduler import Scheduler
+
+BS = 4  # block size
+FULL = LayerKind()
+
+
+def make(num_blocks=None, max_batch_size=8, prefill_step_size=64, layers=2):
+    return Scheduler({FULL: BlockTables(layers, BS, num_blocks)}, max_batch_size, prefill_step_size)
+
+
+def request(uid, prompt, max_tokens=4, stop=()):
+    return Request(uid, list(prompt), max_tokens, None, [], frozenset(stop))
+
+
+def write(sched, req, n):
+    """What a forward over ``n`` more tokens of ``req`` does to its tables."""
+    for kind, group in sched.groups.items():
+        t = req.tables[kind]
+        start = t.lengths[0]
+        group.reserve(t, start, start + n)
+        t.lengths[:] = [start + n] * group.num_layers
+
+
+def run_prefill(sched, work: Prefill):
+    for n in work.steps:
+        for req in work.requests:
+            write(sched, req, n)
+            sched.written(req)
+        sched.check_invariants()
+
+
+def step(sched, token=7):
+    """One engine step with a stand-in model that always samples ``token``."""
+    events = []
+    for work in sched.admit():
+        run_prefill(sched, work)
+        if work.fresh:
+            events += [sched.emit(r, token) for r in work.requests]
+    if sched.running:
+        reqs = sched.schedule_decode()
+        for r in reqs:
+            r.tables[FULL].lengths[:] = [r.tables[FULL].lengths[0] + 1] * 2
+        events += [sched.emit(r, token) for r in reqs]
+    sched.check_invariants()
+    return events
+
+
+def refcounts(sched):
+    return sched.groups[FULL].blocks.refcounts
+
+
+def test_chunked_prefill_steps_and_the_last_token_alone():
+    sched = make(prefill_step_size=16)
+    sched.add(request(0, range(40)))
+    (work,) = list(sched.admit())
+    assert work.alone and work.fresh
+    assert work.steps == [16, 16, 7, 1]
+    assert sched.counters["prefilled_tokens"] == 40
+
+
+def test_short_prompts_are_batched_by_length_with_blocks_reserved_at_admission():
+    sched = make()
+    for uid, prompt in enumerate([[1, 2, 3, 4, 5], [9, 8, 7, 6, 5], [3, 3, 3]]):
+        sched.add(request(uid, prompt))
+    works = list(sched.admit())
+    assert [([r.uid for r in w.requests], w.steps, w.alone) for w in works] == [
+        ([0, 1], [4, 1], False),
+        ([2], [2, 1], False),
+    ]
+    # Admission order took the blocks: 2 per 5-token prompt, 1 for the 3-token one.
+    assert [r.tables[FULL].blocks for r in sched.running] == [[0, 1], [2, 3], [4]]
+    assert refcounts(sched)[:6] == [1, 1, 1, 1, 1, 0]
+
+
+def test_a_request_behind_adopts_the_prefix_its_neighbour_just_wrote():
+    sched = make()
+    shared = list(range(100, 110))  # two full blocks and half of a third
+    sched.add(request(0, shared + [1, 2]))
+    sched.add(request(1, shared + [3, 4, 5]))
+    admitted = sched.admit()
+    first = next(admitted)
+    # Request 1 starts with the same block, so request 0 is prefilled alone, first.
+    assert first.alone and [r.uid for r in first.requests] == [0]
+    run_prefill(sched, first)
+    assert sched.running[0].tables[FULL].blocks == [0, 1, 2]
+    second = next(admitted)
+    a, b = sched.running
+    # Request 1 adopted all 10 shared tokens: blocks 0 and 1, and half of block 2, which
+    # it copied on write (block 3) before its own tokens go in; block 4 is new.
+    assert b.written == 10 and sched.counters["prefix_hit_tokens"] == 10
+    assert b.tables[FULL].blocks == [0, 1, 3, 4]
+    assert second.steps == [2, 1] and not second.alone
+    # Blocks 0 and 1: both tables and the index; block 2: request 0 and the index.
+    assert refcounts(sched)[:5] == [3, 3, 2, 1, 1]
+    assert list(admitted) == []
+
+
+def test_finished_requests_park_their_blocks_for_the_next_one():
+    sched = make()
+    sched.add(request(0, range(8), max_tokens=2))
+    while sched.running or sched.waiting:
+        step(sched)
+    stats = sched.stats()
+    assert (stats.live_blocks, stats.cached_blocks) == (0, 3)
+    sched.add(request(1, list(range(8)) + [7, 7, 0]))
+    (work,) = list(sched.admit())
+    (req,) = work.requests
+    # Everything the first request computed: its prompt and first sampled token (7).
+    assert req.written == 9
+    assert req.tables[FULL].blocks == [0, 1, 3]  # the partial block 2 copied on write
+
+
+def test_stop_token_and_max_tokens_finish():
+    sched = make()
+    sched.add(request(0, [1, 2, 3], max_tokens=5, stop={7}))
+    sched.add(request(1, [4, 5, 6, 9], max_tokens=1))
+    events = step(sched, token=7)
+    assert {(e.uid, e.finish_reason) for e in events} == {(0, "stop"), (1, "length")}
+    assert not sched.running and not sched.waiting
+    assert sched.stats().live_blocks == 0
+
+
+def test_decode_short_of_blocks_preempts_the_newest_and_it_resumes_from_the_cache():
+    sched = make(num_blocks=6)
+    sched.add(request(0, range(10, 17), max_tokens=8))
+    sched.add(request(1, range(20, 27), max_tokens=8))
+    for _ in range(5):  # 7 prompt tokens, then decode up to 12 written: 3 blocks each
+        step(sched)
+    assert [r.tables[FULL].blocks for r in sched.running] == [[0, 1, 4], [2, 3, 5]]
+    step(sched)  # both need a 4th block; only one can have it
+    assert sched.counters["preemptions"] == 1
+    assert [r.uid for r in sched.waiting] == [1] and sched.waiting[0].tables is None
+    # Request 1's full blocks stay parked; its partial block went to request 0.
+    assert [r.tables[FULL].blocks for r in sched.running] == [[0, 1, 4, 5]]
+    assert sched.stats().cached_blocks == 2
+    step(sched)  # request 0 finishes
+    step(sched)  # request 1 resumes from its parked blocks
+    assert sched.running[0].tables[FULL].blocks[:2] == [2, 3]
+    while sched.running or sched.waiting:
+        step(sched)
+    assert sched.stats().live_blocks == 0
+    assert sched.counters["generated_tokens"] == 16
+
+
+def test_a_request_that_cannot_fit_alone_is_refused():
+    sched = make(num_blocks=4)
+    with pytest.raises(ValueError, match="needs up to 6 blocks of 4, but the pool has 4"):
+        sched.add(request(0, range(16), max_tokens=1))
+    assert not sched.waiting
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    prompts=st.lists(
+        st.tuples(st.integers(0, 3), st.integers(1, 12), st.integers(1, 6)), min_size=1, max_size=6
+    ),
+    num_blocks=st.integers(10, 24),
+    max_batch_size=st.integers(1, 4),
+)
+def test_every_request_gets_all_its_tokens_under_pressure(prompts, num_blocks, max_batch_size):
+    sched = make(num_blocks=num_blocks, max_batch_size=max_batch_size, prefill_step_size=8)
+    want = {}
+    for uid, (prefix, extra, max_tokens) in enumerate(prompts):
+        prompt = [prefix] * 6 + list(range(uid * 20, uid * 20 + extra))
+        sched.add(request(uid, prompt, max_tokens=max_tokens))
+        want[uid] = max_tokens
+    got = dict.fromkeys(want, 0)
+    for _ in range(200):
+        if not (sched.running or sched.waiting):
+            break
+        for e in step(sched):
+            got[e.uid] += 1
+    assert got == want
+    stats = sched.stats()
+    assert stats.live_blocks == 0
+    assert stats.cached_blocks + stats.free_blocks == stats.total_blocks
