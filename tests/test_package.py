@@ -36,4 +36,3 @@ def test_no_class_is_too_long():
                 if n > MAX_CLASS_LINES:
                     long[f"{p.relative_to(PACKAGE)}:{node.name}"] = n
     assert not long, f"classes over {MAX_CLASS_LINES} lines: {long}"
-

@@ -40,7 +40,7 @@ def run_prefill(sched, work: Prefill):
     for n in work.steps:
         for req in work.requests:
             write(sched, req, n)
-            sched.written(req)
+            sched.index_written(req)
         sched.check_invariants()
 
 

@@ -156,7 +156,7 @@ class PagedEngine:
             else:
                 logits = self.runner.forward(work.requests, n, logits=want)
             for req in work.requests:
-                self.scheduler.written(req)
+                self.scheduler.index_written(req)
         if not work.fresh:
             return []
         return self._emit(work.requests, self.runner.sample(work.requests, logits))

@@ -49,31 +49,31 @@ class ModelRunner:
 
         Returns the last position's logits ``(B, V)`` if asked, else ``None``.
         """
-        starts = [r.written for r in reqs]
+        inputs = [r.tokens[r.written : r.written + n] for r in reqs]
+        out, caches = self._batched(reqs, inputs)
+        mx.eval(out if logits else [], [c.state for c in caches])
+        return out if logits else None
+
+    def decode(self, reqs: list[Request]) -> mx.array:
+        """One token for every request (blocks reserved): the lazy logits ``(B, V)``."""
+        out, _ = self._batched(reqs, [[r.last_token] for r in reqs])
+        return out
+
+    def _batched(self, reqs: list[Request], inputs: list[list[int]]) -> tuple[mx.array, list]:
+        """One forward of ``inputs`` (equal lengths) over the requests' tables; advances them.
+
+        Returns the last position's lazy logits ``(B, V)`` and the caches it ran on.
+        """
+        n = len(inputs[0])
         batches = {
             kind: DecodeBatch(self.pools[kind], [r.tables[kind] for r in reqs], kind.window, n)
             for kind in self.pools
         }
         caches = self.layout.bind(self.pools, batches, BatchPagedKVCache)
-        inputs = mx.array([r.tokens[s : s + n] for r, s in zip(reqs, starts, strict=True)])
-        out = self.model(inputs, cache=caches)[:, -1, :]  # (B, V)
-        mx.eval(out if logits else [], [c.state for c in caches])
+        out = self.model(mx.array(inputs), cache=caches)[:, -1, :]  # (B, V)
         for batch in batches.values():
             batch.finish()
-        return out if logits else None
-
-    def decode(self, reqs: list[Request]) -> mx.array:
-        """One token for every request (blocks reserved): the lazy logits ``(B, V)``."""
-        batches = {
-            kind: DecodeBatch(self.pools[kind], [r.tables[kind] for r in reqs], kind.window)
-            for kind in self.pools
-        }
-        caches = self.layout.bind(self.pools, batches, BatchPagedKVCache)
-        inputs = mx.array([[r.last_token] for r in reqs])  # (B, 1)
-        logits = self.model(inputs, cache=caches)[:, -1, :]  # (B, V)
-        for batch in batches.values():
-            batch.finish()
-        return logits
+        return out, caches
 
     def sample(self, reqs: list[Request], logits: mx.array) -> list[int]:
         """One token per request from ``(B, V)`` logits, each with its own settings."""

@@ -110,7 +110,7 @@ class Scheduler:
             for i in range(0, len(reqs), per_forward):
                 yield Prefill(reqs[i : i + per_forward], self._steps(n, fresh, n), alone=False)
 
-    def written(self, req: Request) -> None:
+    def index_written(self, req: Request) -> None:
         """Index the full blocks ``req`` has written, so running requests can share them.
 
         Sliding-window blocks indexed now stay cached after the window passes them.
