@@ -28,7 +28,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from mlx_paged import make_paged_cache
 from mlx_paged.attention import path_counts, read_counts, set_attention_path
-from mlx_paged.cache import BatchPagedKVCache, DecodeBatch, PagedLayout
+from mlx_paged.cache import DecodeBatch, PagedLayout, StepPagedKVCache
 from mlx_paged.storage import KVPool
 
 KV_HEADS, HEAD_DIM = 8, 64
@@ -94,7 +94,7 @@ def decode(model, args, dtype) -> None:
         for t in tables:
             pool.reserve(t, t.lengths[0], t.lengths[0] + 1)
         batch = DecodeBatch(pool, tables, None)
-        caches = layout.bind(pools, {kind: batch}, BatchPagedKVCache)
+        caches = layout.bind(pools, {kind: batch}, StepPagedKVCache)
         logits = model(y, cache=caches)[:, -1, :]
         mx.eval(mx.argmax(logits, axis=-1))
         batch.finish()

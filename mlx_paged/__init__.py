@@ -8,7 +8,13 @@ and registers ``PagedKVCache`` for ``load_prompt_cache``.
 """
 
 from .blocks import BlockPool, PagedCacheStats, PoolExhaustedError, PrefixIndex
-from .cache import PagedKVCache, make_paged_cache
+from .cache import (
+    PagedBatchKVCache,
+    PagedKVCache,
+    install_paged_cache,
+    make_paged_cache,
+    uninstall_paged_cache,
+)
 from .engine import EngineStats, Event, PagedEngine
 
 __all__ = [
@@ -16,11 +22,14 @@ __all__ = [
     "EngineStats",
     "Event",
     "PagedEngine",
+    "PagedBatchKVCache",
     "PagedCacheStats",
     "PagedKVCache",
     "PoolExhaustedError",
     "PrefixIndex",
+    "install_paged_cache",
     "make_paged_cache",
+    "uninstall_paged_cache",
 ]
 
 __version__ = "0.1.0"

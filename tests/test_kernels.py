@@ -21,7 +21,7 @@ from mlx_paged.attention.kernels.plan import LaunchCache, plan_decode
 from mlx_paged.attention.kernels.read import read_reason
 from mlx_paged.attention.kernels.reference import reference_paged_decode
 from mlx_paged.attention.kernels.synthetic import dense_decode, random_paged_batch
-from mlx_paged.cache import BatchPagedKVCache, DecodeBatch, PagedKVCache
+from mlx_paged.cache import DecodeBatch, PagedKVCache, StepPagedKVCache
 from mlx_paged.storage import KVPool, take_blocks
 
 # (lengths, n_heads, n_kv_heads, dk, dv, block_size, window, sinks, first_blocks)
@@ -219,7 +219,7 @@ def test_batched_prefill_read_returns_each_sequences_tokens(recording_reader):
         written.append(kv)
     new = [mx.random.normal((2, 2, 3, 8)) for _ in range(2)]
     batch = DecodeBatch(pool, tables, None, n_new=3)
-    got = BatchPagedKVCache(pool, batch, 0).update_and_fetch(*new)
+    got = StepPagedKVCache(pool, batch, 0).update_and_fetch(*new)
     assert recording_reader == [(2, 12)]  # 3 blocks of 4 per row
     for i, n in enumerate((9, 3)):
         for x, old, fresh in zip(got, written[i], new, strict=True):

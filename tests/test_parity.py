@@ -298,7 +298,7 @@ def test_caches_do_not_keep_the_kv_they_returned_alive():
     otherwise hold every layer's copy at once)."""
     import weakref
 
-    from mlx_paged.cache import BatchPagedKVCache, DecodeBatch
+    from mlx_paged.cache import DecodeBatch, StepPagedKVCache
 
     model = tiny_model("llama")
     cache = make_paged_cache(model, BLOCK)
@@ -311,7 +311,7 @@ def test_caches_do_not_keep_the_kv_they_returned_alive():
 
     pool, table = cache[0].pool, cache[0].table
     pool.reserve(table, 5, 6)
-    batch_cache = BatchPagedKVCache(pool, DecodeBatch(pool, [table], None), 0)
+    batch_cache = StepPagedKVCache(pool, DecodeBatch(pool, [table], None), 0)
     keys, values = batch_cache.update_and_fetch(k[:, :, :1], k[:, :, :1])
     refs = [weakref.ref(keys), weakref.ref(values)]
     del keys, values

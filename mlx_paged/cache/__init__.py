@@ -1,7 +1,17 @@
 """mlx-lm's cache protocol over the block pool: one layer of one sequence, or of a batch."""
 
-from .batch import BatchPagedKVCache, DecodeBatch
-from .layout import PagedLayout, make_paged_cache
+from .batch import DecodeBatch, StepPagedKVCache
+from .batch_cache import PagedBatchKVCache
+from .layout import PagedLayout, install_paged_cache, make_paged_cache, uninstall_paged_cache
 from .paged import PagedKVCache
 
-__all__ = ["BatchPagedKVCache", "DecodeBatch", "PagedKVCache", "PagedLayout", "make_paged_cache"]
+__all__ = [
+    "DecodeBatch",
+    "PagedBatchKVCache",
+    "PagedKVCache",
+    "PagedLayout",
+    "StepPagedKVCache",
+    "install_paged_cache",
+    "make_paged_cache",
+    "uninstall_paged_cache",
+]

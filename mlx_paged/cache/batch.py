@@ -2,7 +2,7 @@
 
 ``DecodeBatch`` describes, for one layer group, where the new tokens of each
 sequence go and which blocks their queries read (``n = 1`` for decode; equal
-suffixes of newly admitted requests are prefilled together the same way). ``BatchPagedKVCache``
+suffixes of newly admitted requests are prefilled together the same way). ``StepPagedKVCache``
 is one layer's view of it in mlx-lm's cache protocol, so the model runs one
 forward over every running sequence with per-sequence offsets (array rope
 offsets) and lengths. Sequences join and leave between steps without anyone's
@@ -19,42 +19,73 @@ from ..storage import KVPool, take_blocks
 
 
 class DecodeBatch:
-    """One step of ``B`` sequences in one layer group, ``n_new`` tokens each.
+    """One step of ``B`` sequences in one layer group, ``n_new`` query tokens each.
 
     Every table must already hold private blocks for its new tokens
-    (``KVPool.reserve``) and all layers of a table must be equally long.
+    (``KVPool.reserve``). ``counts`` gives how many of a sequence's ``n_new``
+    tokens are real; the rest are right padding, whose K/V is never stored and
+    whose queries see only real keys (their outputs are meaningless).
 
     Args:
         pool: The group's storage.
         tables: One per sequence, in batch order.
         window: The group's sliding window, or ``None``.
-        n_new: New tokens per sequence.
+        n_new: Query tokens per sequence.
+        offsets: Position of each sequence's first new token (default: what
+            layer 0 of its table has written).
+        counts: Real new tokens per sequence (default: ``n_new`` each).
     """
 
-    def __init__(self, pool: KVPool, tables: list[BlockTable], window: int | None, n_new: int = 1):
+    def __init__(
+        self,
+        pool: KVPool,
+        tables: list[BlockTable],
+        window: int | None,
+        n_new: int = 1,
+        offsets: list[int] | None = None,
+        counts: list[int] | None = None,
+    ):
         bs = self.block_size = pool.block_size
         self.tables, self.n_new = tables, n_new
-        lengths = [t.lengths[0] for t in tables]
-        rows, starts, write_ids = [], [], []
-        for t, n in zip(tables, lengths, strict=True):
+        lengths = offsets if offsets is not None else [t.lengths[0] for t in tables]
+        counts = counts if counts is not None else [n_new] * len(tables)
+        rows, starts, write_ids, write_rows = [], [], [], []
+        for i, (t, n, c) in enumerate(zip(tables, lengths, counts, strict=True)):
             start = t.first if window is None else max(0, n - window + 1) // bs
             assert start >= t.first, f"block {start} was given back before the query read it"
-            last = (n + n_new - 1) // bs
+            last = (n + max(c, 1) - 1) // bs
             rows.append(t.blocks[start - t.first : last - t.first + 1])
             starts.append(start * bs)
-            write_ids.append([t.blocks[p // bs - t.first] for p in range(n, n + n_new)])
+            write_ids.append([t.blocks[p // bs - t.first] for p in range(n, n + c)])
+            write_rows.extend(range(i * n_new, i * n_new + c))
         width = max(len(r) for r in rows)
         # Pad rows with a real id; the mask (and kernels, by ``lengths``) ignore them.
-        table = [r + [r[-1]] * (width - len(r)) for r in rows]
+        table = [r + [r[-1] if r else 0] * (width - len(r)) for r in rows]
         self.block_tables = mx.array(table, dtype=mx.int32)  # (B, width)
         self.starts = mx.array(starts, dtype=mx.int32)  # (B,)
         self.offset = mx.array(lengths, dtype=mx.int32)  # (B,) position of the first new token
-        self.lengths = self.offset + n_new
-        self.write_ids = mx.array(write_ids, dtype=mx.int32)  # (B, n_new)
-        self.write_slots = (self.offset[:, None] + mx.arange(n_new)[None]) % bs  # (B, n_new)
+        self.new_tokens = counts  # real new tokens per sequence
+        self.counts = mx.array(counts, dtype=mx.int32)  # (B,)
+        self.lengths = self.offset + self.counts
+        self.padded = any(c != n_new for c in counts)
+        if self.padded:  # flat (M,) indices of the real tokens
+            self.write_rows = mx.array(write_rows, dtype=mx.int32)  # into (B * n_new)
+            self.write_ids = mx.array([b for ids in write_ids for b in ids], dtype=mx.int32)
+            pos = [p for n, c in zip(lengths, counts, strict=True) for p in range(n, n + c)]
+            self.write_slots = mx.array(pos, dtype=mx.int32) % bs
+        else:
+            self.write_rows = None
+            self.write_ids = mx.array(write_ids, dtype=mx.int32)  # (B, n_new)
+            self.write_slots = (self.offset[:, None] + mx.arange(n_new)[None]) % bs  # (B, n_new)
         self.width = width * bs
         self.masks: dict[int | None, mx.array] = {}
         self._slots: mx.array | None = None
+
+    def write(self, pool: mx.array, new: mx.array) -> None:
+        """Store ``(B, n_new, H, D)`` new K or V in a layer's pool array, real tokens only."""
+        if self.write_rows is not None:
+            new = new.reshape(-1, *new.shape[2:])[self.write_rows]  # (M, H, D)
+        pool[self.write_ids, self.write_slots] = new
 
     def mask(self, window: int | None) -> mx.array:
         """``(B, 1, n_new, width)`` bool: which gathered keys each query may see."""
@@ -62,6 +93,9 @@ class DecodeBatch:
             pos = self.starts[:, None, None] + mx.arange(self.width)[None, None]  # (B, 1, W)
             query = self.offset[:, None, None] + mx.arange(self.n_new)[None, :, None]  # (B, n, 1)
             ok = pos <= query
+            if self.padded:  # padding queries see real keys only (one at least)
+                real = self.offset + mx.maximum(self.counts, 1)  # (B,)
+                ok = ok & (pos < real[:, None, None])
             if window is not None:
                 ok = ok & (pos > query - window)
             self.masks[window] = ok[:, None]
@@ -83,7 +117,7 @@ class DecodeBatch:
             t.lengths[:] = [n] * len(t.lengths)
 
 
-class BatchPagedKVCache(PagedLayerCache):
+class StepPagedKVCache(PagedLayerCache):
     """One layer's cache for a ``DecodeBatch`` (mlx-lm protocol)."""
 
     def __init__(self, pool: KVPool, batch: DecodeBatch, layer: int, window: int | None = None):
@@ -107,8 +141,8 @@ class BatchPagedKVCache(PagedLayerCache):
         p.check_write(layer, keys[:1], values[:1])
         k = p.to_storage(keys.swapaxes(1, 2))  # (B, n_new, H, D)
         v = p.to_storage(values.swapaxes(1, 2))
-        p.keys[layer][b.write_ids, b.write_slots] = k
-        p.values[layer][b.write_ids, b.write_slots] = v
+        b.write(p.keys[layer], k)
+        b.write(p.values[layer], v)
         dtype = p.input_dtypes[layer]
         # A prefill step's attention reads the gathered K/V: let a device kernel copy them.
         # A decode step's fused kernel reads the blocks itself and leaves them unevaluated.

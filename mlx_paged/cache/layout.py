@@ -45,14 +45,54 @@ def make_paged_cache(
         ValueError: for a bad ``block_size``/``num_blocks``, or a cache layout
             mlx_paged cannot page (the message names the model type).
     """
+    layout, pools = _pools(model, block_size, num_blocks, kv_dtype)
+    return layout.bind(pools, {kind: pool.new_table() for kind, pool in pools.items()})
+
+
+def install_paged_cache(
+    model: nn.Module,
+    block_size: int = 16,
+    num_blocks: int | None = None,
+    kv_dtype: mx.Dtype | None = None,
+) -> None:
+    """Make mlx-lm build paged caches for ``model``, all in one pool per layer group.
+
+    Sets the model's ``make_cache`` hook, which mlx-lm's ``make_prompt_cache``,
+    ``generate``, ``batch_generate``, ``BatchGenerator`` and ``mlx_lm.server``
+    honour: every cache list they make is paged, and requests share blocks, so
+    merging them into a batch copies no K/V. ``copy.deepcopy`` of such a cache
+    (mlx_lm.server's prompt cache) shares blocks too. mlx-lm ignores
+    ``max_kv_size`` for models with this hook. Installing again replaces the
+    pools; ``uninstall_paged_cache`` restores the model's own caches.
+
+    Args and errors as ``make_paged_cache``.
+    """
+    uninstall_paged_cache(model)
+    layout, pools = _pools(model, block_size, num_blocks, kv_dtype)
+
+    def make_cache() -> list[Any]:
+        return layout.bind(pools, {kind: pool.new_table() for kind, pool in pools.items()})
+
+    make_cache.pools = pools  # type: ignore[attr-defined]
+    model.make_cache = make_cache
+
+
+def uninstall_paged_cache(model: nn.Module) -> None:
+    """Undo ``install_paged_cache``: mlx-lm builds the model's own caches again."""
+    if hasattr(getattr(model, "make_cache", None), "pools"):
+        del model.make_cache
+
+
+def _pools(
+    model: nn.Module, block_size: int, num_blocks: int | None, kv_dtype: mx.Dtype | None
+) -> tuple[PagedLayout, dict[LayerKind, KVPool]]:
     check_block_size(block_size)
     if kv_dtype is not None and not isinstance(kv_dtype, mx.Dtype):
         raise ValueError(f"kv_dtype must be an mx.Dtype such as mx.float16, got {kv_dtype!r}.")
     layout = PagedLayout.of(model)
     pools = {kind: KVPool(n, block_size, num_blocks, kv_dtype) for kind, n in layout.counts.items()}
-    tables = {kind: pool.new_table() for kind, pool in pools.items()}
     route_attention()
-    return layout.bind(pools, tables)
+    return layout, pools
 
 
 @dataclass

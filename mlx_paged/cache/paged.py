@@ -15,6 +15,7 @@ from mlx_lm.models.base import create_causal_mask
 from ..attention import Fetched, PagedLayerCache, PagedView, fused_read, route_attention
 from ..blocks import BlockTable, PagedCacheStats
 from ..storage import KVPool
+from .batch_cache import PagedBatchKVCache
 
 
 class PagedKVCache(PagedLayerCache):
@@ -76,11 +77,8 @@ class PagedKVCache(PagedLayerCache):
             if N == 1:
                 return None
             return create_causal_mask(N, self.offset) if return_array else "causal"
-        if window_size is not None and window_size > self.window:
-            raise ValueError(
-                f"window_size={window_size} exceeds this layer's sliding window ({self.window})."
-            )
-        window = window_size or self.window
+        # A wider window sees no more: the layer holds no keys older than its own.
+        window = min(window_size or self.window, self.window)
         before = self.offset - self._read_start(self.offset)  # keys older than the queries
         if not return_array and before + N <= window:
             mask = None if N == 1 else "causal"
@@ -173,6 +171,45 @@ class PagedKVCache(PagedLayerCache):
             memo[key] = self.pool.fork(self.table)
         return PagedKVCache(self.pool, memo[key], self.layer, self.window)
 
+    @classmethod
+    def merge(cls, caches: list[PagedKVCache]) -> PagedBatchKVCache:
+        """One layer of a batch from these sequences' caches (see ``PagedBatchKVCache.merge``)."""
+        return PagedBatchKVCache.merge(caches, single=cls)
+
+    def keys_and_values(self) -> tuple[mx.array, mx.array]:
+        """This layer's retained K/V as contiguous ``(1, H, T, D)`` arrays."""
+        return self.gather_visible()
+
+    @property
+    def keys(self) -> mx.array | None:
+        """The retained keys, ``(1, H, T, D)``, read from the blocks (``None`` before a write)."""
+        return None if self.empty() else self.gather_visible()[0]
+
+    @keys.setter
+    def keys(self, value: object) -> None:
+        raise ValueError(_ASSIGN_KV)
+
+    @property
+    def values(self) -> mx.array | None:
+        """The retained values, ``(1, H, T, D)``, read from the blocks (``None`` before a write)."""
+        return None if self.empty() else self.gather_visible()[1]
+
+    @values.setter
+    def values(self, value: object) -> None:
+        raise ValueError(_ASSIGN_KV)
+
+    def to_quantized(self, group_size: int = 64, bits: int = 4) -> None:
+        """Not yet: a paged cache has no quantized tier.
+
+        Raises:
+            ValueError: always, so ``kv_bits`` is never silently ignored.
+        """
+        raise ValueError(
+            f"mlx_paged cannot quantize a paged KV cache yet (asked for {bits}-bit, group size "
+            f"{group_size}); the quantized cold tier is planned. Drop kv_bits, or use mlx-lm's "
+            "own cache for quantized K/V."
+        )
+
     # ---- paged extras -----------------------------------------------------
 
     def stats(self) -> PagedCacheStats:
@@ -222,6 +259,11 @@ class PagedKVCache(PagedLayerCache):
         oldest = max(0, offset - self.window + 1)
         return oldest - oldest % self.pool.block_size
 
+
+_ASSIGN_KV = (
+    "a paged cache's keys and values live in shared blocks and cannot be assigned; this "
+    "model edits its cache in place, so use mlx-lm's own cache for it."
+)
 
 # load_prompt_cache looks cache classes up by name in mlx-lm's cache module.
 mlx_cache.PagedKVCache = PagedKVCache

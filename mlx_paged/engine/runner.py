@@ -12,7 +12,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..blocks import LayerKind
-from ..cache import BatchPagedKVCache, DecodeBatch, PagedKVCache, PagedLayout
+from ..cache import DecodeBatch, PagedKVCache, PagedLayout, StepPagedKVCache
 from ..storage import KVPool
 from .request import Request
 
@@ -69,7 +69,7 @@ class ModelRunner:
             kind: DecodeBatch(self.pools[kind], [r.tables[kind] for r in reqs], kind.window, n)
             for kind in self.pools
         }
-        caches = self.layout.bind(self.pools, batches, BatchPagedKVCache)
+        caches = self.layout.bind(self.pools, batches, StepPagedKVCache)
         out = self.model(mx.array(inputs), cache=caches)[:, -1, :]  # (B, V)
         for batch in batches.values():
             batch.finish()
