@@ -28,9 +28,14 @@ def model_type(model: nn.Module) -> str:
 
 
 def default_caches(model: nn.Module) -> list:
-    """What mlx-lm would build for this model: ``model.make_cache()`` or one KVCache per layer."""
-    if hasattr(model, "make_cache"):
-        return model.make_cache()
+    """What mlx-lm would build for this model: ``model.make_cache()`` or one KVCache per layer.
+
+    A hook set by ``install_paged_cache`` is looked through to the model's own.
+    """
+    make = getattr(model, "make_cache", None)
+    make = getattr(make, "paged_original", make)
+    if make is not None:
+        return make()
     return [KVCache() for _ in model.layers]
 
 

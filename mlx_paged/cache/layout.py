@@ -74,6 +74,7 @@ def install_paged_cache(
         return layout.bind(pools, {kind: pool.new_table() for kind, pool in pools.items()})
 
     make_cache.pools = pools  # type: ignore[attr-defined]
+    make_cache.paged_original = getattr(model, "make_cache", None)  # type: ignore[attr-defined]
     model.make_cache = make_cache
 
 

@@ -1,0 +1,240 @@
+"""mlx-lm's batch-cache protocol on paged caches, against mlx-lm's own dense batching.
+
+``batch_generate`` and ``BatchGenerator`` run once on mlx-lm's caches and once
+paged (``install_paged_cache``, or per-request ``make_paged_cache`` caches), on
+the same tiny models and prompts: the greedy tokens must be equal. The
+protocol's bookkeeping is checked on exact block ids and refcounts.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import BatchGenerator, batch_generate, generate_step
+from mlx_lm.models.cache import make_prompt_cache
+from tiny_models import VOCAB, tiny_model
+
+from mlx_paged import (
+    PagedBatchKVCache,
+    PagedKVCache,
+    install_paged_cache,
+    make_paged_cache,
+    uninstall_paged_cache,
+)
+
+FAMILIES = ["llama", "gemma3_text", "gpt_oss", "ministral3"]
+
+
+class Tokenizer:
+    """What batch_generate needs of a tokenizer: no EOS, so every request runs to max_tokens."""
+
+    eos_token_ids: set[int] = set()
+
+    def decode(self, tokens):
+        return " ".join(map(str, tokens))
+
+
+def prompts(n=5, shared=37, seed=0):
+    rng = random.Random(seed)
+    head = [rng.randrange(1, VOCAB) for _ in range(shared)]
+    out = [head + [rng.randrange(1, VOCAB) for _ in range(rng.randrange(1, 30))] for _ in range(n)]
+    return out + [[5]]  # a one-token prompt goes straight to generation
+
+
+def run_generator(model, ps, max_tokens=10, caches=None):
+    gen = BatchGenerator(model, max_tokens=max_tokens, prefill_step_size=16)
+    uids = gen.insert(ps, max_tokens=[max_tokens] * len(ps), caches=caches)
+    out = {u: [] for u in uids}
+    while responses := gen.next_generated():
+        for r in responses:
+            out[r.uid].append(r.token)
+    gen.close()
+    return [out[u] for u in uids]
+
+
+def pool_stats(model):
+    return {k: p.blocks.stats() for k, p in model.make_cache.pools.items()}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_batch_generator_installed_matches_dense(family):
+    model = tiny_model(family)
+    ps = prompts()
+    dense = run_generator(model, ps)
+    install_paged_cache(model)
+    try:
+        assert isinstance(make_prompt_cache(model)[0], PagedKVCache)
+        paged = run_generator(model, ps)
+        stats = pool_stats(model)
+    finally:
+        uninstall_paged_cache(model)
+    assert paged == dense
+    assert all(s.live_blocks == 0 for s in stats.values()), stats  # nothing leaked
+    assert not isinstance(make_prompt_cache(model)[0], PagedKVCache)  # uninstalled
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", "gpt_oss"])
+def test_batch_generate_with_per_request_paged_caches_matches_dense(family):
+    """Caches from separate make_paged_cache calls live in separate pools: merge copies them."""
+    model = tiny_model(family)
+    ps = prompts(n=3)
+    # Each request's cache already holds all but its last token, as a prompt cache would.
+    dense_caches = [make_prompt_cache(model) for _ in ps]
+    paged_caches = [make_paged_cache(model) for _ in ps]
+    for p, dense, paged in zip(ps, dense_caches, paged_caches, strict=True):
+        if len(p) > 1:
+            model(mx.array(p[:-1])[None], cache=dense)
+            model(mx.array(p[:-1])[None], cache=paged)
+    tails = [p[-1:] for p in ps]
+    kw = dict(max_tokens=8, return_token_ids=True, prefill_step_size=16)
+    dense = batch_generate(model, Tokenizer(), tails, prompt_caches=dense_caches, **kw)
+    paged = batch_generate(model, Tokenizer(), tails, prompt_caches=paged_caches, **kw)
+    assert paged.token_ids == dense.token_ids
+
+
+def two_sequence_caches(model):
+    """Two requests' caches in the installed pool: 20 and 7 tokens written."""
+    caches = [make_prompt_cache(model) for _ in range(2)]
+    model(mx.arange(1, 21)[None], cache=caches[0])
+    model(mx.arange(30, 37)[None], cache=caches[1])
+    return caches
+
+
+def test_merge_in_one_pool_takes_references_and_copies_nothing():
+    model = tiny_model("llama")
+    install_paged_cache(model, block_size=4)
+    caches = two_sequence_caches(model)
+    (pool,) = model.make_cache.pools.values()
+    before = pool.blocks.stats()
+    tables = [c[0].table for c in caches]
+    assert [t.blocks for t in tables] == [[0, 1, 2, 3, 4], [5, 6]]
+    merged = [PagedKVCache.merge([c[i] for c in caches]) for i in range(len(caches[0]))]
+    assert all(isinstance(m, PagedBatchKVCache) for m in merged)
+    assert len({id(m.batch) for m in merged}) == 1  # the layers share one batch
+    assert pool.blocks.stats() == before  # no block allocated or copied
+    assert pool.blocks.refcounts[:7] == [2] * 7  # each block: its request and the batch
+    assert merged[0].offset.tolist() == [20, 7]
+    del caches, tables
+    assert pool.blocks.refcounts[:7] == [1] * 7  # the requests' caches gave theirs back
+    assert merged[0].batch.tables[0].blocks == [0, 1, 2, 3, 4]
+
+
+def test_filter_extract_extend_move_tables():
+    model = tiny_model("llama")
+    install_paged_cache(model, block_size=4)
+    caches = two_sequence_caches(model)
+    batch = [PagedKVCache.merge([c[i] for c in caches]) for i in range(len(caches[0]))]
+    del caches
+    (pool,) = model.make_cache.pools.values()
+    single = [c.extract(1) for c in batch]
+    assert len({id(c.table) for c in single}) == 1  # one table for the sequence's layers
+    assert single[0].table.blocks == [5, 6] and single[0].offset == 7
+    assert pool.blocks.refcounts[5:7] == [2, 2]
+    for c in batch:
+        c.filter([0])
+    assert pool.blocks.refcounts[:7] == [1, 1, 1, 1, 1, 1, 1]  # request 1: only its extract
+    other = [PagedKVCache.merge([c]) for c in single]
+    for a, b in zip(batch, other, strict=True):
+        a.extend(b)
+    assert batch[0].offset.tolist() == [20, 7]
+    assert other[0].batch.tables == []  # the tables moved
+    assert pool.blocks.refcounts[5:7] == [2, 2]  # the batch and the extracted cache
+
+
+def test_merged_decode_matches_each_sequence_alone():
+    model = tiny_model("gemma3_text")
+    install_paged_cache(model, block_size=4)
+    a, b = [make_prompt_cache(model) for _ in range(2)]
+    pa, pb = list(range(1, 40)), list(range(50, 61))
+    model(mx.array(pa)[None], cache=a)
+    model(mx.array(pb)[None], cache=b)
+    ref_a, ref_b = make_prompt_cache(model), make_prompt_cache(model)
+    uninstall_paged_cache(model)
+    dense = [make_prompt_cache(model) for _ in range(2)]
+    model(mx.array(pa)[None], cache=dense[0])
+    model(mx.array(pb)[None], cache=dense[1])
+    merged = [PagedKVCache.merge([x, y]) for x, y in zip(a, b, strict=True)]
+    del ref_a, ref_b
+    tokens = mx.array([[7], [9]])
+    for _ in range(6):
+        got = model(tokens, cache=merged)[:, -1]
+        want = mx.concatenate([model(tokens[i : i + 1], cache=dense[i])[:, -1] for i in range(2)])
+        assert mx.abs(got - want).max().item() < 1e-4
+        tokens = mx.argmax(want, axis=-1)[:, None]
+
+
+def test_deepcopy_of_an_installed_cache_shares_blocks():
+    model = tiny_model("llama")
+    install_paged_cache(model, block_size=4)
+    (cache,) = [make_prompt_cache(model)]
+    model(mx.arange(1, 11)[None], cache=cache)
+    (pool,) = model.make_cache.pools.values()
+    live = pool.blocks.stats().live_blocks
+    fork = copy.deepcopy(cache)
+    assert pool.blocks.stats().live_blocks == live
+    assert fork[0].table.blocks == cache[0].table.blocks
+    assert pool.blocks.refcounts[: len(cache[0].table.blocks)] == [2, 2, 2]
+
+
+def test_bad_batch_input_raises_and_changes_nothing():
+    model = tiny_model("llama")
+    install_paged_cache(model, block_size=4)
+    caches = two_sequence_caches(model)
+    with pytest.raises(ValueError, match="at least one cache"):
+        PagedKVCache.merge([])
+    other = make_paged_cache(model, block_size=8)
+    with pytest.raises(ValueError, match="same block size"):
+        PagedKVCache.merge([caches[0][0], other[0]])
+    with pytest.raises(ValueError, match="same layer"):
+        PagedKVCache.merge([caches[0][0], caches[1][1]])
+    with pytest.raises(ValueError, match="cannot merge"):
+        PagedKVCache.merge([caches[0][0], make_prompt_cache(tiny_model("qwen3"))[0]])
+    batch = [PagedKVCache.merge([c[i] for c in caches]) for i in range(len(caches[0]))]
+    (pool,) = model.make_cache.pools.values()
+    refs = list(pool.blocks.refcounts)
+    with pytest.raises(ValueError, match="outside this batch of 2"):
+        batch[0].extract(2)
+    with pytest.raises(ValueError, match="outside this batch of 2"):
+        batch[0].filter([0, 5])
+    with pytest.raises(ValueError, match="at least one index"):
+        batch[0].filter([])
+    assert pool.blocks.refcounts == refs
+    assert [len(c.batch.tables) for c in batch] == [2] * len(batch)
+
+
+def test_kv_bits_is_refused_not_ignored():
+    model = tiny_model("llama")
+    cache = make_paged_cache(model)
+    with pytest.raises(ValueError, match="cannot quantize a paged KV cache"):
+        steps = generate_step(
+            mx.array([1, 2, 3]), model, prompt_cache=cache, kv_bits=4, quantized_kv_start=0
+        )
+        for _ in steps:
+            pass
+
+
+def test_keys_and_values_read_the_dense_view():
+    model = tiny_model("llama")
+    paged, dense = make_paged_cache(model), make_prompt_cache(model)
+    for c in (paged, dense):
+        model(mx.arange(1, 30)[None], cache=c)
+    k, v = paged[1].keys_and_values()
+    dk, dv = dense[1].keys_and_values()
+    assert mx.array_equal(k, dk).item() and mx.array_equal(v, dv).item()
+    assert mx.array_equal(paged[1].keys, dk).item()
+    with pytest.raises(ValueError, match="cannot be assigned"):
+        paged[1].keys = dk
+
+
+def test_a_window_wider_than_the_layer_is_accepted():
+    model = tiny_model("gemma3_text")
+    cache = make_paged_cache(model)
+    model(mx.arange(1, 60)[None], cache=cache)
+    sliding = next(c for c in cache if c.window is not None)
+    assert mx.array_equal(
+        sliding.make_mask(3, return_array=True, window_size=10 * sliding.window),
+        sliding.make_mask(3, return_array=True),
+    ).item()
