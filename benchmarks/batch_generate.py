@@ -37,7 +37,9 @@ class Tokenizer:
         return ""
 
 
-def run(model, prompts: list[list[int]], gen: int, step: int) -> tuple[dict, list[list[int]]]:
+def run(
+    model, prompts: list[list[int]], gen: int, step: int, prefill_batch: int
+) -> tuple[dict, list[list[int]]]:
     gc.collect()
     mx.clear_cache()
     mx.reset_peak_memory()
@@ -50,7 +52,7 @@ def run(model, prompts: list[list[int]], gen: int, step: int) -> tuple[dict, lis
         return_token_ids=True,
         prefill_step_size=step,
         completion_batch_size=len(prompts),
-        prefill_batch_size=len(prompts),
+        prefill_batch_size=prefill_batch,
     )
     wall = time.perf_counter() - start
     tokens = sum(len(t) for t in out.token_ids)
@@ -72,7 +74,8 @@ def main() -> None:
     parser.add_argument("--system", type=int, default=2048)
     parser.add_argument("--unique", type=int, default=64)
     parser.add_argument("--gen", type=int, default=128)
-    parser.add_argument("--prefill-step-size", type=int, default=2048)
+    parser.add_argument("--prefill-step-size", type=int, default=512)
+    parser.add_argument("--prefill-batch", type=int, default=8, help="prompts prefilled together")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--cases", nargs="+", default=["dense", "paged"])
     args = parser.parse_args()
@@ -89,7 +92,9 @@ def main() -> None:
     for case in args.cases:
         if case == "paged":
             install_paged_cache(model, block_size=args.block_size)
-        stats, tokens[case] = run(model, prompts, args.gen, args.prefill_step_size)
+        stats, tokens[case] = run(
+            model, prompts, args.gen, args.prefill_step_size, args.prefill_batch
+        )
         if case == "paged":
             uninstall_paged_cache(model)
         print(

@@ -225,8 +225,21 @@ def test_keys_and_values_read_the_dense_view():
     dk, dv = dense[1].keys_and_values()
     assert mx.array_equal(k, dk).item() and mx.array_equal(v, dv).item()
     assert mx.array_equal(paged[1].keys, dk).item()
-    with pytest.raises(ValueError, match="cannot be assigned"):
-        paged[1].keys = dk
+
+
+def test_assigning_values_writes_this_sequence_only():
+    """deepseek_v32's indexer zeroes its cache's values; a fork must keep its own."""
+    model = tiny_model("llama")
+    cache = make_paged_cache(model, block_size=4)
+    model(mx.arange(1, 12)[None], cache=cache)
+    fork = copy.deepcopy(cache)
+    before = fork[1].values
+    cache[1].values = mx.zeros_like(cache[1].keys)
+    assert mx.array_equal(cache[1].values, mx.zeros_like(before)).item()
+    assert mx.array_equal(fork[1].values, before).item()  # copied on write
+    assert cache[1].table.blocks != fork[1].table.blocks
+    with pytest.raises(ValueError, match="only be replaced by an array of their shape"):
+        cache[1].keys = mx.zeros((1, 2, 3, 16))
 
 
 def test_a_window_wider_than_the_layer_is_accepted():

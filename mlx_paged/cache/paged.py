@@ -11,6 +11,7 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.base import create_causal_mask
+from mlx_lm.models.cache import KVCache
 
 from ..attention import Fetched, PagedLayerCache, PagedView, fused_read, route_attention
 from ..blocks import BlockTable, PagedCacheStats
@@ -18,12 +19,13 @@ from ..storage import KVPool
 from .batch_cache import PagedBatchKVCache
 
 
-class PagedKVCache(PagedLayerCache):
+class PagedKVCache(PagedLayerCache, KVCache):
     """One layer's KV cache for one sequence, stored in a shared ``KVPool``.
 
     Use ``make_paged_cache(model)`` to build a model's caches. ``update_and_fetch``
     returns the layer's K/V gathered lazily from the blocks; ``copy.deepcopy``
-    forks by reference (copy-on-write), it never copies the pool.
+    forks by reference (copy-on-write), it never copies the pool. A subclass of
+    mlx-lm's ``KVCache`` for code that checks the type; it overrides every member.
 
     Args:
         pool: Storage for the layer group this layer belongs to.
@@ -109,24 +111,8 @@ class PagedKVCache(PagedLayerCache):
 
     @state.setter
     def state(self, v: tuple) -> None:
-        keys, values, blocks, first, offset, window, block_size, dtype = v
-        pool = KVPool(1, int(block_size), None, None)
-        table = pool.new_table()
-        self.pool, self.table, self.layer = pool, table, 0
-        self._fetched = None
-        self.window = None if window is None else int(window)
-        table.first = int(first)
-        table.lengths[0] = int(offset)
-        ids = blocks.tolist() if blocks is not None and blocks.size else []
-        if keys is None or not ids:
-            return
-        table.blocks.extend(pool.blocks.allocate(len(ids)))
-        pool.adopt_layer(
-            0,
-            keys[mx.array(ids, dtype=mx.int32)],
-            values[mx.array(ids, dtype=mx.int32)],
-            getattr(mx, dtype),
-        )
+        self.pool, self.table, self.window = _restore(v)
+        self.layer, self._fetched = 0, None
 
     @classmethod
     def from_state(cls, state: tuple) -> PagedKVCache:
@@ -186,8 +172,8 @@ class PagedKVCache(PagedLayerCache):
         return None if self.empty() else self.gather_visible()[0]
 
     @keys.setter
-    def keys(self, value: object) -> None:
-        raise ValueError(_ASSIGN_KV)
+    def keys(self, value: mx.array) -> None:
+        self._assign("keys", value)
 
     @property
     def values(self) -> mx.array | None:
@@ -195,8 +181,19 @@ class PagedKVCache(PagedLayerCache):
         return None if self.empty() else self.gather_visible()[1]
 
     @values.setter
-    def values(self, value: object) -> None:
-        raise ValueError(_ASSIGN_KV)
+    def values(self, value: mx.array) -> None:
+        self._assign("values", value)
+
+    def _assign(self, name: str, value: mx.array) -> None:
+        """A model replacing the retained K or V (deepseek_v32's indexer zeroes its values)."""
+        want = None if self.empty() else getattr(self, name).shape
+        if not isinstance(value, mx.array) or value.shape != want:
+            got = getattr(value, "shape", type(value).__name__)
+            raise ValueError(
+                f"a paged cache's {name} can only be replaced by an array of their shape {want}, "
+                f"got {got}; the K/V lives in shared blocks."
+            )
+        self.pool.overwrite(self.table, self.layer, name, value)
 
     def to_quantized(self, group_size: int = 64, bits: int = 4) -> None:
         """Not yet: a paged cache has no quantized tier.
@@ -260,10 +257,20 @@ class PagedKVCache(PagedLayerCache):
         return oldest - oldest % self.pool.block_size
 
 
-_ASSIGN_KV = (
-    "a paged cache's keys and values live in shared blocks and cannot be assigned; this "
-    "model edits its cache in place, so use mlx-lm's own cache for it."
-)
+def _restore(state: tuple) -> tuple[KVPool, BlockTable, int | None]:
+    """A private one-layer pool and table holding a saved layer's blocks, and its window."""
+    keys, values, blocks, first, offset, window, block_size, dtype = state
+    pool = KVPool(1, int(block_size), None, None)
+    table = pool.new_table()
+    table.first = int(first)
+    table.lengths[0] = int(offset)
+    ids = blocks.tolist() if blocks is not None and blocks.size else []
+    if keys is not None and ids:
+        table.blocks.extend(pool.blocks.allocate(len(ids)))
+        idx = mx.array(ids, dtype=mx.int32)
+        pool.adopt_layer(0, keys[idx], values[idx], getattr(mx, dtype))
+    return pool, table, None if window is None else int(window)
+
 
 # load_prompt_cache looks cache classes up by name in mlx-lm's cache module.
 mlx_cache.PagedKVCache = PagedKVCache

@@ -113,6 +113,16 @@ class KVPool(BlockTables):
                     pad = mx.zeros((extra, *x.shape[1:]), dtype=x.dtype)
                     arrays[layer] = mx.concatenate([x, pad])
 
+    def overwrite(self, table: BlockTable, layer: int, name: str, x: mx.array) -> None:
+        """Replace a layer's retained ``"keys"`` or ``"values"`` with ``(1, H, T, D)`` ``x``.
+
+        What a model assigning ``cache.keys`` means; shared blocks are copied first.
+        """
+        start, end = table.first * self.block_size, table.lengths[layer]
+        self.reserve(table, start, end)
+        ids, slots = self._write_index(table, start, end - start)
+        getattr(self, name)[layer][ids, slots] = self.to_storage(x[0].swapaxes(0, 1))
+
     # ---- reads ------------------------------------------------------------
 
     def gather(

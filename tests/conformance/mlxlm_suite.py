@@ -28,6 +28,13 @@ from pathlib import Path
 
 DEFAULT_FILES = ["test_prompt_cache.py", "test_generate.py", "test_models.py"]
 
+# Tests that fail paged by design, with the reason; listed apart, not counted as regressions.
+EXPECTED = {
+    "tests.test_prompt_cache.TestPromptCache.test_cache_to_quantized": (
+        "to_quantized refuses (ValueError) until the quantized cold tier exists"
+    ),
+}
+
 # Written next to mlx-lm's tests as their conftest.py; MLX_PAGED_MODE picks the run.
 CONFTEST = '''
 import os
@@ -152,11 +159,15 @@ def main() -> None:
     count = {
         m: sum(o == "passed" for o in r.values()) for m, r in (("dense", dense), ("paged", paged))
     }
-    broken = sorted(t for t, o in dense.items() if o == "passed" and paged.get(t) != "passed")
+    lost = sorted(t for t, o in dense.items() if o == "passed" and paged.get(t) != "passed")
+    broken = [t for t in lost if t not in EXPECTED]
     print(f"mlx-lm {version('mlx-lm')}: {len(dense)} tests; passed dense {count['dense']}, "
           f"paged {count['paged']}; paged cache lists made: {made}")  # fmt: skip
     if fallbacks:
         print(f"kept mlx-lm's caches (layout mlx_paged refuses): {', '.join(fallbacks)}")
+    for t in lost:
+        if t in EXPECTED:
+            print(f"expected to fail paged: {t} ({EXPECTED[t]})")
     print(f"pass dense, fail paged: {len(broken)}")
     for t in broken:
         print(f"  {t}")
