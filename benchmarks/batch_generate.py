@@ -77,7 +77,12 @@ def main() -> None:
     parser.add_argument("--prefill-step-size", type=int, default=512)
     parser.add_argument("--prefill-batch", type=int, default=8, help="prompts prefilled together")
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--cases", nargs="+", default=["dense", "paged"])
+    parser.add_argument(
+        "--cases",
+        nargs="+",
+        default=["dense", "paged", "paged-sized"],
+        help="paged: the pool grows on demand; paged-sized: num_blocks fits the run exactly",
+    )
     args = parser.parse_args()
     model = llama_1b(getattr(mx, args.dtype), args.layers)
     rng = random.Random(0)
@@ -88,24 +93,27 @@ def main() -> None:
         f"device={mx.default_device()} dtype={args.dtype} layers={args.layers} N={args.n} "
         f"prompt={args.system}+{args.unique} gen={args.gen} block_size={args.block_size}"
     )
+    bs = args.block_size
+    sized = args.n * -(-(args.system + args.unique + args.gen) // bs)  # blocks the run holds
     tokens = {}
     for case in args.cases:
-        if case == "paged":
-            install_paged_cache(model, block_size=args.block_size)
+        if case.startswith("paged"):
+            blocks = sized if case == "paged-sized" else None
+            install_paged_cache(model, block_size=bs, num_blocks=blocks)
         stats, tokens[case] = run(
             model, prompts, args.gen, args.prefill_step_size, args.prefill_batch
         )
-        if case == "paged":
-            uninstall_paged_cache(model)
+        uninstall_paged_cache(model)
         print(
             f"{case:6s} wall {stats['wall_s']:7.2f} s  {stats['tok_s']:8.1f} tok/s  "
             f"prompt {stats['prompt_tps']:9.1f} tok/s  generation {stats['generation_tps']:8.1f} "
             f"tok/s  peak {stats['peak_gb']:6.2f} GB",
             flush=True,
         )
-    if len(tokens) == 2:
-        same = sum(a == b for a, b in zip(*tokens.values(), strict=True))
-        print(f"requests with identical tokens: {same}/{args.n}")
+    for case in tokens:
+        if case != "dense" and "dense" in tokens:
+            same = sum(a == b for a, b in zip(tokens["dense"], tokens[case], strict=True))
+            print(f"{case}: requests with the same tokens as dense: {same}/{args.n}")
     print(f"attention calls by path: {dict(path_counts)}")
 
 
