@@ -79,7 +79,7 @@ class PagedBatch:
                 pool.drop_before(t, max(0, o - window + 1))
             if c and t.reserved_key != (t.version, o, o + c, pool.blocks.shares):
                 pool.reserve(t, o, o + c)
-        key = (n, tuple(offsets), tuple(counts), tuple(t.version for t in self.tables))
+        key = (n, tuple(offsets), tuple(counts), tuple((id(t), t.version) for t in self.tables))
         if self._step is None or self._step[0] != key:
             batch = DecodeBatch(pool, self.tables, window, n, offsets, counts)
             self._step = (key, StepPagedKVCache(pool, batch, layer, window))
