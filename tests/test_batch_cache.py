@@ -25,7 +25,7 @@ from mlx_paged import (
     uninstall_paged_cache,
 )
 
-FAMILIES = ["llama", "gemma3_text", "gpt_oss", "ministral3"]
+FAMILIES = ["llama", "gemma3_text", "gpt_oss", "ministral3", "deepseek_v3", "lfm2"]
 
 
 class Tokenizer:
