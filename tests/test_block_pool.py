@@ -16,6 +16,7 @@ from hypothesis.stateful import (
 )
 
 from mlx_paged import BlockPool, PagedCacheStats
+from mlx_paged.blocks.pool import GROWTH
 
 
 def parked_and_cached(pool: BlockPool, ids: list[int]) -> None:
@@ -191,19 +192,20 @@ def test_fixed_pool_returns_none_and_changes_nothing_when_short():
 
 
 def test_growable_pool_grows_on_demand():
-    """With num_blocks=None the pool grows (at least doubling) instead of refusing."""
+    """With num_blocks=None the pool grows by its shortfall or a quarter, instead of refusing."""
     pool = BlockPool(None, 4)
     assert pool.growable
     assert pool.capacity == 0
     assert pool.can_allocate(10**6)
     assert pool.allocate(3) == [0, 1, 2]
     assert pool.capacity == 3
-    assert pool.allocate(1) == [3]
-    assert pool.capacity == 6
-    assert pool.num_free == 2
-    assert pool.allocate(10) == [4, 5, 6, 7, 8, 9, 10, 11, 12, 13]
+    assert pool.allocate(1) == [3]  # a quarter of 3 is 0: the shortfall, 1
+    assert pool.capacity == 4
+    assert pool.allocate(10) == list(range(4, 14))
     assert pool.capacity == 14
-    pool.check_invariants(tables=[list(range(14))])
+    assert pool.allocate(1) == [14]  # a quarter of 14: 3 more
+    assert (pool.capacity, pool.num_free) == (17, 2)
+    pool.check_invariants(tables=[list(range(15))])
 
 
 def test_growable_pool_reuses_cached_blocks_before_growing():
@@ -332,7 +334,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
             assert self.snapshot() == before
             return
         if n > len(self.free) + len(self.cached):
-            grow = max(n - len(self.free) - len(self.cached), self.capacity)
+            grow = max(n - len(self.free) - len(self.cached), int(self.capacity * GROWTH))
             self.free.extend(range(self.capacity, self.capacity + grow))
             self.capacity += grow
         expected_evicted = []

@@ -11,6 +11,14 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 
+#: A growable pool that runs short grows by its shortfall or by this fraction of its
+#: capacity, whichever is more. Every layer's arrays are copied into larger ones then, old
+#: and new alive at once: a quarter keeps that peak at 2.25x the pool and the unused
+#: tail under a quarter, where doubling gave 3x and up to a half (measured in
+#: BENCHMARKS.md, mlx-lm's batch_generate), for more, still geometric, copies.
+GROWTH = 0.25
+
+
 class PoolExhaustedError(RuntimeError):
     """Raised when a write needs more blocks than the pool can free right now."""
 
@@ -114,7 +122,7 @@ class BlockPool:
         if n > self.num_available:
             if not self.growable:
                 return None
-            self._grow(max(n - self.num_available, self.capacity))
+            self._grow(max(n - self.num_available, int(self.capacity * GROWTH)))
         while len(self._free) < n:
             self._evict_one()
         ids = [self._free.popleft() for _ in range(n)]
