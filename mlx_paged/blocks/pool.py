@@ -10,7 +10,6 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-
 #: A growable pool that runs short grows by its shortfall or by this fraction of its
 #: capacity, whichever is more. Every layer's arrays are copied into larger ones then, old
 #: and new alive at once: a quarter keeps that peak at 2.25x the pool and the unused

@@ -74,15 +74,19 @@ class PagedBatch:
             counts = [n] * len(offsets)
         else:
             counts = [min(n, max(0, e - o)) for e, o in zip(self.ends, offsets, strict=True)]
-        for t, o, c in zip(self.tables, offsets, counts, strict=True):
-            if window is not None:
-                pool.drop_before(t, max(0, o - window + 1))
-            if c and t.reserved_key != (t.version, o, o + c, pool.blocks.shares):
-                pool.reserve(t, o, o + c)
-        key = (n, tuple(offsets), tuple(counts), tuple((id(t), t.version) for t in self.tables))
-        if self._step is None or self._step[0] != key:
+
+        def key() -> tuple:  # any new holder of a block (shares) may call for a copy
+            versions = tuple((id(t), t.version) for t in self.tables)
+            return (n, tuple(offsets), tuple(counts), versions, pool.blocks.shares)
+
+        if self._step is None or self._step[0] != key():  # the first layer of a forward
+            for t, o, c in zip(self.tables, offsets, counts, strict=True):
+                if window is not None:
+                    pool.drop_before(t, max(0, o - window + 1))
+                if c:
+                    pool.reserve(t, o, o + c)
             batch = DecodeBatch(pool, self.tables, window, n, offsets, counts)
-            self._step = (key, StepPagedKVCache(pool, batch, layer, window))
+            self._step = (key(), StepPagedKVCache(pool, batch, layer, window))
         view = self._step[1]
         view.layer = layer
         return view
@@ -315,11 +319,8 @@ class PagedBatchKVCache(PagedLayerCache):
     @property
     def nbytes(self) -> int:
         """Bytes of the blocks the batch's tables hold in this layer (shared ones per holder)."""
-        k, v = self.batch.pool.keys[self.layer], self.batch.pool.values[self.layer]
-        if k is None:
-            return 0
-        per_block = (k.nbytes + v.nbytes) // max(k.shape[0], 1)
-        return sum(len(t.blocks) for t in self.batch.tables) * per_block
+        blocks = sum(len(t.blocks) for t in self.batch.tables)
+        return self.batch.pool.held_bytes(self.layer, blocks)
 
     def __deepcopy__(self, memo: dict) -> PagedBatchKVCache:
         # The layers of a batch share a PagedBatch: fork its tables once per deepcopy call.

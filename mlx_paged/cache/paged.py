@@ -144,11 +144,7 @@ class PagedKVCache(PagedLayerCache, KVCache):
     @property
     def nbytes(self) -> int:
         """Bytes of the blocks this layer's table holds (shared blocks count for each holder)."""
-        k, v = self.pool.keys[self.layer], self.pool.values[self.layer]
-        if k is None:
-            return 0
-        per_block = (k.nbytes + v.nbytes) // max(k.shape[0], 1)
-        return len(self.table.blocks) * per_block
+        return self.pool.held_bytes(self.layer, len(self.table.blocks))
 
     def __deepcopy__(self, memo: dict) -> PagedKVCache:
         # Layers of one sequence share a table; fork it once per deepcopy call.

@@ -151,6 +151,11 @@ class KVPool(BlockTables):
         """Every retained token of one layer: the bytes the dense cache would hold."""
         return self.gather(table, layer, table.first * self.block_size, table.lengths[layer])
 
+    def held_bytes(self, layer: int, blocks: int) -> int:
+        """Bytes ``blocks`` blocks take in one layer (0 before the layer's first write)."""
+        k, v = self.keys[layer], self.values[layer]
+        return 0 if k is None else blocks * (k.nbytes + v.nbytes) // max(k.shape[0], 1)
+
     @property
     def bytes_per_block(self) -> int:
         """Bytes one block takes across all layers of this pool."""
