@@ -124,9 +124,10 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
                 raise ValueError
         except ValueError:
             parser.error("--chat-template-config must be a JSON object, e.g. '{\"x\": 1}'.")
+    if args.max_kv_size is not None and args.max_kv_size <= 4:
+        parser.error("--max-kv-size must be above the 4 tokens it always keeps.")
     if args.paged:
         dense_only = {
-            "max_kv_size": "--max-kv-size (a rotating cache)",
             "kv_bits": "--kv-bits (a quantized cache)",
             "prompt_cache_file": "--prompt-cache-file",
             "image": "--image",
@@ -166,11 +167,13 @@ def run_single(
     kwargs: dict[str, Any] = {}
     caches = None
     if args.paged:
-        caches = make_paged_cache(model, args.block_size, num_blocks, kv_dtype)
+        caches = make_paged_cache(model, args.block_size, num_blocks, kv_dtype, args.max_kv_size)
         kwargs["prompt_cache"] = caches
         if draft_model is not None:
             # Speculative decoding splits the list: the model's caches, then the draft's.
-            draft = make_paged_cache(draft_model, args.block_size, num_blocks, kv_dtype)
+            draft = make_paged_cache(
+                draft_model, args.block_size, num_blocks, kv_dtype, args.max_kv_size
+            )
             kwargs["prompt_cache"] = caches + draft
     else:
         kwargs.update(

@@ -2,9 +2,10 @@
 
 from .pool import BlockPool, PagedCacheStats, PoolExhaustedError, check_block_size
 from .prefix_index import PrefixIndex, PrefixMatch
-from .table import BlockTable, BlockTables, LayerKind
+from .table import HOLE, BlockTable, BlockTables, LayerKind
 
 __all__ = [
+    "HOLE",
     "BlockPool",
     "BlockTable",
     "BlockTables",

@@ -19,11 +19,22 @@ from .pool import BlockPool, PoolExhaustedError
 T = TypeVar("T")
 
 
+#: The id a block table holds in place of a block it gave back from its middle.
+HOLE = -1
+
+
 @dataclass(frozen=True)
 class LayerKind:
-    """Which group a paged layer joins: full attention, or a sliding window of ``window`` tokens."""
+    """Which group a paged layer joins.
+
+    Full attention (``window`` ``None``), a sliding window of ``window``
+    tokens, or, with ``keep`` > 0, a window that also keeps the first ``keep``
+    tokens (mlx-lm's ``RotatingKVCache(max_size=window, keep=keep)``, what
+    ``max_kv_size`` builds).
+    """
 
     window: int | None = None
+    keep: int = 0
 
 
 @dataclass
@@ -32,7 +43,9 @@ class BlockTable:
 
     ``blocks[i]`` holds tokens ``[(first + i) * block_size, (first + i + 1) *
     block_size)``; ``first`` is the number of leading blocks already given back
-    (sliding-window layers drop blocks that fell out of the window).
+    (sliding-window layers drop blocks that fell out of the window). A layer
+    that keeps its first tokens gives back blocks from the middle instead, and
+    ``HOLE`` marks them.
     """
 
     blocks: list[int] = field(default_factory=list)
@@ -87,7 +100,8 @@ class BlockTables:
     def fork(self, table: BlockTable) -> BlockTable:
         """A new table holding references to the same blocks (no K/V is copied)."""
         for b in table.blocks:
-            self.blocks.retain(b)
+            if b != HOLE:
+                self.blocks.retain(b)
         forked = self.new_table()
         forked.blocks.extend(table.blocks)
         forked.first = table.first
@@ -96,7 +110,7 @@ class BlockTables:
 
     def release(self, table: BlockTable) -> None:
         """Give back every block of a table and empty it."""
-        self.blocks.release_all(table.blocks)
+        _release_held(self.blocks, table.blocks)
         table.blocks.clear()
         table.first = 0
         table.lengths[:] = [0] * self.num_layers
@@ -107,7 +121,7 @@ class BlockTables:
         table.lengths[layer] = length
         keep = -(-table.end // self.block_size) - table.first
         if keep < len(table.blocks):
-            self.blocks.release_all(table.blocks[keep:])
+            _release_held(self.blocks, table.blocks[keep:])
             del table.blocks[keep:]
             table.version += 1
 
@@ -118,6 +132,18 @@ class BlockTables:
             self.blocks.release_all(table.blocks[:n])
             del table.blocks[:n]
             table.first += n
+            table.version += 1
+
+    def drop_range(self, table: BlockTable, start: int, end: int) -> None:
+        """Give back the blocks that hold only tokens in ``[start, end)``, leaving holes."""
+        bs = self.block_size
+        lo, hi = -(-start // bs) - table.first, end // bs - table.first
+        span = range(max(lo, 0), min(hi, len(table.blocks)))
+        dropped = [i for i in span if table.blocks[i] != HOLE]
+        if dropped:
+            self.blocks.release_all(table.blocks[i] for i in dropped)
+            for i in dropped:
+                table.blocks[i] = HOLE
             table.version += 1
 
     # ---- reservations -----------------------------------------------------
@@ -195,14 +221,20 @@ class BlockTables:
         """Indices into ``table.blocks`` of shared blocks that tokens ``[start, end)`` touch."""
         bs = self.block_size
         lo, hi = start // bs - table.first, min(len(table.blocks), -(-end // bs) - table.first)
-        return [i for i in range(lo, hi) if self.blocks.is_shared(table.blocks[i])]
+        held = ((i, table.blocks[i]) for i in range(lo, hi))
+        return [i for i, b in held if b != HOLE and self.blocks.is_shared(b)]
 
     def _missing(self, table: BlockTable, end: int) -> int:
         """Blocks to append so that ``table`` reaches token ``end``."""
         return max(0, -(-end // self.block_size) - table.first - len(table.blocks))
 
 
+def _release_held(pool: BlockPool, blocks: list[int]) -> None:
+    """Release the blocks of a table slice, skipping holes."""
+    pool.release_all(b for b in blocks if b != HOLE)
+
+
 def _release_quietly(pool: BlockPool, blocks: list[int]) -> None:
     """Finalizer: a table dropped without ``release`` gives its blocks back."""
-    pool.release_all(blocks)
+    _release_held(pool, blocks)
     blocks.clear()

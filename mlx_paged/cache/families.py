@@ -18,6 +18,9 @@ from mlx_lm.models.cache import (
 
 from ..blocks import LayerKind
 
+#: Leading tokens mlx-lm's ``make_prompt_cache`` keeps under ``max_kv_size``.
+SINK_TOKENS = 4
+
 
 def model_type(model: nn.Module) -> str:
     """The model's ``model_type`` for error messages, or its class path."""
@@ -27,15 +30,20 @@ def model_type(model: nn.Module) -> str:
     return name or f"{type(model).__module__}.{type(model).__name__}"
 
 
-def default_caches(model: nn.Module) -> list:
-    """What mlx-lm would build for this model: ``model.make_cache()`` or one KVCache per layer.
+def default_caches(model: nn.Module, max_kv_size: int | None = None) -> list:
+    """What mlx-lm's ``make_prompt_cache(model, max_kv_size)`` would build.
 
-    A hook set by ``install_paged_cache`` is looked through to the model's own.
+    ``model.make_cache()`` where the model has one (mlx-lm then ignores
+    ``max_kv_size``); else one ``RotatingKVCache(max_kv_size, keep=4)`` per
+    layer, or one ``KVCache`` per layer without ``max_kv_size``. A hook set by
+    ``install_paged_cache`` is looked through to the model's own.
     """
     make = getattr(model, "make_cache", None)
     make = getattr(make, "paged_original", make)
     if make is not None:
         return make()
+    if max_kv_size is not None:
+        return [RotatingKVCache(max_size=max_kv_size, keep=SINK_TOKENS) for _ in model.layers]
     return [KVCache() for _ in model.layers]
 
 
@@ -48,12 +56,12 @@ def classify(cache: object, family: str) -> LayerKind | None:
     if type(cache) is KVCache:
         return LayerKind()
     if type(cache) is RotatingKVCache:
-        if cache.keep:
+        if cache.keep and not 0 < cache.keep < cache.max_size:
             raise ValueError(
-                f"{family}: RotatingKVCache with keep={cache.keep} (attention-sink eviction) "
-                "is not supported by mlx_paged; use mlx-lm's own cache for this model."
+                f"{family}: RotatingKVCache(max_size={cache.max_size}, keep={cache.keep}) keeps "
+                "no window; max_kv_size must be larger than the kept tokens."
             )
-        return LayerKind(window=cache.max_size)
+        return LayerKind(window=cache.max_size, keep=cache.keep)
     if isinstance(cache, ArraysCache):
         return None  # recurrent / SSM state: small, per sequence, stays native
     if isinstance(cache, ChunkedKVCache):

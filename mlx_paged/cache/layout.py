@@ -15,8 +15,9 @@ from mlx_lm.models.cache import CacheList
 from ..attention import route_attention
 from ..blocks import LayerKind, check_block_size
 from ..storage import KVPool
-from .families import classify, default_caches, model_type
+from .families import SINK_TOKENS, classify, default_caches, model_type
 from .paged import PagedKVCache
+from .sinks import PagedSinkKVCache
 
 
 def make_paged_cache(
@@ -24,14 +25,16 @@ def make_paged_cache(
     block_size: int = 16,
     num_blocks: int | None = None,
     kv_dtype: mx.Dtype | None = None,
+    max_kv_size: int | None = None,
 ) -> list[Any]:
     """Build ``model``'s prompt cache with every attention layer paged.
 
     Transforms what ``model.make_cache()`` (or mlx-lm's default) returns:
     ``KVCache`` becomes a full-attention ``PagedKVCache``; ``RotatingKVCache``
-    becomes a sliding-window one that gives back blocks outside the window;
-    ``ArraysCache`` (SSM / recurrent state) stays native; ``CacheList`` is
-    converted item by item.
+    becomes a sliding-window one that gives back blocks outside the window
+    (``PagedSinkKVCache`` where it keeps its first tokens); ``ArraysCache``
+    (SSM / recurrent state) stays native; ``CacheList`` is converted item by
+    item.
 
     Args:
         model: An mlx-lm model.
@@ -40,12 +43,16 @@ def make_paged_cache(
             ``None`` grows the pool on demand.
         kv_dtype: Storage dtype for K/V, e.g. ``mx.float16``; ``None`` keeps the
             model's.
+        max_kv_size: As mlx-lm's ``make_prompt_cache``: for a model without its
+            own ``make_cache``, every layer keeps its first 4 tokens and a window
+            of ``max_kv_size`` tokens in all (``PagedSinkKVCache``); a model with
+            one ignores it, as in mlx-lm. Such caches cannot be batched.
 
     Raises:
-        ValueError: for a bad ``block_size``/``num_blocks``, or a cache layout
-            mlx_paged cannot page (the message names the model type).
+        ValueError: for a bad ``block_size``/``num_blocks``/``max_kv_size``, or a
+            cache layout mlx_paged cannot page (the message names the model type).
     """
-    layout, pools = _pools(model, block_size, num_blocks, kv_dtype)
+    layout, pools = _pools(model, block_size, num_blocks, kv_dtype, max_kv_size)
     return layout.bind(pools, {kind: pool.new_table() for kind, pool in pools.items()})
 
 
@@ -54,6 +61,7 @@ def install_paged_cache(
     block_size: int = 16,
     num_blocks: int | None = None,
     kv_dtype: mx.Dtype | None = None,
+    max_kv_size: int | None = None,
 ) -> None:
     """Make mlx-lm build paged caches for ``model``, all in one pool per layer group.
 
@@ -64,11 +72,13 @@ def install_paged_cache(
     (mlx_lm.server's prompt cache) shares blocks too. mlx-lm ignores
     ``max_kv_size`` for models with this hook. Installing again replaces the
     pools; ``uninstall_paged_cache`` restores the model's own caches.
+    ``max_kv_size`` here is the window every cache the hook builds gets (the
+    hook cannot see the argument mlx-lm's callers pass).
 
     Args and errors as ``make_paged_cache``.
     """
     uninstall_paged_cache(model)
-    layout, pools = _pools(model, block_size, num_blocks, kv_dtype)
+    layout, pools = _pools(model, block_size, num_blocks, kv_dtype, max_kv_size)
 
     def make_cache() -> list[Any]:
         return layout.bind(pools, {kind: pool.new_table() for kind, pool in pools.items()})
@@ -85,12 +95,25 @@ def uninstall_paged_cache(model: nn.Module) -> None:
 
 
 def _pools(
-    model: nn.Module, block_size: int, num_blocks: int | None, kv_dtype: mx.Dtype | None
+    model: nn.Module,
+    block_size: int,
+    num_blocks: int | None,
+    kv_dtype: mx.Dtype | None,
+    max_kv_size: int | None = None,
 ) -> tuple[PagedLayout, dict[LayerKind, KVPool]]:
     check_block_size(block_size)
     if kv_dtype is not None and not isinstance(kv_dtype, mx.Dtype):
         raise ValueError(f"kv_dtype must be an mx.Dtype such as mx.float16, got {kv_dtype!r}.")
-    layout = PagedLayout.of(model)
+    if max_kv_size is not None and (
+        isinstance(max_kv_size, bool)
+        or not isinstance(max_kv_size, int)
+        or max_kv_size <= SINK_TOKENS
+    ):
+        raise ValueError(
+            f"max_kv_size must be an int above the {SINK_TOKENS} kept tokens, or None; "
+            f"got {max_kv_size!r}."
+        )
+    layout = PagedLayout.of(model, max_kv_size)
     pools = {kind: KVPool(n, block_size, num_blocks, kv_dtype) for kind, n in layout.counts.items()}
     route_attention()
     return layout, pools
@@ -111,10 +134,11 @@ class PagedLayout:
     native: int
 
     @classmethod
-    def of(cls, model: nn.Module) -> PagedLayout:
-        """Classify ``model``'s caches; raises ValueError for layouts mlx_paged cannot page."""
+    def of(cls, model: nn.Module, max_kv_size: int | None = None) -> PagedLayout:
+        """Classify ``model``'s caches (``default_caches``); raises ValueError for layouts
+        mlx_paged cannot page."""
         family = model_type(model)
-        template = default_caches(model)
+        template = default_caches(model, max_kv_size)
         counts: Counter[LayerKind] = Counter()
         native = 0
 
@@ -135,12 +159,23 @@ class PagedLayout:
         factory: Callable[..., Any] = PagedKVCache,
     ) -> list[Any]:
         """A cache list shaped like ``template``: paged layers made by
-        ``factory(pool, table, layer, window)``, native caches fresh."""
+        ``factory(pool, table, layer, window)``, native caches fresh.
+
+        Layers that keep their first tokens are ``PagedSinkKVCache``, and only a
+        one-sequence ``PagedKVCache`` factory can make them.
+        """
         next_layer: Counter[LayerKind] = Counter()
 
         def paged(kind: LayerKind) -> Any:
             layer = next_layer[kind]
             next_layer[kind] += 1
+            if kind.keep:
+                if factory is not PagedKVCache:
+                    raise ValueError(
+                        f"{self.family}: layers that keep their first {kind.keep} tokens "
+                        "(RotatingKVCache keep, max_kv_size) cannot be batched by mlx_paged."
+                    )
+                return PagedSinkKVCache(pools[kind], tables[kind], layer, kind.window, kind.keep)
             return factory(pools[kind], tables[kind], layer, kind.window)
 
         return _walk(self.template, self.family, paged, native=copy.deepcopy)

@@ -14,7 +14,7 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import KVCache
 
 from ..attention import Fetched, PagedLayerCache, PagedView, fused_read, route_attention
-from ..blocks import BlockTable, PagedCacheStats
+from ..blocks import HOLE, BlockTable, PagedCacheStats
 from ..storage import KVPool
 from .batch_cache import PagedBatchKVCache
 
@@ -261,9 +261,11 @@ def _restore(state: tuple) -> tuple[KVPool, BlockTable, int | None]:
     table.first = int(first)
     table.lengths[0] = int(offset)
     ids = blocks.tolist() if blocks is not None and blocks.size else []
-    if keys is not None and ids:
-        table.blocks.extend(pool.blocks.allocate(len(ids)))
-        idx = mx.array(ids, dtype=mx.int32)
+    held = [b for b in ids if b != HOLE]
+    if keys is not None and held:
+        new = iter(pool.blocks.allocate(len(held)))
+        table.blocks.extend(HOLE if b == HOLE else next(new) for b in ids)
+        idx = mx.array(held, dtype=mx.int32)
         pool.adopt_layer(0, keys[idx], values[idx], getattr(mx, dtype))
     return pool, table, None if window is None else int(window)
 

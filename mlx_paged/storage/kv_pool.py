@@ -126,9 +126,18 @@ class KVPool(BlockTables):
     # ---- reads ------------------------------------------------------------
 
     def gather(
-        self, table: BlockTable, layer: int, start: int, end: int, read: Reader | None = None
+        self,
+        table: BlockTable,
+        layer: int,
+        start: int,
+        end: int,
+        read: Reader | None = None,
+        sinks: int = 0,
     ) -> tuple[mx.array, mx.array]:
         """Tokens ``[start, end)`` of one layer as ``(1, H, end - start, D)`` K and V.
+
+        With ``sinks`` > 0, tokens ``[0, sinks)`` come first (``sinks`` more rows):
+        a layer that keeps its first tokens reads them beside its window.
 
         ``start`` must not precede the table's first retained block. ``read`` lets a
         device kernel do the copy (the attention layer's ``fused_read``): worth it
@@ -136,7 +145,7 @@ class KVPool(BlockTables):
         decode step, whose fused attention kernel never evaluates them while the
         kernel call would still cost host time.
         """
-        slots = self._token_slots(table, start, end)  # (1, T)
+        slots = self._token_slots(table, start, end, sinks)  # (1, T)
         keys, values = self.keys[layer], self.values[layer]
         fetched = read(keys, values, slots) if read is not None else None
         k, v = fetched or take_blocks(keys, values, slots)
@@ -250,19 +259,24 @@ class KVPool(BlockTables):
 
         return table.derived("write_index", (table.version, start, n), make)
 
-    def _token_slots(self, table: BlockTable, start: int, end: int) -> mx.array:
-        """``(1, T)`` pool slots of tokens ``[start, end)``, reused while table and span hold."""
+    def _token_slots(self, table: BlockTable, start: int, end: int, sinks: int = 0) -> mx.array:
+        """``(1, T)`` pool slots of tokens ``[0, sinks)`` then ``[start, end)``, reused while
+        the table and the spans hold."""
         bs = self.block_size
-        lo, hi = start // bs, -(-end // bs)
-        assert lo >= table.first, f"tokens from {start} were already given back"
+        assert start // bs >= table.first, f"tokens from {start} were already given back"
 
-        def make() -> mx.array:
+        def span(a: int, b: int) -> mx.array:
+            lo, hi = a // bs, -(-b // bs)
             ids = self._block_ids(table, lo, hi)
             slots = (ids[:, None] * bs + mx.arange(bs, dtype=mx.int32)).reshape(-1)
-            off = start - lo * bs
-            return slots[None, off : off + end - start]
+            return slots[a - lo * bs : b - lo * bs]
 
-        return table.derived("slots", (table.version, start, end), make)
+        def make() -> mx.array:
+            if not sinks:
+                return span(start, end)[None]
+            return mx.concatenate([span(0, sinks), span(start, end)])[None]
+
+        return table.derived("slots", (table.version, start, end, sinks), make)
 
     def _block_ids(self, table: BlockTable, lo: int, hi: int) -> mx.array:
         """Block ids for logical blocks ``[lo, hi)``, reused while the table is unchanged."""

@@ -4,7 +4,8 @@
 
 Fetches the sdist of the installed mlx-lm from the package registry (``pip
 download``), and runs its tests twice with pytest: once as they are, and once
-with ``make_prompt_cache`` returning ``make_paged_cache(model)`` (every name
+with ``make_prompt_cache(model, max_kv_size)`` returning ``make_paged_cache(model,
+max_kv_size=max_kv_size)`` (every name
 mlx-lm and the tests bound it to). Both runs use the embedded SmolLM2 wherever
 a test loads a model from the hub, so nothing else is downloaded. It prints the
 tests that pass on mlx-lm's caches and fail on paged ones, and exits 1 if there
@@ -69,10 +70,8 @@ if os.environ.get("MLX_PAGED_MODE") == "paged":
     PAGED = []
 
     def make_prompt_cache(model, max_kv_size=None):
-        if max_kv_size is not None:
-            return _original(model, max_kv_size)
         try:
-            caches = make_paged_cache(model)
+            caches = make_paged_cache(model, max_kv_size=max_kv_size)
             PAGED.append(1)
             return caches
         except ValueError as e:  # a layout mlx_paged refuses: keep mlx-lm's caches
