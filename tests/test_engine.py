@@ -333,3 +333,80 @@ def test_peak_live_blocks_counts_requests_that_finish_at_once():
     engine.generate([[1, 2, 3] * 5, [4, 5] * 7], max_tokens=1)  # 2 blocks each
     stats = engine.stats()
     assert (stats.peak_live_blocks, stats.live_blocks) == (4, 0)
+
+
+@pytest.mark.parametrize("bad", [[1, VOCAB], [-1, 2], [1.5], ["7"], [True], [2**40]])
+def test_token_ids_outside_the_vocabulary_are_refused(bad):
+    engine = PagedEngine(model_of("llama"), block_size=BS)
+    with pytest.raises(ValueError, match="token 0|token 1"):
+        engine.add_request(bad, 4)
+    assert not engine.waiting and engine.stats().prompt_tokens == 0
+
+
+def test_abort_frees_blocks_and_spares_the_others():
+    engine = PagedEngine(model_of("llama"), block_size=BS, max_batch_size=2)
+    prompts = mixed_prompts(seed=6)[:3]
+    uids = [engine.add_request(p, MAX_TOKENS) for p in prompts]
+    events: dict[int, list[int]] = {u: [] for u in uids}
+    for _ in range(3):
+        for e in engine.step():
+            events[e.uid].append(e.token)
+    assert [r.uid for r in engine.running] == uids[:2] and [r.uid for r in engine.waiting] == [2]
+    assert engine.abort(uids[0]) and engine.abort(uids[2])  # one running, one waiting
+    assert not engine.abort(uids[0]) and not engine.abort(12345)
+    engine.check_invariants()
+    for e in engine.stream():
+        events[e.uid].append(e.token)
+    # The first step samples a first token and decodes one more; none come after the abort.
+    assert len(events[uids[0]]) == 4 and events[uids[2]] == []
+    assert events[uids[1]] == solo("llama", tuple(prompts[1]))
+    stats = engine.stats()
+    assert (stats.aborted, stats.live_blocks, stats.running, stats.waiting) == (2, 0, 0, 0)
+    engine.check_invariants()
+
+
+def test_a_failing_request_ends_alone():
+    engine = PagedEngine(model_of("qwen3"), block_size=BS)
+    prompts = mixed_prompts(seed=7)[:3]
+
+    def boom(tokens, logits):
+        raise RuntimeError("processor bug")
+
+    uids = [
+        engine.add_request(prompts[0], MAX_TOKENS, logits_processors=[boom]),
+        engine.add_request(prompts[1], MAX_TOKENS),
+        engine.add_request(prompts[2], MAX_TOKENS, sampler=lambda lp: mx.array([VOCAB + 5])),
+    ]
+    events: dict[int, list[Event]] = {u: [] for u in uids}
+    for e in engine.stream():
+        events[e.uid].append(e)
+    for uid, why in ((uids[0], "processor bug"), (uids[2], "not a token id")):
+        (only,) = events[uid]
+        assert only.finish_reason == "error" and only.token == -1 and why in only.error
+    assert [e.token for e in events[uids[1]]] == solo("qwen3", tuple(prompts[1]))
+    stats = engine.stats()
+    assert (stats.failed, stats.live_blocks, stats.running) == (2, 0, 0)
+    engine.check_invariants()
+
+
+def test_logprobs_match_mlx_lm_and_prefix_hits_are_per_request():
+    model = model_of("llama")
+    prompt = mixed_prompts(seed=8)[0]
+    want = list(generate_step(mx.array(prompt), model, max_tokens=5))
+    engine = PagedEngine(model, block_size=BS)
+    first = engine.add_request(prompt, 5, logprobs=3)
+    req = engine.request(first)
+    got = list(engine.stream())
+    assert [e.token for e in got] == [t for t, _ in want]
+    for e, (t, lp) in zip(got, want, strict=True):
+        assert abs(e.logprob - lp[t].item()) < 1e-4
+        assert [i for i, _ in e.top_logprobs] == mx.argsort(-lp)[:3].tolist()
+        values = [v for _, v in e.top_logprobs]
+        assert values == sorted(values, reverse=True) and values[0] >= e.logprob
+    again = engine.request(engine.add_request(prompt, 2))
+    list(engine.stream())
+    assert req.prefix_hit == 0
+    # The whole prompt but its last token is served from the index, in whole blocks
+    # or a copied partial tail.
+    assert again.prefix_hit == len(prompt) - 1
+    assert engine.stats().prompt_tokens == 2 * len(prompt)

@@ -14,6 +14,7 @@ sampling). Each ``step()``:
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterable, Iterator, Sequence
 
 import mlx.core as mx
@@ -23,7 +24,7 @@ from ..attention import route_attention
 from ..blocks import check_block_size
 from ..cache import PagedLayout
 from ..storage import KVPool
-from .request import EngineStats, Event, LogitsProcessor, Prefill, Request, Sampler
+from .request import EngineStats, Event, LogitsProcessor, Prefill, Request, Sampled, Sampler
 from .runner import ModelRunner
 from .scheduler import Scheduler
 
@@ -66,6 +67,7 @@ class PagedEngine:
         }
         self.scheduler = Scheduler(pools, max_batch_size, prefill_step_size)
         self.runner = ModelRunner(model, layout, pools)
+        self.vocab_size = vocab_size(model)
         self._next_uid = 0
         route_attention()
 
@@ -88,17 +90,31 @@ class PagedEngine:
         sampler: Sampler | None = None,
         logits_processors: Iterable[LogitsProcessor] | None = None,
         stop_tokens: Iterable[int] | None = None,
+        logprobs: int | None = None,
     ) -> int:
         """Queue a prompt; return its uid.
 
         ``sampler`` maps log-probs ``(1, V)`` to a token (greedy if ``None``);
-        ``logits_processors`` see ``(tokens, logits)`` first, as in mlx-lm.
+        ``logits_processors`` see ``(tokens, logits)`` first, as in mlx-lm. With
+        ``logprobs`` (0 or more), each event carries the sampled token's log-prob
+        and the ``logprobs`` most likely tokens'.
+
+        Raises:
+            ValueError: for an empty prompt, a token id outside ``[0, vocab_size)``
+                (the model's embedding would read out of bounds), a bad
+                ``max_tokens``/``logprobs``, or a request the pool can never hold.
         """
         prompt = tokens.tolist() if isinstance(tokens, mx.array) else list(tokens)
         if not prompt:
             raise ValueError("the prompt is empty; give at least one token.")
+        check_tokens(prompt, self.vocab_size)
+        prompt = [int(t) for t in prompt]
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens <= 0:
             raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}.")
+        if logprobs is not None and (
+            isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0
+        ):
+            raise ValueError(f"logprobs must be None or an int >= 0, got {logprobs!r}.")
         req = Request(
             uid=self._next_uid,
             prompt=prompt,
@@ -106,10 +122,32 @@ class PagedEngine:
             sampler=sampler,
             logits_processors=list(logits_processors or []),
             stop_tokens=frozenset(stop_tokens or ()),
+            logprobs=logprobs,
         )
         self.scheduler.add(req)
         self._next_uid += 1
         return req.uid
+
+    def abort(self, request_id: int) -> bool:
+        """End a request now; return whether it was still waiting or running.
+
+        Call it between steps (the engine is not thread-safe: a server calls it
+        on the thread that steps). A running request's blocks are parked in the
+        prefix index, as at a normal finish; a waiting one holds none. No event
+        follows for it.
+        """
+        for req in (*self.scheduler.running, *self.scheduler.waiting):
+            if req.uid == request_id:
+                self.scheduler.abort(req)
+                return True
+        return False
+
+    def request(self, request_id: int) -> Request | None:
+        """The waiting or running request with this uid, or ``None``."""
+        for req in (*self.scheduler.running, *self.scheduler.waiting):
+            if req.uid == request_id:
+                return req
+        return None
 
     def step(self) -> list[Event]:
         """Admit and prefill what fits, then decode one token for every running request."""
@@ -166,5 +204,36 @@ class PagedEngine:
         logits = self.runner.decode(reqs)
         return self._emit(reqs, self.runner.sample(reqs, logits))
 
-    def _emit(self, reqs: list[Request], tokens: list[int]) -> list[Event]:
-        return [self.scheduler.emit(r, t) for r, t in zip(reqs, tokens, strict=True)]
+    def _emit(self, reqs: list[Request], sampled: list[Sampled]) -> list[Event]:
+        events = []
+        for r, s in zip(reqs, sampled, strict=True):
+            if s.error is not None:
+                events.append(self.scheduler.fail(r, s.error))
+            else:
+                events.append(self.scheduler.emit(r, s.token, s.logprob, s.top_logprobs))
+        return events
+
+
+def vocab_size(model: nn.Module) -> int | None:
+    """Rows of the model's token embedding (what a token id indexes), or ``None`` if unknown."""
+    for _, module in model.named_modules():
+        if isinstance(module, nn.QuantizedEmbedding):
+            return module.num_embeddings
+        if isinstance(module, nn.Embedding):
+            return module.weight.shape[0]
+    size = getattr(getattr(model, "args", None), "vocab_size", None)
+    return size if isinstance(size, int) else None
+
+
+def check_tokens(tokens: Sequence[object], vocab: int | None) -> None:
+    """Raise ValueError unless every token is an int id in ``[0, vocab)``.
+
+    MLX does not bounds-check the embedding's gather: an id outside the table
+    reads stray memory or crashes the process, so ids are checked here.
+    """
+    for i, t in enumerate(tokens):
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+            raise ValueError(f"token {i} is {t!r}; token ids must be ints.")
+        if t < 0 or (vocab is not None and t >= vocab):
+            bound = f"[0, {vocab})" if vocab is not None else ">= 0"
+            raise ValueError(f"token {i} is {t}, outside the vocabulary {bound}.")

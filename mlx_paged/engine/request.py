@@ -19,11 +19,19 @@ LogitsProcessor = Callable[[Any, Any], Any]
 
 @dataclass(frozen=True)
 class Event:
-    """One generated token. ``finish_reason`` is ``"stop"``, ``"length"`` or ``None``."""
+    """One generated token, or the end of a request that failed.
+
+    ``finish_reason`` is ``"stop"``, ``"length"``, ``"error"`` (``token`` is -1
+    and ``error`` says why) or ``None``. ``logprob`` and ``top_logprobs`` (token,
+    log-prob pairs, best first) are set for requests that asked for them.
+    """
 
     uid: int
     token: int
     finish_reason: str | None
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] | None = None
+    error: str | None = None
 
 
 @dataclass(frozen=True)
@@ -31,10 +39,15 @@ class EngineStats(PagedCacheStats):
     """Pool counts (summed over layer groups) plus the engine's counters."""
 
     prefix_hit_tokens: int = 0
+    prompt_tokens: int = 0
     prefilled_tokens: int = 0
     generated_tokens: int = 0
     preemptions: int = 0
+    aborted: int = 0
+    failed: int = 0
     peak_live_blocks: int = 0
+    running: int = 0
+    waiting: int = 0
 
 
 @dataclass(eq=False)
@@ -51,8 +64,10 @@ class Request:
     sampler: Sampler | None
     logits_processors: list[LogitsProcessor]
     stop_tokens: frozenset[int]
+    logprobs: int | None = None  # top log-probs per token to report; None: none
     generated: list[int] = field(default_factory=list)
     tables: dict[LayerKind, BlockTable] | None = None
+    prefix_hit: int = 0  # prompt tokens served from the prefix index at first admission
 
     @property
     def tokens(self) -> list[int]:
@@ -87,3 +102,13 @@ class Prefill:
     def fresh(self) -> bool:
         """Whether the requests are new (they sample their first token after the last step)."""
         return not self.requests[0].generated
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """What sampling gave one request: a token (with log-probs if asked), or an error."""
+
+    token: int = -1
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] | None = None
+    error: str | None = None

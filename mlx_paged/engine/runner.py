@@ -14,7 +14,7 @@ import mlx.nn as nn
 from ..blocks import LayerKind
 from ..cache import DecodeBatch, PagedKVCache, PagedLayout, StepPagedKVCache
 from ..storage import KVPool
-from .request import Request
+from .request import Request, Sampled
 
 
 class ModelRunner:
@@ -75,22 +75,50 @@ class ModelRunner:
             batch.finish()
         return out, caches
 
-    def sample(self, reqs: list[Request], logits: mx.array) -> list[int]:
-        """One token per request from ``(B, V)`` logits, each with its own settings."""
-        greedy = [i for i, r in enumerate(reqs) if r.sampler is None and not r.logits_processors]
-        if len(greedy) == len(reqs):  # the common case: one argmax, one transfer
-            return mx.argmax(logits, axis=-1).tolist()
-        out: list[mx.array | None] = [None] * len(reqs)
+    def sample(self, reqs: list[Request], logits: mx.array) -> list[Sampled]:
+        """One token per request from ``(B, V)`` logits, each with its own settings.
+
+        A request whose logits processors or sampler raise, or whose sampler
+        gives no token id in ``[0, V)``, gets an error instead; the others do not
+        notice.
+        """
+        plain = [r.sampler is None and not r.logits_processors and r.logprobs is None for r in reqs]
+        if all(plain):  # the common case: one argmax, one transfer
+            return [Sampled(t) for t in mx.argmax(logits, axis=-1).tolist()]
+        out: list[Sampled | None] = [None] * len(reqs)
+        greedy = [i for i, p in enumerate(plain) if p]
         if greedy:
-            picked = mx.argmax(logits[mx.array(greedy)], axis=-1)
-            for j, i in enumerate(greedy):
-                out[i] = picked[j]
+            picked = mx.argmax(logits[mx.array(greedy)], axis=-1).tolist()
+            for i, t in zip(greedy, picked, strict=True):
+                out[i] = Sampled(t)
+        vocab = logits.shape[-1]
         for i, r in enumerate(reqs):
-            if out[i] is not None:
-                continue
-            x = logits[i : i + 1]
-            for proc in r.logits_processors:
-                x = proc(mx.array(r.tokens), x)
-            logprobs = x - mx.logsumexp(x, axis=-1, keepdims=True)
-            out[i] = (r.sampler or (lambda lp: mx.argmax(lp, -1)))(logprobs).reshape(())
-        return mx.stack(out).tolist()
+            if out[i] is None:
+                try:
+                    out[i] = _sample_one(r, logits[i : i + 1], vocab)
+                except Exception as e:  # the request's own code: end it, not the batch
+                    out[i] = Sampled(error=f"{type(e).__name__}: {e}")
+        return out
+
+
+def _sample_one(req: Request, logits: mx.array, vocab: int) -> Sampled:
+    """Sample ``(1, V)`` logits for one request: its processors, its sampler, its log-probs."""
+    x = logits
+    for proc in req.logits_processors:
+        x = proc(mx.array(req.tokens), x)
+    logprobs = x - mx.logsumexp(x, axis=-1, keepdims=True)
+    token = (req.sampler or (lambda lp: mx.argmax(lp, -1)))(logprobs)
+    token = token.item() if isinstance(token, mx.array) and token.size == 1 else token
+    if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
+        raise ValueError(f"the sampler gave {token!r}, not a token id in [0, {vocab}).")
+    if req.logprobs is None:
+        return Sampled(token)
+    row = logprobs[0].astype(mx.float32)
+    top: tuple[tuple[int, float], ...] = ()
+    if req.logprobs > 0:
+        k = min(req.logprobs, vocab)
+        ids = mx.argpartition(-row, k - 1)[:k]
+        vals = row[ids]
+        order = mx.argsort(-vals)
+        top = tuple(zip(ids[order].tolist(), vals[order].tolist(), strict=True))
+    return Sampled(token, row[token].item(), top)

@@ -50,9 +50,12 @@ class Scheduler:
         self.running: list[Request] = []
         self.counters = dict(
             prefix_hit_tokens=0,
+            prompt_tokens=0,
             prefilled_tokens=0,
             generated_tokens=0,
             preemptions=0,
+            aborted=0,
+            failed=0,
             peak_live_blocks=0,
         )
 
@@ -70,6 +73,7 @@ class Scheduler:
                     f"{group.blocks.capacity}; use a larger num_blocks or a shorter request."
                 )
         self.waiting.append(req)
+        self.counters["prompt_tokens"] += n
 
     def admit(self) -> Iterator[Prefill]:
         """Admit waiting requests in order while blocks and batch slots allow.
@@ -139,7 +143,13 @@ class Scheduler:
         self._note_peak()  # the most blocks a step holds: all running, each with its next slot
         return list(self.running)
 
-    def emit(self, req: Request, token: int) -> Event:
+    def emit(
+        self,
+        req: Request,
+        token: int,
+        logprob: float | None = None,
+        top_logprobs: tuple[tuple[int, float], ...] | None = None,
+    ) -> Event:
         """Record a sampled token; finish the request on a stop token or at ``max_tokens``."""
         req.generated.append(token)
         self.counters["generated_tokens"] += 1
@@ -150,7 +160,18 @@ class Scheduler:
             reason = "length"
         if reason is not None:
             self._detach(req)
-        return Event(req.uid, token, reason)
+        return Event(req.uid, token, reason, logprob, top_logprobs)
+
+    def abort(self, req: Request) -> None:
+        """Drop a waiting request, or end a running one: its blocks are parked, as at a finish."""
+        self._remove(req)
+        self.counters["aborted"] += 1
+
+    def fail(self, req: Request, error: str) -> Event:
+        """End a request whose sampling failed; the others carry on."""
+        self._remove(req)
+        self.counters["failed"] += 1
+        return Event(req.uid, -1, "error", error=error)
 
     def kv_target(self, req: Request) -> int:
         """Tokens that need K/V before decoding: all of a new prompt, all but the
@@ -167,6 +188,8 @@ class Scheduler:
             free_blocks=sum(s.free_blocks for s in groups),
             block_size=self.block_size,
             bytes=sum(s.bytes for s in groups),
+            running=len(self.running),
+            waiting=len(self.waiting),
             **self.counters,
         )
 
@@ -205,6 +228,8 @@ class Scheduler:
             return False
         req.tables = tables
         self.counters["prefix_hit_tokens"] += hit
+        if not req.generated:
+            req.prefix_hit = hit
         return True
 
     def _steps(self, n: int, fresh: bool, chunk: int) -> list[int]:
@@ -245,6 +270,12 @@ class Scheduler:
         self._detach(req)
         self.waiting.appendleft(req)
         self.counters["preemptions"] += 1
+
+    def _remove(self, req: Request) -> None:
+        if req in self.running:
+            self._detach(req)
+        else:
+            self.waiting.remove(req)
 
     def _detach(self, req: Request) -> None:
         """Park a sequence's blocks in the prefix index and drop its tables."""
