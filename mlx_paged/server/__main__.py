@@ -1,0 +1,5 @@
+"""``python -m mlx_paged.server``."""
+
+from . import main
+
+main()

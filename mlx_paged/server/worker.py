@@ -1,0 +1,272 @@
+"""The engine thread: the one thread that makes MLX calls for the server.
+
+HTTP handlers hand it ``Job``s and aborts through a thread-safe queue. It adds
+jobs to the ``PagedEngine``, steps while there is work, turns each job's tokens
+into text (stop strings included) and hands every ``Output`` back through the
+job's ``deliver`` callback, which the server points at its event loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+from ..engine import EngineStats, Event, PagedEngine
+from ..engine.request import Request
+
+logger = logging.getLogger("mlx_paged.server")
+
+
+@dataclass(frozen=True)
+class Output:
+    """What a job hears from the engine thread.
+
+    First exactly one of: ``accepted`` (the engine queued it) or ``error`` (it
+    did not, or it failed later). Then text pieces; the last one has
+    ``finish_reason`` ``"stop"``, ``"length"`` or ``"abort"``.
+    """
+
+    text: str = ""
+    tokens: tuple[int, ...] = ()
+    logprobs: tuple[tuple[float, tuple[tuple[int, float], ...]], ...] = ()
+    finish_reason: str | None = None
+    accepted: bool = False
+    error: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+
+@dataclass(eq=False)
+class Job:
+    """One generation (one choice): its engine arguments and where its output goes."""
+
+    tokens: list[int]
+    max_tokens: int
+    deliver: Callable[[Output], None]
+    sampler: Any = None
+    logits_processors: list = field(default_factory=list)
+    logprobs: int | None = None
+    stop: tuple[str, ...] = ()
+    uid: int | None = None
+    request: Request | None = None
+    text: TextStream | None = None
+
+
+class TextStream:
+    """Incremental detokenization that never shows a stop string or text that may begin one."""
+
+    def __init__(self, tokenizer: TokenizerWrapper, stop: tuple[str, ...]):
+        self.detokenizer = tokenizer.detokenizer
+        self.detokenizer.reset()
+        self.stop = stop
+        self.held = ""  # text withheld: it may be the start of a stop string
+
+    def add(self, token: int) -> tuple[str, bool]:
+        """Feed a token; return the text now safe to show and whether a stop string ended it."""
+        self.detokenizer.add_token(token)
+        return self._cut(self.held + self.detokenizer.last_segment)
+
+    def finish(self) -> str:
+        """Flush at the end of generation: the rest of the text, up to any stop string."""
+        self.detokenizer.finalize()
+        text, _ = self._cut(self.held + self.detokenizer.last_segment, final=True)
+        return text
+
+    def _cut(self, text: str, final: bool = False) -> tuple[str, bool]:
+        hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        if hits:
+            self.held = ""
+            return text[: min(hits)], True
+        keep = 0 if final else _prefix_overlap(text, self.stop)
+        self.held = text[len(text) - keep :] if keep else ""
+        return text[: len(text) - keep], False
+
+
+def _prefix_overlap(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest end of ``text`` that is a proper start of a stop string."""
+    best = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:n]):
+                best = n
+                break
+    return best
+
+
+class EngineWorker:
+    """Owns a ``PagedEngine`` on a background thread.
+
+    MLX arrays belong to the thread whose stream made them, so the thread
+    builds the engine itself: ``load`` runs there first and returns the engine
+    and the tokenizer.
+
+    Args:
+        load: Builds ``(engine, tokenizer)``; the tokenizer's EOS ids stop generation.
+    """
+
+    def __init__(self, load: Callable[[], tuple[PagedEngine, TokenizerWrapper]]):
+        self._load = load
+        self.engine: PagedEngine | None = None
+        self.tokenizer: TokenizerWrapper | None = None
+        self.stats = EngineStats(0, 0, 0, 0, 0, 0)
+        self.ready = threading.Event()
+        self.load_error: BaseException | None = None
+        self._inbox: queue.Queue[tuple[str, Job | None]] = queue.Queue()
+        self._jobs: dict[int, Job] = {}
+        self._thread = threading.Thread(target=self._main, name="mlx_paged-engine", daemon=True)
+        self._stopping = threading.Event()
+
+    # ---- any thread -------------------------------------------------------
+
+    def start(self, timeout: float | None = None) -> None:
+        """Start the engine thread and wait until the engine is built.
+
+        Raises:
+            RuntimeError: if ``load`` failed (the cause is chained).
+        """
+        self._thread.start()
+        self.ready.wait(timeout)
+        if self.load_error is not None:
+            raise RuntimeError(f"loading the model failed: {self.load_error}") from self.load_error
+
+    def submit(self, job: Job) -> None:
+        """Queue a job; its first ``Output`` says whether the engine took it."""
+        self._inbox.put(("add", job))
+
+    def abort(self, job: Job) -> None:
+        """End a job at the next step boundary; its blocks are freed or parked."""
+        self._inbox.put(("abort", job))
+
+    @property
+    def queued(self) -> int:
+        """Jobs waiting for the engine: not yet added, or added and not admitted."""
+        return self._inbox.qsize() + self.stats.waiting
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Abort every job, stop the thread and wait for it."""
+        self._stopping.set()
+        self._inbox.put(("stop", None))
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # ---- engine thread ----------------------------------------------------
+
+    def _main(self) -> None:
+        try:
+            self.engine, self.tokenizer = self._load()
+            self.stop_tokens = frozenset(self.tokenizer.eos_token_ids)
+            self.stats = self.engine.stats()
+        except BaseException as e:  # reported by start()
+            self.load_error = e
+            return
+        finally:
+            self.ready.set()
+        self._run()
+
+    def _run(self) -> None:
+        while True:
+            busy = bool(self.engine.running or self.engine.waiting)
+            if not self._drain(block=not busy):
+                break
+            if self.engine.running or self.engine.waiting:
+                try:
+                    events = self.engine.step()
+                except Exception as e:  # a forward failed: end what it carried, keep serving
+                    logger.exception("mlx_paged: an engine step failed")
+                    self._fail_all(f"the engine step failed: {type(e).__name__}: {e}")
+                    continue
+                for event in events:
+                    self._on_event(event)
+            self.stats = self.engine.stats()
+        self._fail_all("the server is shutting down", reason="abort")
+        self.stats = self.engine.stats()
+
+    def _drain(self, block: bool) -> bool:
+        """Apply queued commands (waiting for one if ``block``); False once asked to stop."""
+        try:
+            kind, job = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return not self._stopping.is_set()
+        while True:
+            if kind == "stop":
+                return False
+            if kind == "add":
+                self._add(job)
+            elif job.uid is not None and job.uid in self._jobs:
+                self.engine.abort(job.uid)
+                self._finish(job, "abort")
+            try:
+                kind, job = self._inbox.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _add(self, job: Job) -> None:
+        try:
+            job.uid = self.engine.add_request(
+                job.tokens,
+                job.max_tokens,
+                sampler=job.sampler,
+                logits_processors=job.logits_processors,
+                stop_tokens=self.stop_tokens,
+                logprobs=job.logprobs,
+            )
+        except ValueError as e:
+            job.deliver(Output(error=str(e)))
+            return
+        job.request = self.engine.request(job.uid)
+        job.text = TextStream(self.tokenizer, job.stop)
+        self._jobs[job.uid] = job
+        job.deliver(Output(accepted=True, prompt_tokens=len(job.tokens)))
+
+    def _on_event(self, event: Event) -> None:
+        job = self._jobs.get(event.uid)
+        if job is None:
+            return
+        if event.finish_reason == "error":
+            del self._jobs[event.uid]
+            job.deliver(Output(error=event.error))
+            return
+        eos = event.finish_reason == "stop"  # a stop token: not part of the text
+        text, stopped = ("", False) if eos else job.text.add(event.token)
+        logprobs = ()
+        if event.logprob is not None:
+            logprobs = ((event.logprob, event.top_logprobs or ()),)
+        if stopped:
+            self.engine.abort(event.uid)
+            self._finish(job, "stop", text, (event.token,), logprobs, flush=False)
+        elif event.finish_reason is not None:
+            tokens = () if eos else (event.token,)
+            self._finish(job, event.finish_reason, text, tokens, logprobs if tokens else ())
+        else:
+            job.deliver(Output(text, (event.token,), logprobs))
+
+    def _finish(
+        self,
+        job: Job,
+        reason: str,
+        text: str = "",
+        tokens: tuple[int, ...] = (),
+        logprobs: tuple = (),
+        flush: bool = True,
+    ) -> None:
+        """Deliver a job's last output; ``flush`` adds the text the stream still held."""
+        del self._jobs[job.uid]
+        if flush and reason != "abort":
+            text += job.text.finish()
+        cached = job.request.prefix_hit if job.request is not None else 0
+        job.deliver(Output(text, tokens, logprobs, reason, cached_tokens=cached))
+
+    def _fail_all(self, message: str, reason: str | None = None) -> None:
+        for uid, job in list(self._jobs.items()):
+            self.engine.abort(uid)
+            if reason is None:
+                del self._jobs[uid]
+                job.deliver(Output(error=message))
+            else:
+                self._finish(job, reason)
