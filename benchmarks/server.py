@@ -1,0 +1,209 @@
+"""``mlx_lm.server`` against ``mlx_paged.server``: the same model and load, one after the other.
+
+Each server runs as its own process on the same model directory (default: the
+embedded SmolLM2, converted by ``mlx_paged.embedded``). An async ``openai``
+client sends requests that share one system prompt of ``--system`` tokens and
+end in a unique question of ``--question`` tokens, ``--max-tokens`` each,
+greedy, streamed, with ``concurrency`` requests in flight. One line per
+(server, concurrency): output tokens/s, time to first token p50/p99,
+inter-token latency p50, and the server process's peak GPU memory (sampled
+with nvidia-smi every 0.2 s; "n/a" where there is none).
+
+Usage:
+    python benchmarks/server.py                                    # on the GPU
+    python benchmarks/server.py --concurrency 2 --requests 4 --system 64 --max-tokens 8  # CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import openai
+from transformers import AutoTokenizer
+
+from mlx_paged.embedded import embedded_model_path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(kind: str, model: str, port: int, args: argparse.Namespace) -> subprocess.Popen:
+    if kind == "mlx_lm":
+        cmd = [sys.executable, "-m", "mlx_lm.server", "--model", model, "--port", str(port)]
+        cmd += ["--decode-concurrency", str(max(args.concurrency)), "--max-tokens", "4096"]
+    else:
+        cmd = [sys.executable, "-m", "mlx_paged.server", "--model", model, "--port", str(port)]
+        cmd += ["--max-batch-size", str(max(args.concurrency)), "--max-queue", "100000"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"{kind} server exited: {proc.stderr.read()[-2000:]}")
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2)
+            return proc
+        except OSError:
+            time.sleep(1)
+    proc.kill()
+    raise SystemExit(f"{kind} server did not come up")
+
+
+class GpuMemory:
+    """Peak GPU memory of one process, sampled with nvidia-smi."""
+
+    def __init__(self, pid: int):
+        self.pid, self.peak, self._stop = pid, 0, threading.Event()
+        self.available = shutil.which("nvidia-smi") is not None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> GpuMemory:
+        if self.available:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self.available:
+            self._thread.join()
+
+    def _run(self) -> None:
+        query = [
+            "nvidia-smi",
+            "--query-compute-apps=pid,used_memory",
+            "--format=csv,noheader,nounits",
+        ]
+        while not self._stop.is_set():
+            out = subprocess.run(query, capture_output=True, text=True).stdout
+            for line in out.splitlines():
+                pid, mib = (x.strip() for x in line.split(","))
+                if pid == str(self.pid):
+                    self.peak = max(self.peak, int(mib))
+            time.sleep(0.2)
+
+
+async def one(client, model: str, prompt: str, max_tokens: int) -> tuple[float, list[float], int]:
+    """(time to first token, inter-token gaps, output tokens) of one streamed request."""
+    start = time.perf_counter()
+    stamps: list[float] = []
+    tokens = 0
+    stream = await client.completions.create(
+        model=model,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0.0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].text:
+            stamps.append(time.perf_counter())
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+    gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+    return (stamps[0] - start if stamps else float("nan")), gaps, tokens or len(stamps)
+
+
+async def load(client, model: str, prompts: list[str], concurrency: int, max_tokens: int):
+    gate = asyncio.Semaphore(concurrency)
+
+    async def run(p: str):
+        async with gate:
+            return await one(client, model, p, max_tokens)
+
+    start = time.perf_counter()
+    results = await asyncio.gather(*(run(p) for p in prompts))
+    return time.perf_counter() - start, results
+
+
+async def bench(kind: str, pid: int, port: int, model: str, prompts: list[str], args, requests):
+    """Every concurrency level against one running server; one printed line each."""
+    client = openai.AsyncOpenAI(
+        base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=3600
+    )
+    await load(client, model, prompts[:2], 1, 4)  # warm-up
+    for c, n in zip(args.concurrency, requests, strict=True):
+        with GpuMemory(pid) as mem:
+            wall, res = await load(client, model, prompts[:n], c, args.max_tokens)
+        ttft = [r[0] for r in res]
+        gaps = [g for r in res for g in r[1]]
+        out = sum(r[2] for r in res)
+        peak = f"{mem.peak} MiB" if mem.available else "n/a"
+        print(
+            f"{kind:9s} c={c:3d} n={n:4d}: {out / wall:8.1f} out tok/s, "
+            f"TTFT p50 {pct(ttft, 0.5):.3f}s p99 {pct(ttft, 0.99):.3f}s, "
+            f"ITL p50 {1000 * pct(gaps, 0.5):.1f} ms, wall {wall:.1f}s, "
+            f"{out} tokens, peak GPU {peak}",
+            flush=True,
+        )
+    await client.close()
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None, help="mlx-lm model directory (default: embedded)")
+    ap.add_argument("--servers", nargs="+", default=["mlx_lm", "mlx_paged"])
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
+    ap.add_argument(
+        "--requests",
+        type=int,
+        nargs="+",
+        default=None,
+        help="requests per concurrency level (default: 16 at 1, else 256)",
+    )
+    ap.add_argument("--system", type=int, default=1024, help="shared system prompt tokens")
+    ap.add_argument("--question", type=int, default=64, help="unique question tokens")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    args = ap.parse_args()
+    model = args.model or str(embedded_model_path())
+    requests = args.requests or [16 if c == 1 else 256 for c in args.concurrency]
+    tok = AutoTokenizer.from_pretrained(model)
+    rng = random.Random(0)
+    words = [w for w in tok.get_vocab() if w.isalpha() and len(w) > 3]
+
+    def text(n: int) -> str:
+        out: list[str] = []
+        while len(tok.encode(" ".join(out))) < n:
+            out.append(rng.choice(words))
+        return " ".join(out)
+
+    system = text(args.system)
+    n_max = max(requests)
+    prompts = [f"{system}\nQuestion {i}: {text(args.question)}\nAnswer:" for i in range(n_max)]
+    print(
+        f"model {os.path.basename(model)}, system {len(tok.encode(system))} tokens, "
+        f"question ~{args.question}, max_tokens {args.max_tokens}",
+        flush=True,
+    )
+    for kind in args.servers:
+        port = free_port()
+        proc = start(kind, model, port, args)
+        try:
+            asyncio.run(bench(kind, proc.pid, port, model, prompts, args, requests))
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+if __name__ == "__main__":
+    main()
