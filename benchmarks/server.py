@@ -130,8 +130,10 @@ async def load(client, model: str, prompts: list[str], concurrency: int, max_tok
 
 async def bench(kind: str, pid: int, port: int, model: str, prompts: list[str], args, requests):
     """Every concurrency level against one running server; one printed line each."""
+    # Retries: mlx_lm.server's listen backlog (Python's HTTPServer, 5) resets connections
+    # when many requests arrive at once.
     client = openai.AsyncOpenAI(
-        base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=3600
+        base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=5, timeout=3600
     )
     await load(client, model, prompts[:2], 1, 4)  # warm-up
     for c, n in zip(args.concurrency, requests, strict=True):

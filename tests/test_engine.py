@@ -410,3 +410,16 @@ def test_logprobs_match_mlx_lm_and_prefix_hits_are_per_request():
     # or a copied partial tail.
     assert again.prefix_hit == len(prompt) - 1
     assert engine.stats().prompt_tokens == 2 * len(prompt)
+
+
+def test_first_tokens_are_told_before_the_steps_decode():
+    engine = PagedEngine(model_of("llama"), block_size=BS)
+    prompts = mixed_prompts(seed=9)[:2]
+    first = engine.add_request(prompts[0], MAX_TOKENS)
+    engine.step()
+    second = engine.add_request(prompts[1], MAX_TOKENS)
+    heard: list[tuple[Event, int]] = []
+    # What the model has run when each event is heard: the decode forward comes last.
+    returned = engine.step(on_event=lambda e: heard.append((e, engine.stats().generated_tokens)))
+    assert [e for e, _ in heard] == returned
+    assert [(e.uid, n) for e, n in heard] == [(second, 3), (first, 5), (second, 5)]

@@ -15,7 +15,7 @@ sampling). Each ``step()``:
 from __future__ import annotations
 
 import numbers
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -149,13 +149,19 @@ class PagedEngine:
                 return req
         return None
 
-    def step(self) -> list[Event]:
-        """Admit and prefill what fits, then decode one token for every running request."""
+    def step(self, on_event: Callable[[Event], None] | None = None) -> list[Event]:
+        """Admit and prefill what fits, then decode one token for every running request.
+
+        Returns the step's events. ``on_event`` hears each one as soon as it
+        exists: a new request's first token right after its own prefill, before
+        the step's other prefills and its decode. It must not call ``abort``
+        (the step is under way); abort after ``step`` returns.
+        """
         events: list[Event] = []
         for work in self.scheduler.admit():
-            events += self._prefill(work)
+            events += self._tell(self._prefill(work), on_event)
         if self.scheduler.running:
-            events += self._decode()
+            events += self._tell(self._decode(), on_event)
         return events
 
     def stream(self) -> Iterator[Event]:
@@ -203,6 +209,13 @@ class PagedEngine:
         reqs = self.scheduler.schedule_decode()
         logits = self.runner.decode(reqs)
         return self._emit(reqs, self.runner.sample(reqs, logits))
+
+    @staticmethod
+    def _tell(events: list[Event], on_event: Callable[[Event], None] | None) -> list[Event]:
+        if on_event is not None:
+            for event in events:
+                on_event(event)
+        return events
 
     def _emit(self, reqs: list[Request], sampled: list[Sampled]) -> list[Event]:
         events = []

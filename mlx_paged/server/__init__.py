@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
 
 from .app import ServerConfig, create_app
@@ -22,6 +23,7 @@ __all__ = ["EngineWorker", "ServerConfig", "build_parser", "create_app", "main"]
 
 KV_DTYPES = ("float16", "bfloat16", "float32")
 EMBEDDED_ID = "SmolLM2-135M-Instruct"
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -168,8 +170,19 @@ def main(argv: list[str] | None = None) -> None:
             timeout_graceful_shutdown=args.shutdown_timeout,
         )
     )
+
+    def exit_gracefully(signum, frame) -> None:
+        server.should_exit = True
+
+    # uvicorn shuts down gracefully on SIGINT/SIGTERM, then raises the signal again for
+    # the handler it found: the default one would kill the process there (SIGTERM: exit
+    # status -15, the engine thread never stopped). This one only asks uvicorn to exit,
+    # so a graceful shutdown stops the worker below and exits 0.
+    handlers = {sig: signal.signal(sig, exit_gracefully) for sig in SIGNALS}
     try:
         server.run()  # returns after SIGINT/SIGTERM, once connections have closed
     finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
         app.state.accepting = False
         worker.stop(timeout=30)

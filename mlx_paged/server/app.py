@@ -288,8 +288,13 @@ class Run:
         return await asyncio.wait_for(self.queue.get(), timeout)
 
     async def collect(self, request: Request, timeout: float | None) -> None:
-        """Wait for every job to finish, aborting on a client disconnect or the timeout."""
+        """Wait for every job to finish, aborting on a client disconnect or the timeout.
+
+        The client is checked about once a second, whether or not tokens are
+        arriving: a request that keeps generating must not outlive its client.
+        """
         deadline = None if timeout is None else time.monotonic() + timeout
+        check = time.monotonic() + 1.0
         while not self.done():
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
@@ -297,10 +302,13 @@ class Run:
             try:
                 i, out = await self.next(min(1.0, left) if left is not None else 1.0)
             except asyncio.TimeoutError:
+                pass
+            else:
+                self.add(i, out)
+            if time.monotonic() >= check:
                 if await request.is_disconnected():
                     return
-                continue
-            self.add(i, out)
+                check = time.monotonic() + 1.0
         if "error" in self.finish:
             raise APIError(500, f"generation failed: {self.error}", "server_error")
 

@@ -119,6 +119,7 @@ class EngineWorker:
         self.load_error: BaseException | None = None
         self._inbox: queue.Queue[tuple[str, Job | None]] = queue.Queue()
         self._jobs: dict[int, Job] = {}
+        self._stopped: list[int] = []  # uids that met a stop string: aborted after the step
         self._thread = threading.Thread(target=self._main, name="mlx_paged-engine", daemon=True)
         self._stopping = threading.Event()
 
@@ -176,13 +177,14 @@ class EngineWorker:
                 break
             if self.engine.running or self.engine.waiting:
                 try:
-                    events = self.engine.step()
+                    # First tokens go out as soon as their prefill ends.
+                    self.engine.step(on_event=self._on_event)
                 except Exception as e:  # a forward failed: end what it carried, keep serving
                     logger.exception("mlx_paged: an engine step failed")
                     self._fail_all(f"the engine step failed: {type(e).__name__}: {e}")
-                    continue
-                for event in events:
-                    self._on_event(event)
+                for uid in self._stopped:  # stop strings seen during the step
+                    self.engine.abort(uid)
+                self._stopped.clear()
             self.stats = self.engine.stats()
         self._fail_all("the server is shutting down", reason="abort")
         self.stats = self.engine.stats()
@@ -238,7 +240,7 @@ class EngineWorker:
         if event.logprob is not None:
             logprobs = ((event.logprob, event.top_logprobs or ()),)
         if stopped:
-            self.engine.abort(event.uid)
+            self._stopped.append(event.uid)
             self._finish(job, "stop", text, (event.token,), logprobs, flush=False)
         elif event.finish_reason is not None:
             tokens = () if eos else (event.token,)
