@@ -100,7 +100,7 @@ def test_different_key_and_value_head_dims():
     write(pool, table, 0, k2, v2)
     assert pool.keys[0].shape == (4, 8, 1, 32)
     assert pool.values[0].shape == (4, 8, 1, 8)
-    assert pool.bytes_per_block == 8 * (32 + 8) * 4
+    assert pool.blocks.bytes_per_block == 8 * (32 + 8) * 4
     assert pool.blocks.stats().bytes == 4 * 8 * (32 + 8) * 4
     assert_visible(pool, table, 0, np.concatenate([k1, k2], 2), np.concatenate([v1, v2], 2))
 
@@ -268,7 +268,7 @@ def test_kv_dtype_stores_float16_and_reads_float32():
     write(pool, table, 0, k, v)
     assert pool.keys[0].dtype == mx.float16
     assert pool.values[0].dtype == mx.float16
-    assert pool.bytes_per_block == 4 * 2 * (4 + 4) * 2
+    assert pool.blocks.bytes_per_block == 4 * 2 * (4 + 4) * 2
 
     def rounded(x):
         return x.astype(np.float16).astype(np.float32)

@@ -65,7 +65,7 @@ def kv_footprint(pools: list[Any], block_size: int) -> KVFootprint:
     """Measure bytes per block and per dense token from pools that have seen a write."""
     per_block = dense = 0
     for pool in pools:
-        per_block += pool.bytes_per_block
+        per_block += pool.blocks.bytes_per_block
         for k, v, dtype in zip(pool.keys, pool.values, pool.input_dtypes, strict=True):
             if k is not None:
                 size = (k.shape[2] * k.shape[3] + v.shape[2] * v.shape[3]) * dtype.size

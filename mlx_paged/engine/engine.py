@@ -221,7 +221,7 @@ class PagedEngine:
         events = []
         for r, s in zip(reqs, sampled, strict=True):
             if s.error is not None:
-                events.append(self.scheduler.fail(r, s.error))
+                events.append(self.scheduler.abort(r, s.error))
             else:
                 events.append(self.scheduler.emit(r, s.token, s.logprob, s.top_logprobs))
         return events

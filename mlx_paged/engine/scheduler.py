@@ -25,6 +25,18 @@ from collections.abc import Iterator
 from ..blocks import BlockTable, BlockTables, LayerKind, PrefixIndex
 from .request import EngineStats, Event, Prefill, Request
 
+#: The scheduler's counters, reported in ``EngineStats``.
+COUNTERS = (
+    "prefix_hit_tokens",
+    "prompt_tokens",
+    "prefilled_tokens",
+    "generated_tokens",
+    "preemptions",
+    "aborted",
+    "failed",
+    "peak_live_blocks",
+)
+
 
 class Scheduler:
     """Moves requests between the waiting and running queues; owns their block tables.
@@ -48,16 +60,7 @@ class Scheduler:
         )
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.counters = dict(
-            prefix_hit_tokens=0,
-            prompt_tokens=0,
-            prefilled_tokens=0,
-            generated_tokens=0,
-            preemptions=0,
-            aborted=0,
-            failed=0,
-            peak_live_blocks=0,
-        )
+        self.counters = dict.fromkeys(COUNTERS, 0)
 
     # ---- public API -------------------------------------------------------
 
@@ -162,16 +165,15 @@ class Scheduler:
             self._detach(req)
         return Event(req.uid, token, reason, logprob, top_logprobs)
 
-    def abort(self, req: Request) -> None:
-        """Drop a waiting request, or end a running one: its blocks are parked, as at a finish."""
-        self._remove(req)
-        self.counters["aborted"] += 1
-
-    def fail(self, req: Request, error: str) -> Event:
-        """End a request whose sampling failed; the others carry on."""
-        self._remove(req)
-        self.counters["failed"] += 1
-        return Event(req.uid, -1, "error", error=error)
+    def abort(self, req: Request, error: str | None = None) -> Event | None:
+        """Drop a waiting request or end a running one (blocks parked, as at a finish);
+        with ``error`` it failed (its sampling raised): return its error event."""
+        if req in self.running:
+            self._detach(req)
+        else:
+            self.waiting.remove(req)
+        self.counters["failed" if error else "aborted"] += 1
+        return None if error is None else Event(req.uid, -1, "error", error=error)
 
     def kv_target(self, req: Request) -> int:
         """Tokens that need K/V before decoding: all of a new prompt, all but the
@@ -270,12 +272,6 @@ class Scheduler:
         self._detach(req)
         self.waiting.appendleft(req)
         self.counters["preemptions"] += 1
-
-    def _remove(self, req: Request) -> None:
-        if req in self.running:
-            self._detach(req)
-        else:
-            self.waiting.remove(req)
 
     def _detach(self, req: Request) -> None:
         """Park a sequence's blocks in the prefix index and drop its tables."""

@@ -122,6 +122,7 @@ class EngineWorker:
         self._stopped: list[int] = []  # uids that met a stop string: aborted after the step
         self._thread = threading.Thread(target=self._main, name="mlx_paged-engine", daemon=True)
         self._stopping = threading.Event()
+        self._done = threading.Event()  # the engine loop has ended
 
     # ---- any thread -------------------------------------------------------
 
@@ -150,11 +151,11 @@ class EngineWorker:
         return self._inbox.qsize() + self.stats.waiting
 
     def stop(self, timeout: float | None = None) -> None:
-        """Abort every job, stop the thread and wait for it."""
+        """Abort every job, stop the engine loop and wait for it to end."""
         self._stopping.set()
         self._inbox.put(("stop", None))
         if self._thread.is_alive():
-            self._thread.join(timeout)
+            self._done.wait(timeout)
 
     # ---- engine thread ----------------------------------------------------
 
@@ -168,7 +169,15 @@ class EngineWorker:
             return
         finally:
             self.ready.set()
-        self._run()
+        try:
+            self._run()
+        finally:
+            self._done.set()
+        # The thread never ends: MLX frees its per-thread state (the compile cache)
+        # when a thread ends, taking the GIL; at interpreter exit that would abort the
+        # process ("terminate called without an active exception"). Parked, the daemon
+        # thread ends with the process instead.
+        threading.Event().wait()
 
     def _run(self) -> None:
         while True:

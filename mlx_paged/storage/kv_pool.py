@@ -54,12 +54,7 @@ class KVPool(BlockTables):
     def write_prefill(
         self, table: BlockTable, layer: int, keys: mx.array, values: mx.array
     ) -> None:
-        """Write a chunk of K/V at the layer's tail.
-
-        Args:
-            keys: ``(1, n_kv_heads, n_new, k_head_dim)``.
-            values: ``(1, n_kv_heads, n_new, v_head_dim)``.
-        """
+        """Write a chunk of K/V, ``(1, n_kv_heads, n_new, head_dim)``, at the layer's tail."""
         self.check_write(layer, keys, values)
         start = table.lengths[layer]
         n = keys.shape[2]
@@ -134,16 +129,12 @@ class KVPool(BlockTables):
         read: Reader | None = None,
         sinks: int = 0,
     ) -> tuple[mx.array, mx.array]:
-        """Tokens ``[start, end)`` of one layer as ``(1, H, end - start, D)`` K and V.
-
-        With ``sinks`` > 0, tokens ``[0, sinks)`` come first (``sinks`` more rows):
-        a layer that keeps its first tokens reads them beside its window.
+        """Tokens ``[0, sinks)`` then ``[start, end)`` of one layer as ``(1, H, T, D)`` K and V.
 
         ``start`` must not precede the table's first retained block. ``read`` lets a
-        device kernel do the copy (the attention layer's ``fused_read``): worth it
-        for a prefill chunk, whose attention reads these arrays, but not for a
-        decode step, whose fused attention kernel never evaluates them while the
-        kernel call would still cost host time.
+        device kernel copy (``fused_read``): worth it for a prefill chunk, whose
+        attention reads these arrays, not for a decode step, whose fused kernel
+        never evaluates them.
         """
         slots = self._token_slots(table, start, end, sinks)  # (1, T)
         keys, values = self.keys[layer], self.values[layer]
@@ -164,11 +155,6 @@ class KVPool(BlockTables):
         """Bytes ``blocks`` blocks take in one layer (0 before the layer's first write)."""
         k, v = self.keys[layer], self.values[layer]
         return 0 if k is None else blocks * (k.nbytes + v.nbytes) // max(k.shape[0], 1)
-
-    @property
-    def bytes_per_block(self) -> int:
-        """Bytes one block takes across all layers of this pool."""
-        return self.blocks.bytes_per_block
 
     def to_storage(self, x: mx.array) -> mx.array:
         """``x`` in the storage dtype."""
@@ -260,8 +246,7 @@ class KVPool(BlockTables):
         return table.derived("write_index", (table.version, start, n), make)
 
     def _token_slots(self, table: BlockTable, start: int, end: int, sinks: int = 0) -> mx.array:
-        """``(1, T)`` pool slots of tokens ``[0, sinks)`` then ``[start, end)``, reused while
-        the table and the spans hold."""
+        """``(1, T)`` pool slots of tokens ``[0, sinks)`` then ``[start, end)`` (memoized)."""
         bs = self.block_size
         assert start // bs >= table.first, f"tokens from {start} were already given back"
 

