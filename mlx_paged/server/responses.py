@@ -114,7 +114,6 @@ async def stream_chunks(
     }
     want_logprobs = run.jobs[0].logprobs is not None
     deadline = None if config.request_timeout is None else time.monotonic() + config.request_timeout
-    started = [False] * len(run.jobs)
     try:
         if chat:
             for i in range(len(run.jobs)):
@@ -122,7 +121,6 @@ async def stream_chunks(
                 yield _sse(
                     base, [{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}]
                 )
-                started[i] = True
         while not run.done():
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
