@@ -1,6 +1,6 @@
-"""Write an mlx-lm model directory with random float16 weights in a real model's shape.
+"""Write an mlx-lm model directory with random weights in a real model's shape.
 
-    python benchmarks/random_model.py SRC_DIR OUT_DIR
+    python benchmarks/random_model.py SRC_DIR OUT_DIR [DTYPE]     # DTYPE: float16 (default)
 
 Copies ``SRC_DIR``'s config (without its quantization) and tokenizer files, and
 saves freshly initialised weights: a stand-in for benchmarks on machines the
@@ -24,6 +24,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 
 def main() -> None:
     src, out = Path(sys.argv[1]), Path(sys.argv[2])
+    dtype = getattr(mx, sys.argv[3] if len(sys.argv) > 3 else "float16")
     config = json.loads((src / "config.json").read_text())
     for key in ("quantization", "quantization_config"):
         config.pop(key, None)
@@ -34,9 +35,9 @@ def main() -> None:
             shutil.copy(src / name, out / name)
     module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
     model = module.Model(module.ModelArgs.from_dict(config))
-    weights = {k: v.astype(mx.float16) for k, v in tree_flatten(model.parameters())}
+    weights = {k: v.astype(dtype) for k, v in tree_flatten(model.parameters())}
     mx.save_safetensors(str(out / "model.safetensors"), weights)
-    print(f"{out}: {sum(v.size for v in weights.values()) / 1e6:.1f}M parameters, float16")
+    print(f"{out}: {sum(v.size for v in weights.values()) / 1e6:.1f}M parameters, {dtype}")
 
 
 if __name__ == "__main__":

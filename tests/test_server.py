@@ -700,3 +700,29 @@ def test_sigterm_finishes_the_running_stream_and_exits_0(tmp_path):
     assert "Traceback" not in log, log
     with pytest.raises(httpx.TransportError):
         httpx.get(f"{server.base}/health", timeout=2)
+
+
+# ---- command line ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--kv-memory", "lots"], "--kv-memory: 'lots' is not a memory size"),
+        (["--num-blocks", "8", "--kv-memory", "1GB"], "not allowed with argument"),
+        (["--block-size", "0"], "--block-size must be a positive integer"),
+        (["--max-queue", "-1"], "--max-queue must be a positive integer"),
+        (["--port", "70000"], "--port must be in 1..65535"),
+        (["--chat-template-args", "[1]"], "must be a JSON object"),
+        (["--kv-dtype", "int8"], "invalid choice"),
+    ],
+)
+def test_bad_flags_are_usage_errors(argv, message, capsys):
+    from mlx_paged.server import build_parser, check_args
+
+    parser = build_parser()
+    with pytest.raises(SystemExit) as exit_info:
+        check_args(parser, parser.parse_args(argv))
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: mlx_paged.server") and message in err

@@ -94,6 +94,13 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         v = getattr(args, name)
         if v is not None and v <= 0:
             parser.error(f"--{name.replace('_', '-')} must be a positive integer, got {v}.")
+    if args.kv_memory is not None:
+        from ..cache.memory import parse_memory
+
+        try:
+            parse_memory(args.kv_memory)
+        except ValueError as e:
+            parser.error(f"--kv-memory: {e}")
     if not isinstance(args.chat_template_args, dict):
         parser.error("--chat-template-args must be a JSON object.")
     if not 0 < args.port < 65536:
