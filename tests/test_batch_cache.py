@@ -13,7 +13,7 @@ import random
 
 import mlx.core as mx
 import pytest
-from mlx_lm.generate import BatchGenerator, batch_generate, generate_step
+from mlx_lm.generate import BatchGenerator, batch_generate
 from mlx_lm.models.cache import make_prompt_cache
 from tiny_models import VOCAB, tiny_model
 
@@ -207,17 +207,6 @@ def test_bad_batch_input_raises_and_changes_nothing():
         batch[0].filter([])
     assert pool.blocks.refcounts == refs
     assert [len(c.batch.tables) for c in batch] == [2] * len(batch)
-
-
-def test_kv_bits_is_refused_not_ignored():
-    model = tiny_model("llama")
-    cache = make_paged_cache(model)
-    with pytest.raises(ValueError, match="cannot quantize a paged KV cache"):
-        steps = generate_step(
-            mx.array([1, 2, 3]), model, prompt_cache=cache, kv_bits=4, quantized_kv_start=0
-        )
-        for _ in steps:
-            pass
 
 
 def test_keys_and_values_read_the_dense_view():

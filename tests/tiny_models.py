@@ -113,10 +113,10 @@ CONFIGS: dict[str, dict] = {
 FAMILIES = list(CONFIGS)
 
 
-def tiny_model(family: str, seed: int = 0) -> nn.Module:
-    """A float32 random-weight model of ``family`` (a key of CONFIGS)."""
+def tiny_model(family: str, seed: int = 0, **config: object) -> nn.Module:
+    """A float32 random-weight model of ``family`` (a key of CONFIGS), ``config`` overriding."""
     module = importlib.import_module(f"mlx_lm.models.{family}")
-    args = module.ModelArgs.from_dict(CONFIGS[family])
+    args = module.ModelArgs.from_dict({**CONFIGS[family], **config})
     mx.random.seed(seed)
     model = module.Model(args)
     # Random init gives tiny logits; scale weights so tokens differ clearly.

@@ -3,16 +3,21 @@
 from .pool import BlockPool, PagedCacheStats, PoolExhaustedError, check_block_size
 from .prefix_index import PrefixIndex, PrefixMatch
 from .table import HOLE, BlockTable, BlockTables, LayerKind
+from .tiers import COLD, TieredBlockPool, TierStats, is_cold
 
 __all__ = [
     "HOLE",
     "BlockPool",
     "BlockTable",
     "BlockTables",
+    "COLD",
     "LayerKind",
     "PagedCacheStats",
     "PoolExhaustedError",
     "PrefixIndex",
     "PrefixMatch",
+    "TierStats",
+    "TieredBlockPool",
     "check_block_size",
+    "is_cold",
 ]

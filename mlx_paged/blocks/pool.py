@@ -182,6 +182,15 @@ class BlockPool:
         """Whether a write into this block must copy it first."""
         return self.refcounts[block_id] > 1
 
+    def refcount(self, block_id: int) -> int:
+        """Holders of a block: tables holding it, plus one if parked."""
+        self._check_id(block_id)
+        return self.refcounts[block_id]
+
+    def parked_ids(self) -> set[int]:
+        """Ids the prefix index holds a reference to."""
+        return set(self.parked)
+
     def stats(self) -> PagedCacheStats:
         """Counts of total, live, cached and free blocks, and the pool's bytes."""
         cached, free = len(self._cached), len(self._free)

@@ -65,6 +65,8 @@ class PrefixIndex:
         self._owner: list[dict[int, _Node]] = [{} for _ in pools]
         for g, pool in enumerate(pools):
             pool.on_evict = lambda block_id, g=g: self._forget(g, block_id)
+            if hasattr(pool, "on_rename"):  # a tiered pool re-points blocks it migrates
+                pool.on_rename = lambda moved, g=g: self._rename(g, moved)
 
     # ---- public API -------------------------------------------------------
 
@@ -149,8 +151,9 @@ class PrefixIndex:
     def check_invariants(self) -> None:
         """Assert that the index and the pools agree on every parked block."""
         for g, (pool, owner) in enumerate(zip(self.pools, self._owner, strict=True)):
-            assert set(owner) == pool.parked, (
-                f"group {g}: index holds {sorted(owner)}, pool has parked {sorted(pool.parked)}"
+            parked = pool.parked_ids()
+            assert set(owner) == parked, (
+                f"group {g}: index holds {sorted(owner)}, pool has parked {sorted(parked)}"
             )
             for b, node in owner.items():
                 assert node.blocks[g] == b, f"group {g}: block {b} owned by a node that lost it"
@@ -199,6 +202,15 @@ class PrefixIndex:
             self._remove(node)
         else:
             self._prune(node)
+
+    def _rename(self, group: int, moved: dict[int, int]) -> None:
+        """Pool hook: blocks got new ids (they moved to another tier)."""
+        owner = self._owner[group]
+        for old, new in moved.items():
+            node = owner.pop(old, None)
+            if node is not None:
+                node.blocks[group] = new
+                owner[new] = node
 
     def _remove(self, node: _Node) -> None:
         """Drop a node and its subtree, unparking what they hold."""

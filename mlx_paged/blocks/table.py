@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from .pool import BlockPool, PoolExhaustedError
+from .tiers import COLD, TieredBlockPool, is_cold
 
 T = TypeVar("T")
 
@@ -82,12 +83,27 @@ class BlockTables:
         num_layers: Layers in this group.
         block_size: Token slots per block.
         num_blocks: Fixed capacity, or ``None`` to grow on demand.
+        pool: The ``BlockPool`` to use instead of a new one of ``num_blocks``
+            (a ``TieredBlockPool`` for a quantized cold tier).
     """
 
-    def __init__(self, num_layers: int, block_size: int, num_blocks: int | None = None):
-        self.blocks = BlockPool(num_blocks, block_size)
+    def __init__(
+        self,
+        num_layers: int,
+        block_size: int,
+        num_blocks: int | None = None,
+        pool: BlockPool | None = None,
+    ):
+        self.blocks = pool if pool is not None else BlockPool(num_blocks, block_size)
         self.block_size = block_size
         self.num_layers = num_layers
+        #: Tokens at the end of each sequence kept out of the cold tier (``None``: no tier).
+        self.hot_tokens: int | None = None
+        #: Blocks a sequence waits to have due before they move to the cold tier.
+        self.migrate_blocks = 1
+        # Every table made here, so a block moving to the cold tier is re-pointed in all.
+        self._live: weakref.WeakValueDictionary[int, BlockTable] = weakref.WeakValueDictionary()
+        self._made = 0
 
     # ---- tables -----------------------------------------------------------
 
@@ -95,6 +111,8 @@ class BlockTables:
         """An empty table whose blocks are released when it is garbage collected."""
         table = BlockTable(lengths=[0] * self.num_layers)
         weakref.finalize(table, _release_quietly, self.blocks, table.blocks)
+        self._made += 1
+        self._live[self._made] = table
         return table
 
     def fork(self, table: BlockTable) -> BlockTable:
@@ -146,6 +164,49 @@ class BlockTables:
                 table.blocks[i] = HOLE
             table.version += 1
 
+    # ---- the cold tier -----------------------------------------------------
+
+    def hot_span(self, chunk: int) -> int | None:
+        """Most full-precision blocks a sequence holds at once writing ``chunk`` tokens a step.
+
+        ``None`` unless blocks behind the hot tail always find room in a cold tier
+        that grows on demand (a full fixed tier leaves them hot).
+        """
+        if self.hot_tokens is None or not self.blocks.cold.growable:
+            return None
+        return -(-(self.hot_tokens + chunk) // self.block_size) + self.migrate_blocks + 1
+
+    def cold_candidates(self, table: BlockTable, hot_tokens: int) -> list[int]:
+        """Indices into ``table.blocks`` of hot blocks whose tokens all lie before the hot tail.
+
+        The hot tail is the last ``hot_tokens`` tokens every layer has written.
+        """
+        n = (min(table.lengths, default=0) - hot_tokens) // self.block_size - table.first
+        return [i for i in range(max(n, 0)) if 0 <= table.blocks[i] < COLD]
+
+    def migrate(self, table: BlockTable, indices: list[int]) -> dict[int, int]:
+        """Move ``table.blocks[i]`` for each index to the cold tier; return ``{old: new}``.
+
+        Every table holding a moved block is re-pointed (the prefix index by its
+        pool hook). Stops early, keeping the rest hot, when the cold tier is full.
+        The caller copies the K/V of each old block before the pool allocates again.
+        """
+        pool = self.blocks
+        if not isinstance(pool, TieredBlockPool):
+            raise ValueError("this pool has no cold tier.")
+        moved: dict[int, int] = {}
+        for i in indices:
+            new = pool.migrate(table.blocks[i])
+            if new is None:
+                break
+            moved[table.blocks[i]] = new
+        if moved:
+            for t in list(self._live.values()):
+                if any(b in moved for b in t.blocks):
+                    t.blocks[:] = [moved.get(b, b) for b in t.blocks]
+                    t.version += 1
+        return moved
+
     # ---- reservations -----------------------------------------------------
 
     def blocks_needed(self, table: BlockTable, start: int, end: int) -> int:
@@ -161,7 +222,11 @@ class BlockTables:
         """
         bs = self.block_size
         span = -(-end // bs) - table.first
-        if not self.blocks.growable and span > self.blocks.capacity:
+        if (
+            not self.blocks.growable
+            and span > self.blocks.capacity
+            and span - sum(map(is_cold, table.blocks)) > self.blocks.capacity
+        ):
             raise ValueError(
                 f"{end} tokens need {span} blocks of {bs}, but the pool holds only "
                 f"{self.blocks.capacity}; pass a larger num_blocks (or None to grow)."

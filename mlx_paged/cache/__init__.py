@@ -2,7 +2,13 @@
 
 from .batch import DecodeBatch, StepPagedKVCache
 from .batch_cache import PagedBatchKVCache
-from .layout import PagedLayout, install_paged_cache, make_paged_cache, uninstall_paged_cache
+from .layout import (
+    PagedLayout,
+    install_paged_cache,
+    make_paged_cache,
+    make_pools,
+    uninstall_paged_cache,
+)
 from .paged import PagedKVCache
 
 __all__ = [
@@ -13,5 +19,6 @@ __all__ = [
     "StepPagedKVCache",
     "install_paged_cache",
     "make_paged_cache",
+    "make_pools",
     "uninstall_paged_cache",
 ]

@@ -62,6 +62,8 @@ class DecodeBatch:
         # Pad rows with a real id; the mask (and kernels, by ``lengths``) ignore them.
         table = [r + [r[-1] if r else 0] * (width - len(r)) for r in rows]
         self.block_tables = mx.array(table, dtype=mx.int32)  # (B, width)
+        # With cold blocks in any row, reads go through the tier plan and no kernel runs.
+        self.plan = pool.tier_plan(table) if any(map(pool.has_cold, tables)) else None
         self.starts = mx.array(starts, dtype=mx.int32)  # (B,)
         self.offset = mx.array(lengths, dtype=mx.int32)  # (B,) position of the first new token
         self.new_tokens = counts  # real new tokens per sequence
@@ -147,8 +149,11 @@ class StepPagedKVCache(PagedLayerCache):
         # A prefill step's attention reads the gathered K/V: let a device kernel copy them.
         # A decode step's fused kernel reads the blocks itself and leaves them unevaluated.
         pk, pv = p.keys[layer], p.values[layer]
-        read = fused_read(pk, pv, b.slots) if b.n_new > 1 else None
-        keys, values = read or take_blocks(pk, pv, b.slots)
+        if b.plan is not None:
+            keys, values = p.read_tiered(layer, b.plan)
+        else:
+            read = fused_read(pk, pv, b.slots) if b.n_new > 1 else None
+            keys, values = read or take_blocks(pk, pv, b.slots)
         if keys.dtype != dtype:
             keys, values = keys.astype(dtype), values.astype(dtype)
         self._fetched = Fetched(keys, values)
@@ -165,6 +170,7 @@ class StepPagedKVCache(PagedLayerCache):
     def fetched(self, keys: mx.array, values: mx.array, mask: object) -> bool:
         """Whether attention got this layer's own K/V and a mask this batch made."""
         own = self._fetched is not None and self._fetched.matches(keys, values)
+        own = own and self.batch.plan is None  # kernels read hot blocks only
         own = own and mask is self.batch.masks.get(self.window)  # same window as the view
         self._fetched = None
         return own

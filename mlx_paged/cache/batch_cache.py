@@ -80,6 +80,8 @@ class PagedBatch:
             return (n, tuple(offsets), tuple(counts), versions, pool.blocks.shares)
 
         if self._step is None or self._step[0] != key():  # the first layer of a forward
+            for t in self.tables:
+                pool.maybe_migrate(t)
             for t, o, c in zip(self.tables, offsets, counts, strict=True):
                 if window is not None:
                     pool.drop_before(t, max(0, o - window + 1))
@@ -319,7 +321,7 @@ class PagedBatchKVCache(PagedLayerCache):
     @property
     def nbytes(self) -> int:
         """Bytes of the blocks the batch's tables hold in this layer (shared ones per holder)."""
-        blocks = sum(len(t.blocks) for t in self.batch.tables)
+        blocks = [b for t in self.batch.tables for b in t.blocks]
         return self.batch.pool.held_bytes(self.layer, blocks)
 
     def __deepcopy__(self, memo: dict) -> PagedBatchKVCache:

@@ -14,7 +14,7 @@ from mlx_lm.models.cache import CacheList
 
 from ..attention import route_attention
 from ..blocks import LayerKind, check_block_size
-from ..storage import KVPool
+from ..storage import KVPool, KVQuant, check_kv_dtype, check_kv_quant
 from .families import SINK_TOKENS, classify, default_caches, model_type
 from .paged import PagedKVCache
 from .sinks import PagedSinkKVCache
@@ -26,6 +26,9 @@ def make_paged_cache(
     num_blocks: int | None = None,
     kv_dtype: mx.Dtype | None = None,
     max_kv_size: int | None = None,
+    kv_bits: int | None = None,
+    kv_group_size: int = 64,
+    hot_tokens: int = 256,
 ) -> list[Any]:
     """Build ``model``'s prompt cache with every attention layer paged.
 
@@ -47,12 +50,25 @@ def make_paged_cache(
             own ``make_cache``, every layer keeps its first 4 tokens and a window
             of ``max_kv_size`` tokens in all (``PagedSinkKVCache``); a model with
             one ignores it, as in mlx-lm. Such caches cannot be batched.
+        kv_bits: 8 or 4 for a quantized cold tier: once a sequence has at least
+            64 tokens' worth of full blocks behind its last ``hot_tokens``
+            tokens, those blocks are quantized (``mx.quantize``, per block) and
+            their full-precision blocks go back to the pool. Full-attention
+            layers only: sliding windows stay full precision. ``num_blocks``
+            then bounds the full-precision blocks; the cold tier grows on demand.
+        kv_group_size: Quantization group size (32, 64 or 128; must divide the
+            head dim).
+        hot_tokens: The tokens at the end of every sequence that always stay in
+            full precision.
 
     Raises:
-        ValueError: for a bad ``block_size``/``num_blocks``/``max_kv_size``, or a
-            cache layout mlx_paged cannot page (the message names the model type).
+        ValueError: for a bad ``block_size``/``num_blocks``/``max_kv_size``/
+            ``kv_dtype`` (not a floating dtype)/``kv_bits``/``kv_group_size``/
+            ``hot_tokens``, or a cache layout mlx_paged cannot page (the message
+            names the model type).
     """
-    layout, pools = _pools(model, block_size, num_blocks, kv_dtype, max_kv_size)
+    quant = check_kv_quant(kv_bits, kv_group_size, hot_tokens)
+    layout, pools = _pools(model, block_size, num_blocks, kv_dtype, max_kv_size, quant)
     return layout.bind(pools, {kind: pool.new_table() for kind, pool in pools.items()})
 
 
@@ -62,6 +78,9 @@ def install_paged_cache(
     num_blocks: int | None = None,
     kv_dtype: mx.Dtype | None = None,
     max_kv_size: int | None = None,
+    kv_bits: int | None = None,
+    kv_group_size: int = 64,
+    hot_tokens: int = 256,
 ) -> None:
     """Make mlx-lm build paged caches for ``model``, all in one pool per layer group.
 
@@ -77,8 +96,9 @@ def install_paged_cache(
 
     Args and errors as ``make_paged_cache``.
     """
+    quant = check_kv_quant(kv_bits, kv_group_size, hot_tokens)
     uninstall_paged_cache(model)
-    layout, pools = _pools(model, block_size, num_blocks, kv_dtype, max_kv_size)
+    layout, pools = _pools(model, block_size, num_blocks, kv_dtype, max_kv_size, quant)
 
     def make_cache() -> list[Any]:
         return layout.bind(pools, {kind: pool.new_table() for kind, pool in pools.items()})
@@ -100,10 +120,10 @@ def _pools(
     num_blocks: int | None,
     kv_dtype: mx.Dtype | None,
     max_kv_size: int | None = None,
+    quant: KVQuant | None = None,
 ) -> tuple[PagedLayout, dict[LayerKind, KVPool]]:
     check_block_size(block_size)
-    if kv_dtype is not None and not isinstance(kv_dtype, mx.Dtype):
-        raise ValueError(f"kv_dtype must be an mx.Dtype such as mx.float16, got {kv_dtype!r}.")
+    check_kv_dtype(kv_dtype)
     if max_kv_size is not None and (
         isinstance(max_kv_size, bool)
         or not isinstance(max_kv_size, int)
@@ -114,9 +134,31 @@ def _pools(
             f"got {max_kv_size!r}."
         )
     layout = PagedLayout.of(model, max_kv_size)
-    pools = {kind: KVPool(n, block_size, num_blocks, kv_dtype) for kind, n in layout.counts.items()}
+    pools = make_pools(layout, block_size, num_blocks, kv_dtype, quant)
     route_attention()
     return layout, pools
+
+
+def make_pools(
+    layout: PagedLayout,
+    block_size: int,
+    num_blocks: int | None,
+    kv_dtype: mx.Dtype | None,
+    quant: KVQuant | None = None,
+    cold_blocks: int | None = None,
+) -> dict[LayerKind, KVPool]:
+    """One ``KVPool`` per layer group; ``quant`` (and ``cold_blocks``) for full attention only."""
+    return {
+        kind: KVPool(
+            n,
+            block_size,
+            num_blocks,
+            kv_dtype,
+            quant if kind == LayerKind() else None,
+            cold_blocks if kind == LayerKind() else None,
+        )
+        for kind, n in layout.counts.items()
+    }
 
 
 @dataclass

@@ -14,8 +14,8 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import KVCache
 
 from ..attention import Fetched, PagedLayerCache, PagedView, fused_read, route_attention
-from ..blocks import HOLE, BlockTable, PagedCacheStats
-from ..storage import KVPool
+from ..blocks import COLD, HOLE, BlockTable, PagedCacheStats, is_cold
+from ..storage import KVPool, check_kv_quant
 from .batch_cache import PagedBatchKVCache
 
 
@@ -56,6 +56,8 @@ class PagedKVCache(PagedLayerCache, KVCache):
         """
         self._fetched = None
         start = self.offset
+        if self.layer == 0 and self.pool.quant is not None:  # between steps: due blocks go cold
+            self.pool.maybe_migrate(self.table)
         self.pool.write_prefill(self.table, self.layer, keys, values)
         # A prefill chunk's attention reads the gathered K/V: let a device kernel copy them.
         read = fused_read if keys.shape[2] > 1 else None
@@ -98,7 +100,7 @@ class PagedKVCache(PagedLayerCache, KVCache):
         """
         p, t = self.pool, self.table
         dtype = p.input_dtypes[self.layer]
-        return (
+        state = (
             p.keys[self.layer],
             p.values[self.layer],
             mx.array(t.blocks, dtype=mx.int32),
@@ -108,6 +110,11 @@ class PagedKVCache(PagedLayerCache, KVCache):
             p.block_size,
             None if dtype is None else str(dtype).rsplit(".", 1)[-1],
         )
+        if p.cold is None or p.cold.keys[self.layer] is None:
+            return state
+        q = p.quant
+        cold = (*p.cold.keys[self.layer], *p.cold.values[self.layer])
+        return (*state, *cold, q.bits, q.group_size, q.hot_tokens)
 
     @state.setter
     def state(self, v: tuple) -> None:
@@ -143,8 +150,8 @@ class PagedKVCache(PagedLayerCache, KVCache):
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the blocks this layer's table holds (shared blocks count for each holder)."""
-        return self.pool.held_bytes(self.layer, len(self.table.blocks))
+        """Bytes of the blocks this layer's table holds, in their tier (shared ones per holder)."""
+        return self.pool.held_bytes(self.layer, self.table.blocks)
 
     def __deepcopy__(self, memo: dict) -> PagedKVCache:
         # Layers of one sequence share a table; fork it once per deepcopy call.
@@ -191,17 +198,28 @@ class PagedKVCache(PagedLayerCache, KVCache):
             )
         self.pool.overwrite(self.table, self.layer, name, value)
 
-    def to_quantized(self, group_size: int = 64, bits: int = 4) -> None:
-        """Not yet: a paged cache has no quantized tier.
+    def to_quantized(self, group_size: int = 64, bits: int = 4) -> PagedKVCache:
+        """Quantize this cache's pool behind a full-precision hot tail; return ``self``.
+
+        What mlx-lm's ``maybe_quantize_kv_cache`` calls (``kv_bits``): the cache
+        stays paged, and from its next write every sequence of the pool keeps its
+        last ``hot_tokens`` (the pool's, or 256) tokens in full precision and the
+        full blocks before them ``bits``-bit (see ``make_paged_cache``).
 
         Raises:
-            ValueError: always, so ``kv_bits`` is never silently ignored.
+            ValueError: for bits other than 4/8, a group size ``mx.quantize`` does
+                not take or that does not divide the head dim, or a pool that
+                already quantizes with other settings.
         """
-        raise ValueError(
-            f"mlx_paged cannot quantize a paged KV cache yet (asked for {bits}-bit, group size "
-            f"{group_size}); the quantized cold tier is planned. Drop kv_bits, or use mlx-lm's "
-            "own cache for quantized K/V."
-        )
+        q = self.pool.quant
+        if q is not None and (q.bits, q.group_size) == (bits, group_size):
+            return self  # mlx-lm asks again after every step
+        hot = q.hot_tokens if q is not None else 256
+        quant = check_kv_quant(bits, group_size, hot)
+        if self.window is not None:
+            return self  # a window holds few tokens: it stays in full precision
+        self.pool.enable_quant(quant)
+        return self
 
     # ---- paged extras -----------------------------------------------------
 
@@ -212,9 +230,11 @@ class PagedKVCache(PagedLayerCache, KVCache):
     def fetched(self, keys: mx.array, values: mx.array, mask: object) -> bool:
         """Whether attention got this layer's own K/V and mask, untouched by the model.
 
-        Only then may a fused kernel read the blocks instead.
+        Only then, and with no cold block to dequantize, may a fused kernel read
+        the blocks instead.
         """
         own = self._fetched is not None and self._fetched.matches(keys, values)
+        own = own and not self.pool.has_cold(self.table)
         own = own and (mask is None or mask is self.table.mask)
         self._fetched = None
         return own
@@ -255,18 +275,27 @@ class PagedKVCache(PagedLayerCache, KVCache):
 
 def _restore(state: tuple) -> tuple[KVPool, BlockTable, int | None]:
     """A private one-layer pool and table holding a saved layer's blocks, and its window."""
-    keys, values, blocks, first, offset, window, block_size, dtype = state
-    pool = KVPool(1, int(block_size), None, None)
+    keys, values, blocks, first, offset, window, block_size, dtype = state[:8]
+    cold = state[8:14]
+    quant = check_kv_quant(*(int(x) for x in state[14:17])) if cold else None
+    pool = KVPool(1, int(block_size), None, None, quant)
     table = pool.new_table()
     table.first = int(first)
     table.lengths[0] = int(offset)
     ids = blocks.tolist() if blocks is not None and blocks.size else []
-    held = [b for b in ids if b != HOLE]
-    if keys is not None and held:
-        new = iter(pool.blocks.allocate(len(held)))
-        table.blocks.extend(HOLE if b == HOLE else next(new) for b in ids)
-        idx = mx.array(held, dtype=mx.int32)
+    hot = [b for b in ids if b != HOLE and not is_cold(b)]
+    frozen = [b - COLD for b in ids if is_cold(b)]
+    if keys is not None and (hot or frozen):
+        new_hot = iter(pool.blocks.allocate(len(hot)))
+        new_cold = iter(c + COLD for c in pool.blocks.cold.allocate(len(frozen)))
+        table.blocks.extend(
+            HOLE if b == HOLE else next(new_cold if is_cold(b) else new_hot) for b in ids
+        )
+        idx = mx.array(hot, dtype=mx.int32)
         pool.adopt_layer(0, keys[idx], values[idx], getattr(mx, dtype))
+        if frozen:
+            at = mx.array(frozen, dtype=mx.int32)
+            pool.adopt_cold(0, tuple(x[at] for x in cold[:3]), tuple(x[at] for x in cold[3:]))
     return pool, table, None if window is None else int(window)
 
 

@@ -22,7 +22,7 @@ from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import BatchRotatingKVCache, RotatingKVCache
 
-from ..blocks import HOLE, BlockTable
+from ..blocks import BlockTable
 from ..storage import KVPool
 from .paged import PagedKVCache
 
@@ -142,8 +142,7 @@ class PagedSinkKVCache(PagedKVCache):
     @property
     def nbytes(self) -> int:
         """Bytes of the blocks this layer's table holds (holes excluded)."""
-        held = sum(b != HOLE for b in self.table.blocks)
-        return self.pool.held_bytes(self.layer, held)
+        return self.pool.held_bytes(self.layer, self.table.blocks)
 
     def _recent_start(self, seen: int) -> int:
         """First token after the sinks that a step starting at ``seen`` reads (0: all of them).

@@ -22,8 +22,8 @@ import mlx.nn as nn
 
 from ..attention import route_attention
 from ..blocks import check_block_size
-from ..cache import PagedLayout
-from ..storage import KVPool
+from ..cache import PagedLayout, make_pools
+from ..storage import check_kv_dtype, check_kv_quant
 from .request import EngineStats, Event, LogitsProcessor, Prefill, Request, Sampled, Sampler
 from .runner import ModelRunner
 from .scheduler import Scheduler
@@ -40,6 +40,12 @@ class PagedEngine:
         max_batch_size: Most sequences decoding at once.
         prefill_step_size: Most tokens per prefill forward.
         kv_dtype: Storage dtype for K/V; ``None`` keeps the model's.
+        kv_bits, kv_group_size, hot_tokens: A quantized cold tier, as in
+            ``make_paged_cache``: full-attention blocks behind each sequence's
+            last ``hot_tokens`` tokens are quantized to ``kv_bits`` and shared
+            from there. ``num_blocks`` then counts full-precision blocks.
+        cold_blocks: Capacity of the cold tier in blocks, or ``None`` to grow it
+            on demand.
     """
 
     def __init__(
@@ -50,8 +56,18 @@ class PagedEngine:
         max_batch_size: int = 64,
         prefill_step_size: int = 512,
         kv_dtype: mx.Dtype | None = None,
+        kv_bits: int | None = None,
+        kv_group_size: int = 64,
+        hot_tokens: int = 256,
+        cold_blocks: int | None = None,
     ):
         check_block_size(block_size)
+        check_kv_dtype(kv_dtype)
+        quant = check_kv_quant(kv_bits, kv_group_size, hot_tokens)
+        if cold_blocks is not None and (
+            isinstance(cold_blocks, bool) or not isinstance(cold_blocks, int) or cold_blocks <= 0
+        ):
+            raise ValueError(f"cold_blocks must be a positive int or None, got {cold_blocks!r}.")
         sizes = {"max_batch_size": max_batch_size, "prefill_step_size": prefill_step_size}
         for name, v in sizes.items():
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
@@ -62,9 +78,7 @@ class PagedEngine:
                 f"{layout.family}: PagedEngine needs every cache to be paged, but this model "
                 f"has {layout.native} recurrent/SSM caches; use make_paged_cache per request."
             )
-        pools = {
-            kind: KVPool(n, block_size, num_blocks, kv_dtype) for kind, n in layout.counts.items()
-        }
+        pools = make_pools(layout, block_size, num_blocks, kv_dtype, quant, cold_blocks)
         self.scheduler = Scheduler(pools, max_batch_size, prefill_step_size)
         self.runner = ModelRunner(model, layout, pools)
         self.vocab_size = vocab_size(model)
@@ -206,6 +220,7 @@ class PagedEngine:
         return self._emit(work.requests, self.runner.sample(work.requests, logits))
 
     def _decode(self) -> list[Event]:
+        self.runner.migrate(self.scheduler.running)  # first: it frees full-precision blocks
         reqs = self.scheduler.schedule_decode()
         logits = self.runner.decode(reqs)
         return self._emit(reqs, self.runner.sample(reqs, logits))

@@ -48,6 +48,9 @@ class EngineStats(PagedCacheStats):
     peak_live_blocks: int = 0
     running: int = 0
     waiting: int = 0
+    cold_blocks: int = 0  # quantized blocks held, of the full-attention group
+    cold_bytes: int = 0
+    migrations: int = 0  # blocks moved to the cold tier so far
 
 
 @dataclass(eq=False)

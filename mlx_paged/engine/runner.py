@@ -54,6 +54,12 @@ class ModelRunner:
         mx.eval(out if logits else [], [c.state for c in caches])
         return out if logits else None
 
+    def migrate(self, reqs: list[Request]) -> int:
+        """Quantize the blocks due for the cold tier in every request (between steps)."""
+        return sum(
+            pool.maybe_migrate(r.tables[kind]) for kind, pool in self.pools.items() for r in reqs
+        )
+
     def decode(self, reqs: list[Request]) -> mx.array:
         """One token for every request (blocks reserved): the lazy logits ``(B, V)``."""
         out, _ = self._batched(reqs, [[r.last_token] for r in reqs])

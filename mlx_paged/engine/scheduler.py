@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections import Counter, deque
 from collections.abc import Iterator
 
-from ..blocks import BlockTable, BlockTables, LayerKind, PrefixIndex
+from ..blocks import BlockTable, BlockTables, LayerKind, PrefixIndex, TieredBlockPool
 from .request import EngineStats, Event, Prefill, Request
 
 #: The scheduler's counters, reported in ``EngineStats``.
@@ -183,6 +183,8 @@ class Scheduler:
     def stats(self) -> EngineStats:
         """Pool counts summed over layer groups, plus the counters."""
         groups = [g.blocks.stats() for g in self.groups.values()]
+        pools = [g.blocks for g in self.groups.values()]
+        tiers = [p.tier_stats() for p in pools if isinstance(p, TieredBlockPool)]
         return EngineStats(
             total_blocks=sum(s.total_blocks for s in groups),
             live_blocks=sum(s.live_blocks for s in groups),
@@ -192,6 +194,9 @@ class Scheduler:
             bytes=sum(s.bytes for s in groups),
             running=len(self.running),
             waiting=len(self.waiting),
+            cold_blocks=sum(t.cold_blocks for t in tiers),
+            cold_bytes=sum(t.cold_bytes for t in tiers),
+            migrations=sum(t.migrations for t in tiers),
             **self.counters,
         )
 
@@ -252,7 +257,8 @@ class Scheduler:
         """Most blocks one sequence holds at once, prefilling ``prefill`` of ``total`` tokens."""
         span = -(-total // self.block_size) + 1
         if kind.window is None:
-            return span
+            hot = self.groups[kind].hot_span(min(self.prefill_step_size, prefill))
+            return span if hot is None else min(span, hot)
         chunk = min(self.prefill_step_size, prefill)
         return min(span, -(-(kind.window + chunk) // self.block_size) + 1)
 

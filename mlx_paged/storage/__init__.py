@@ -1,6 +1,20 @@
 """K/V storage: the MLX arrays of the block pool, their writes, copies and reads."""
 
-from .kv_pool import KVPool, Reader, copy_table
+from .cold import ColdStore, TierPlan
+from .kv_pool import KVPool, Reader
+from .quant import KVQuant, check_kv_dtype, check_kv_quant
 from .read import take_blocks, take_slots
+from .transfer import copy_table
 
-__all__ = ["KVPool", "Reader", "copy_table", "take_blocks", "take_slots"]
+__all__ = [
+    "ColdStore",
+    "KVPool",
+    "KVQuant",
+    "Reader",
+    "TierPlan",
+    "check_kv_dtype",
+    "check_kv_quant",
+    "copy_table",
+    "take_blocks",
+    "take_slots",
+]

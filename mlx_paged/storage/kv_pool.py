@@ -8,6 +8,12 @@ first write; K and V head dims may differ.
 Each pool array has exactly one reference, held here, and every write replaces
 it, so MLX can donate the buffer and update it in place instead of copying the
 whole pool.
+
+With a ``KVQuant``, the pool also has a cold tier (``mlx_paged.blocks.tiers``):
+full blocks behind a sequence's hot tail are quantized per block (packed values,
+scales and biases per layer, ``[cold_blocks, block_size, n_kv_heads, ...]``)
+and their hot blocks go back to the pool. Reads dequantize cold blocks where
+they lie; nothing writes them again.
 """
 
 from __future__ import annotations
@@ -16,7 +22,9 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
-from ..blocks import BlockTable, BlockTables
+from ..blocks import COLD, BlockTable
+from .arrays import LayerArrays
+from .cold import TierPlan, read_tiered
 from .read import take_blocks
 
 #: A device read of pool slots: ``read(keys, values, slots)`` returns ``(B, H, T, D)``
@@ -24,30 +32,12 @@ from .read import take_blocks
 Reader = Callable[[mx.array, mx.array, mx.array], "tuple[mx.array, mx.array] | None"]
 
 
-class KVPool(BlockTables):
+class KVPool(LayerArrays):
     """K/V arrays for a layer group, on top of the group's block-table bookkeeping.
 
-    Args:
-        num_layers: Layers in this group.
-        block_size: Token slots per block.
-        num_blocks: Fixed capacity, or ``None`` to grow on demand.
-        kv_dtype: Storage dtype; ``None`` stores the model's K/V dtype.
+    Writes, copies, migration to the cold tier and reads of tokens; the arrays
+    themselves are ``LayerArrays``' (arguments as there).
     """
-
-    def __init__(
-        self,
-        num_layers: int,
-        block_size: int,
-        num_blocks: int | None = None,
-        kv_dtype: mx.Dtype | None = None,
-    ):
-        super().__init__(num_layers, block_size, num_blocks)
-        self.kv_dtype = kv_dtype
-        self.keys: list[mx.array | None] = [None] * num_layers
-        self.values: list[mx.array | None] = [None] * num_layers
-        self.input_dtypes: list[mx.Dtype | None] = [None] * num_layers
-        # Per layer, the (K shape, V shape, K dtype, V dtype) of a one-token write that passed.
-        self._decode_ok: dict[int, tuple] = {}
 
     # ---- writes -----------------------------------------------------------
 
@@ -88,25 +78,48 @@ class KVPool(BlockTables):
         self.write_prefill(table, layer, keys, values)
 
     def copy_block(self, src: int, dst: int) -> None:
-        """Copy block ``src`` into block ``dst`` in every layer (copy-on-write)."""
+        """Copy block ``src`` (either tier) into hot block ``dst``, every layer (copy-on-write)."""
         for layer in range(self.num_layers):
             if self.keys[layer] is not None:
-                self.keys[layer][dst] = self.keys[layer][src]
-                self.values[layer][dst] = self.values[layer][src]
+                k, v = self.block_rows(layer, [src])
+                self.keys[layer][dst] = k[0]
+                self.values[layer][dst] = v[0]
 
-    def grown(self) -> None:
-        """Grow every layer's arrays to the pool's new capacity (zero-filled)."""
-        extra = self.blocks.capacity - next(
-            (k.shape[0] for k in self.keys if k is not None), self.blocks.capacity
-        )
-        if extra <= 0:
-            return
-        for layer in range(self.num_layers):
-            for arrays in (self.keys, self.values):
-                x = arrays[layer]
-                if x is not None:
-                    pad = mx.zeros((extra, *x.shape[1:]), dtype=x.dtype)
-                    arrays[layer] = mx.concatenate([x, pad])
+    # ---- the cold tier ----------------------------------------------------
+
+    def maybe_migrate(self, table: BlockTable) -> int:
+        """Quantize ``table``'s blocks behind its hot tail once enough are due; return how many.
+
+        Call between steps (before a step's first write). Every table holding a
+        moved block is re-pointed to its cold id; the hot blocks go back to the pool.
+        """
+        q = self.quant
+        if q is None or self.keys[0] is None:
+            return 0
+        due = (min(table.lengths) - q.hot_tokens) // self.block_size - table.first
+        if due < q.migrate_blocks(self.block_size):
+            return 0
+        indices = table.derived("cold_due", (table.version, due), lambda: self.cold_candidates(
+            table, q.hot_tokens
+        ))  # fmt: skip
+        if len(indices) < q.migrate_blocks(self.block_size):
+            return 0
+        moved = self.migrate(table, indices)
+        if moved:
+            self._quantize(list(moved), [new - COLD for new in moved.values()])
+        return len(moved)
+
+    def tier_plan(self, rows: list[list[int]]) -> TierPlan:
+        """How ``read_tiered`` reads these equal-length rows of block ids (both tiers)."""
+        return TierPlan(rows, self.block_size)
+
+    def read_tiered(self, layer: int, plan: TierPlan) -> tuple[mx.array, mx.array]:
+        """``(B, H, width * block_size, D)`` K and V of the plan's blocks, in the input dtype.
+
+        Hot blocks are gathered as ``take_blocks`` does; cold ones dequantized.
+        """
+        k, v = self.keys[layer], self.values[layer]
+        return read_tiered(k, v, self.cold, layer, plan, self.input_dtypes[layer])
 
     def overwrite(self, table: BlockTable, layer: int, name: str, x: mx.array) -> None:
         """Replace a layer's retained ``"keys"`` or ``"values"`` with ``(1, H, T, D)`` ``x``.
@@ -136,6 +149,19 @@ class KVPool(BlockTables):
         attention reads these arrays, not for a decode step, whose fused kernel
         never evaluates them.
         """
+        if self.has_cold(table):
+            assert not sinks, "layers that keep sinks have no cold tier"
+            bs = self.block_size
+            lo, hi = start // bs, -(-end // bs)
+            plan = table.derived(
+                "tier_plan",
+                (table.version, lo, hi),
+                lambda: self.tier_plan([table.blocks[lo - table.first : hi - table.first]]),
+            )
+            k, v = self.read_tiered(layer, plan)
+            return k[:, :, start - lo * bs : end - lo * bs], v[
+                :, :, start - lo * bs : end - lo * bs
+            ]
         slots = self._token_slots(table, start, end, sinks)  # (1, T)
         keys, values = self.keys[layer], self.values[layer]
         fetched = read(keys, values, slots) if read is not None else None
@@ -151,88 +177,7 @@ class KVPool(BlockTables):
         """Every retained token of one layer: the bytes the dense cache would hold."""
         return self.gather(table, layer, table.first * self.block_size, table.lengths[layer])
 
-    def held_bytes(self, layer: int, blocks: int) -> int:
-        """Bytes ``blocks`` blocks take in one layer (0 before the layer's first write)."""
-        k, v = self.keys[layer], self.values[layer]
-        return 0 if k is None else blocks * (k.nbytes + v.nbytes) // max(k.shape[0], 1)
-
-    def to_storage(self, x: mx.array) -> mx.array:
-        """``x`` in the storage dtype."""
-        return (
-            x.astype(self.kv_dtype) if self.kv_dtype is not None and x.dtype != self.kv_dtype else x
-        )
-
-    # ---- layers -----------------------------------------------------------
-
-    def check_write(self, layer: int, keys: mx.array, values: mx.array) -> None:
-        """Raise ValueError unless ``(1, H, n, D)`` K/V fit the layer; create it on first use."""
-        ok = self._decode_ok.get(layer)
-        if ok is not None and isinstance(keys, mx.array) and isinstance(values, mx.array):
-            if ok == (keys.shape, values.shape, keys.dtype, values.dtype):
-                return  # the shapes of the layer's previous one-token write: checked then
-        for name, x in (("keys", keys), ("values", values)):
-            if not isinstance(x, mx.array) or x.ndim != 4 or x.shape[0] != 1:
-                shape = getattr(x, "shape", type(x).__name__)
-                raise ValueError(
-                    f"{name} must be an mx.array shaped (1, n_kv_heads, n_new, head_dim) "
-                    f"for one sequence; got {shape}."
-                )
-        if keys.shape[:3] != values.shape[:3]:
-            raise ValueError(
-                f"keys {keys.shape} and values {values.shape} must agree on batch, heads, tokens."
-            )
-        if keys.dtype != values.dtype:
-            raise ValueError(f"keys ({keys.dtype}) and values ({values.dtype}) must share a dtype.")
-        if self.keys[layer] is None:
-            self._create_layer(layer, keys, values)
-            return
-        want = (*self.keys[layer].shape[2:], *self.values[layer].shape[2:])
-        got = (keys.shape[1], keys.shape[3], values.shape[1], values.shape[3])
-        if got != want:
-            raise ValueError(
-                f"layer {layer} stores (K heads, K dim, V heads, V dim) = {want}; "
-                f"got keys {keys.shape} and values {values.shape}."
-            )
-        if keys.dtype != self.input_dtypes[layer]:
-            raise ValueError(
-                f"layer {layer} holds {self.input_dtypes[layer]} K/V; got {keys.dtype}. "
-                "Cast the model or start a new cache."
-            )
-        if keys.shape[2] == 1:
-            self._decode_ok[layer] = (keys.shape, values.shape, keys.dtype, values.dtype)
-
-    def adopt_layer(
-        self, layer: int, keys: mx.array, values: mx.array, input_dtype: mx.Dtype
-    ) -> None:
-        """Install existing block arrays (layout A) for a layer, e.g. from a saved cache."""
-        if keys.shape[0] != self.blocks.capacity:
-            raise ValueError(f"expected {self.blocks.capacity} blocks, got {keys.shape[0]}.")
-        self.keys[layer], self.values[layer] = keys, values
-        self.input_dtypes[layer] = input_dtype
-        self._decode_ok.pop(layer, None)
-        if keys.dtype != input_dtype:
-            self.kv_dtype = keys.dtype
-        self._update_bytes_per_block()
-
     # ---- internals --------------------------------------------------------
-
-    def _create_layer(self, layer: int, keys: mx.array, values: mx.array) -> None:
-        dtype = self.kv_dtype or keys.dtype
-        shape = (self.blocks.capacity, self.block_size)
-        self.keys[layer] = mx.zeros((*shape, keys.shape[1], keys.shape[3]), dtype=dtype)
-        self.values[layer] = mx.zeros((*shape, values.shape[1], values.shape[3]), dtype=dtype)
-        self.input_dtypes[layer] = keys.dtype
-        self._update_bytes_per_block()
-
-    def _update_bytes_per_block(self) -> None:
-        total = 0
-        for k, v in zip(self.keys, self.values, strict=True):
-            if k is not None:
-                per_token = (
-                    k.shape[2] * k.shape[3] * k.itemsize + v.shape[2] * v.shape[3] * v.itemsize
-                )
-                total += self.block_size * per_token
-        self.blocks.bytes_per_block = total
 
     def _write_index(self, table: BlockTable, start: int, n: int) -> tuple[mx.array, mx.array]:
         """(block id, offset) of tokens ``[start, start + n)``, shared by a step's layers."""
@@ -270,41 +215,3 @@ class KVPool(BlockTables):
             (table.version, lo, hi),
             lambda: mx.array(table.blocks[lo - table.first : hi - table.first], dtype=mx.int32),
         )
-
-
-def copy_table(src: KVPool, dst: KVPool, table: BlockTable) -> BlockTable:
-    """A new table in ``dst`` holding copies of ``table``'s blocks from ``src``, every layer.
-
-    Raises:
-        ValueError: if the pools differ in block size, layer count or layer shapes.
-    """
-    if (src.block_size, src.num_layers) != (dst.block_size, dst.num_layers):
-        raise ValueError(
-            f"cannot copy blocks from a pool of {src.num_layers} layers x block_size "
-            f"{src.block_size} into one of {dst.num_layers} x {dst.block_size}; "
-            "the caches come from different models or settings."
-        )
-    copy = dst.new_table()
-    copy.first, copy.lengths[:] = table.first, table.lengths
-    if not table.blocks:
-        return copy
-    start = table.first * dst.block_size
-    dst.reserve(copy, start, start + len(table.blocks) * dst.block_size)
-    to = mx.array(copy.blocks, dtype=mx.int32)
-    ids = mx.array(table.blocks, dtype=mx.int32)
-    for layer in range(dst.num_layers):
-        k, v = src.keys[layer], src.values[layer]
-        if k is None:
-            continue
-        if dst.keys[layer] is None:
-            n = dst.blocks.capacity
-            empty = [mx.zeros((n, *x.shape[1:]), dtype=x.dtype) for x in (k, v)]
-            dst.adopt_layer(layer, *empty, src.input_dtypes[layer])
-        elif dst.keys[layer].shape[1:] != k.shape[1:] or dst.keys[layer].dtype != k.dtype:
-            raise ValueError(
-                f"layer {layer}: blocks {k.shape[1:]} {k.dtype} do not fit the pool's "
-                f"{dst.keys[layer].shape[1:]} {dst.keys[layer].dtype}."
-            )
-        dst.keys[layer][to] = k[ids]
-        dst.values[layer][to] = v[ids]
-    return copy

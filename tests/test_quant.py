@@ -1,0 +1,373 @@
+"""The quantized cold tier: quality against mlx-lm's QuantizedKVCache, exact block state.
+
+Blocks behind a sequence's last ``hot_tokens`` tokens move to a cold tier of
+per-block ``mx.quantize`` storage (``kv_bits``). Quality is measured against
+mlx-lm's own dense and quantized caches on the same model and tokens; the
+bookkeeping is checked by block id and refcount.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import (
+    QuantizedKVCache,
+    load_prompt_cache,
+    make_prompt_cache,
+    save_prompt_cache,
+    trim_prompt_cache,
+)
+from tiny_models import VOCAB, tiny_model
+
+from mlx_paged import PagedEngine, PagedKVCache, make_paged_cache
+from mlx_paged.blocks import COLD, TieredBlockPool, is_cold
+from mlx_paged.cache import PagedLayout, make_pools
+from mlx_paged.embedded import convert_gguf, find_embedded_gguf, load_model
+from mlx_paged.storage import KVQuant
+
+BLOCK = 8
+HOT = 16  # tokens kept in full precision
+BATCH = 64 // BLOCK  # blocks that move together
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama", head_dim=64)  # mx.quantize needs groups of 32 or more
+
+
+def tokens(n: int, seed: int = 0) -> mx.array:
+    mx.random.seed(seed)
+    return mx.random.randint(0, VOCAB, (1, n))
+
+
+def teacher_forced(model, cache, toks: mx.array, chunk: int) -> mx.array:
+    """Logits at every position, feeding ``toks`` ``chunk`` tokens per forward."""
+    n = toks.shape[1]
+    out = [model(toks[:, i : i + chunk], cache=cache) for i in range(0, n, chunk)]
+    return mx.concatenate(out, axis=1)[0].astype(mx.float32)
+
+
+def kl_and_top1(reference: mx.array, other: mx.array, tie: float = 0.0) -> tuple[float, float]:
+    """Mean KL(reference || other) over positions, and how often their argmax agrees.
+
+    Positions where the reference's top two logits are within ``tie`` are left
+    out of the top-1 count: rounding, not the cache, decides those.
+    """
+    p = reference - mx.logsumexp(reference, axis=-1, keepdims=True)
+    q = other - mx.logsumexp(other, axis=-1, keepdims=True)
+    kl = (mx.exp(p) * (p - q)).sum(axis=-1).mean().item()
+    top2 = mx.topk(reference, 2, axis=-1)
+    clear = (top2.max(-1) - top2.min(-1)) > tie
+    agree = (reference.argmax(-1) == other.argmax(-1)) & clear
+    return kl, agree.sum().item() / max(clear.sum().item(), 1)
+
+
+# ---- quality: the embedded model, against mlx-lm's QuantizedKVCache ------------
+
+
+TEXT_TOKENS = 224
+SCORED = 128  # the last positions, whose queries read the most cold blocks
+# Top-1 leaves out positions whose two best full-precision logits are closer than this:
+# 2 of the 128 here are within 0.006, and either cache may tip them.
+TIE = 0.01
+
+
+@pytest.fixture(scope="module")
+def smollm(tmp_path_factory):
+    out = tmp_path_factory.mktemp("embedded") / "smollm2"
+    convert_gguf(find_embedded_gguf(), out, progress=False)
+    model, tokenizer = load_model(str(out), dtype="float32")
+    text = (Path(__file__).parents[1] / "README.md").read_text()
+    toks = mx.array(tokenizer.encode(text)[:TEXT_TOKENS])[None]
+    return model, toks, scored_logits(model, make_prompt_cache(model), toks)
+
+
+def scored_logits(model, cache, toks: mx.array, chunk: int = 16) -> mx.array:
+    """Teacher-forced logits of the last ``SCORED`` positions, ``chunk`` tokens per forward.
+
+    The tied head over the vocabulary costs more than the model on the CPU, so it
+    runs on the scored positions only.
+    """
+    hidden = [
+        model.model(toks[:, i : i + chunk], cache=cache) for i in range(0, toks.shape[1], chunk)
+    ]
+    last = mx.concatenate(hidden, axis=1)[:, -SCORED:]
+    return model.model.embed_tokens.as_linear(last)[0].astype(mx.float32)
+
+
+def test_quality_is_at_least_mlx_lms_quantized_cache(smollm):
+    model, toks, full = smollm
+    for bits in (8, 4):
+        theirs = [QuantizedKVCache(group_size=64, bits=bits) for _ in model.layers]
+        ours = make_paged_cache(model, kv_bits=bits, kv_group_size=64, hot_tokens=48)
+        kl_theirs, top1_theirs = kl_and_top1(full, scored_logits(model, theirs, toks), TIE)
+        kl_ours, top1_ours = kl_and_top1(full, scored_logits(model, ours, toks), TIE)
+        print(
+            f"{bits} bits: KL {kl_ours:.2e} (mlx-lm {kl_theirs:.2e}), "
+            f"top-1 {top1_ours:.3f} (mlx-lm {top1_theirs:.3f})"
+        )
+        cold = ours[0].pool.tier_stats()
+        # The text really went cold: all but the hot tail and the blocks not yet due.
+        assert cold.cold_blocks >= (TEXT_TOKENS - 48 - 64) // 16, cold
+        assert 0 < kl_ours <= kl_theirs, (bits, kl_ours, kl_theirs)
+        assert top1_ours >= top1_theirs, (bits, top1_ours, top1_theirs)
+
+
+# ---- migration: which blocks, when, and the refcounts ------------------------
+
+
+def test_blocks_behind_the_hot_tail_move_in_batches_of_64_tokens(model):
+    cache = make_paged_cache(model, block_size=BLOCK, kv_bits=8, hot_tokens=HOT)
+    toks = tokens(110)
+    model(toks[:, :100], cache=cache)
+    pool, table = cache[0].pool, cache[0].table
+    assert table.blocks == list(range(13)) and pool.tier_stats().migrations == 0
+    model(toks[:, 100:101], cache=cache)  # the next step's first write moves what is due
+    # (100 - 16) // 8 = 10 blocks lie wholly before the hot tail: all of them move.
+    assert table.blocks == [COLD + c for c in range(10)] + [10, 11, 12]
+    stats = pool.blocks.stats()
+    assert (stats.live_blocks, stats.free_blocks) == (3, 10)
+    assert [pool.blocks.refcount(COLD + c) for c in range(10)] == [1] * 10
+    for _ in range(9):  # 110 tokens: only 1 more block is due, less than a batch
+        model(toks[:, :1], cache=cache)
+    assert table.blocks == [COLD + c for c in range(10)] + [10, 11, 12, 0]
+    assert pool.tier_stats().migrations == 10
+    pool.blocks.check_invariants([table.blocks])
+
+
+def test_a_shared_block_moves_once_for_every_holder(model):
+    cache = make_paged_cache(model, block_size=BLOCK, kv_bits=8, hot_tokens=HOT)
+    model(tokens(100)[:, :100], cache=cache)
+    fork = copy.deepcopy(cache)
+    pool, mine, theirs = cache[0].pool, cache[0].table, fork[0].table
+    assert mine.blocks == theirs.blocks == list(range(13))
+    model(tokens(1, seed=1), cache=cache)
+    cold = [COLD + c for c in range(10)]
+    # One quantized copy; the fork's table points at it too.
+    assert mine.blocks[:10] == theirs.blocks[:10] == cold
+    assert [pool.blocks.refcount(b) for b in cold] == [2] * 10
+    assert pool.tier_stats().cold_blocks == 10
+    pool.blocks.check_invariants([mine.blocks, theirs.blocks])
+    # Both read the same, quantized, K/V for the 100 shared tokens.
+    mine_k = cache[0].keys_and_values()[0]
+    assert mx.array_equal(fork[0].keys_and_values()[0], mine_k[:, :, :100])
+    del cache, fork, mine, theirs
+    import gc
+
+    gc.collect()
+    assert pool.tier_stats().cold_blocks == 0 and pool.blocks.stats().live_blocks == 0
+
+
+def test_writing_into_a_cold_block_copies_it_to_a_hot_one(model):
+    cache = make_paged_cache(model, block_size=BLOCK, kv_bits=8, hot_tokens=HOT)
+    toks = tokens(101)
+    model(toks[:, :100], cache=cache)
+    model(toks[:, 100:101], cache=cache)
+    table, pool = cache[0].table, cache[0].pool
+    assert is_cold(table.blocks[9])
+    expected = copy.deepcopy(cache)
+    trim_prompt_cache(cache, 101 - 75)  # 75 tokens: block 9 is cold and now the tail
+    trim_prompt_cache(expected, 101 - 75)
+    before = expected[0].keys_and_values()[0]
+    model(toks[:, 75:76], cache=cache)
+    assert not is_cold(table.blocks[9])  # a fresh full-precision block
+    assert pool.blocks.refcount(expected[0].table.blocks[9]) == 1  # only the copy holds it now
+    after = cache[0].keys_and_values()[0]
+    # The dequantized tokens were copied; the new token landed after them.
+    assert mx.array_equal(after[:, :, :75], before)
+    pool.blocks.check_invariants([table.blocks, expected[0].table.blocks])
+
+
+def test_a_full_cold_tier_leaves_blocks_hot(model):
+    layout = PagedLayout.of(model)
+    pools = make_pools(layout, BLOCK, None, None, KVQuant(8, 64, HOT), cold_blocks=4)
+    (pool,) = pools.values()
+    table = pool.new_table()
+    caches = layout.bind(pools, {kind: table for kind in pools})
+    toks = tokens(101)
+    dense = make_prompt_cache(model)
+    model(toks[:, :100], cache=caches)
+    model(toks[:, :100], cache=dense)
+    out = model(toks[:, 100:101], cache=caches)
+    assert table.blocks == [COLD + c for c in range(4)] + list(range(4, 13))
+    assert pool.tier_stats().cold_blocks == 4
+    ref = model(toks[:, 100:101], cache=dense)
+    assert mx.abs(out - ref).max().item() < 0.5  # 4 of 13 blocks at 8 bits
+
+
+def test_a_hot_tail_longer_than_the_text_changes_nothing(model):
+    toks = tokens(120)
+    full = teacher_forced(model, make_paged_cache(model, block_size=BLOCK), toks, 8)
+    tiered = make_paged_cache(model, block_size=BLOCK, kv_bits=4, hot_tokens=120)
+    assert mx.array_equal(teacher_forced(model, tiered, toks, 8), full)
+    assert tiered[0].pool.tier_stats().migrations == 0
+
+
+def test_reads_mixing_tiers_in_any_order_match_block_by_block(model):
+    cache = make_paged_cache(model, block_size=BLOCK, kv_bits=8, hot_tokens=0)
+    toks = tokens(80)
+    model(toks[:, :72], cache=cache)
+    model(toks[:, 72:73], cache=cache)
+    pool, table = cache[0].pool, cache[0].table
+    cold = [b for b in table.blocks if is_cold(b)]
+    hot = [b for b in table.blocks if not is_cold(b)]
+    assert len(cold) == 9 and hot
+    rows = [cold[:3] + hot[:1] + cold[3:5], hot[:1] + cold[5:9] + hot[:1], cold[:6]]
+    for plan_rows in (rows, [rows[2]]):  # mixed rows (masked), and a cold prefix
+        plan = pool.tier_plan(plan_rows)
+        for layer in (0, 2):
+            k, v = pool.read_tiered(layer, plan)
+            for i, r in enumerate(plan_rows):
+                bk, bv = pool.block_rows(layer, r)  # (n, bs, H, D)
+                want_k = bk.transpose(2, 0, 1, 3).reshape(1, bk.shape[2], -1, bk.shape[3])
+                want_v = bv.transpose(2, 0, 1, 3).reshape(1, bv.shape[2], -1, bv.shape[3])
+                assert mx.array_equal(k[i : i + 1], want_k)
+                assert mx.array_equal(v[i : i + 1], want_v)
+
+
+def test_nbytes_counts_each_block_in_its_tier(model):
+    cache = make_paged_cache(model, block_size=BLOCK, kv_bits=4, hot_tokens=HOT)
+    toks = tokens(101)
+    model(toks[:, :100], cache=cache)
+    hot_only = cache[0].nbytes
+    model(toks[:, 100:101], cache=cache)
+    # float32 K/V of 2 heads x 64 per token; 4 bits plus a float32 scale and bias per 64.
+    hot_block = 2 * BLOCK * 2 * 64 * 4
+    cold_block = 2 * BLOCK * 2 * (64 // 2 + 2 * 4)
+    assert hot_only == 13 * hot_block
+    assert cache[0].nbytes == 3 * hot_block + 10 * cold_block
+    stats = cache[0].pool.tier_stats()
+    assert stats.cold_blocks == 10 and stats.compression > 3
+
+
+def test_save_and_load_keep_cold_blocks(model, tmp_path):
+    cache = make_paged_cache(model, block_size=BLOCK, kv_bits=8, hot_tokens=HOT)
+    toks = tokens(102)
+    model(toks[:, :100], cache=cache)
+    model(toks[:, 100:101], cache=cache)
+    path = str(tmp_path / "cache.safetensors")
+    save_prompt_cache(path, cache)
+    loaded = load_prompt_cache(path)
+    assert isinstance(loaded[0], PagedKVCache)
+    assert sum(map(is_cold, loaded[0].table.blocks)) == 10
+    a = model(toks[:, 101:102], cache=cache)
+    b = model(toks[:, 101:102], cache=loaded)
+    assert mx.array_equal(a, b)
+
+
+# ---- mlx-lm's kv_bits, the engine, and bad input -----------------------------
+
+
+def test_mlx_lm_kv_bits_keeps_the_cache_paged_and_quantizes_it(model):
+    cache = make_paged_cache(model, block_size=BLOCK)
+    prompt = tokens(300)[0]
+    steps = generate_step(
+        prompt,
+        model,
+        prompt_cache=cache,
+        kv_bits=8,
+        kv_group_size=64,
+        max_tokens=40,
+        quantized_kv_start=0,
+    )
+    list(steps)
+    assert all(isinstance(c, PagedKVCache) for c in cache)
+    pool = cache[0].pool
+    assert pool.quant == KVQuant(8, 64, 256)
+    # 256 tokens stay hot; 8 blocks (64 tokens) move together, at 320 tokens. By the
+    # end (339 tokens written) 10 blocks lie behind the hot tail: 2 wait for a batch.
+    assert pool.tier_stats().cold_blocks == 8
+
+
+def test_the_engine_quantizes_shares_and_frees_cold_blocks(model):
+    engine = PagedEngine(model, block_size=BLOCK, kv_bits=8, hot_tokens=HOT, max_batch_size=4)
+    prefix = tokens(96)[0].tolist()
+    prompts = [prefix + tokens(5, seed=s)[0].tolist() for s in range(1, 4)]
+    out = engine.generate(prompts[:1], max_tokens=20)
+    first = engine.stats()
+    assert first.cold_blocks > 0 and first.migrations > 0
+    # The next requests adopt the parked prefix, cold blocks included.
+    engine.generate(prompts[1:], max_tokens=20)
+    assert engine.stats().prefix_hit_tokens >= 2 * 96
+    engine.check_invariants()
+    stats = engine.stats()
+    assert stats.live_blocks == 0 and stats.running == 0 and len(out[0]) == 20
+    assert stats.cold_blocks > 0  # parked in the prefix index, still cold
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"kv_bits": 3}, "kv_bits must be one of"),
+        ({"kv_bits": 8, "kv_group_size": 48}, "kv_group_size must be one of"),
+        ({"kv_bits": 8, "hot_tokens": -1}, "hot_tokens must be an int >= 0"),
+        ({"kv_dtype": mx.int8}, "kv_dtype must be a floating"),
+    ],
+)
+def test_bad_options_are_refused(model, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        make_paged_cache(model, **kwargs)
+    with pytest.raises(ValueError, match=message):
+        PagedEngine(model, **kwargs)
+
+
+def test_a_group_size_that_does_not_divide_the_head_dim_is_refused():
+    model = tiny_model("llama")  # head_dim 16
+    cache = make_paged_cache(model, kv_bits=8, kv_group_size=32)
+    with pytest.raises(ValueError, match="does not divide the head dim 16"):
+        model(tokens(4), cache=cache)
+
+
+def test_switching_bits_on_a_quantized_pool_is_refused(model):
+    cache = make_paged_cache(model, block_size=BLOCK, kv_bits=8)
+    with pytest.raises(ValueError, match="already quantizes to 8 bits"):
+        cache[0].to_quantized(group_size=64, bits=4)
+
+
+# ---- the tiered pool, under random operations --------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5), st.integers(0, 50)), max_size=60))
+def test_tiered_refcounts_match_holders(ops):
+    pool = TieredBlockPool(8, BLOCK, cold_blocks=4)
+    tables: list[list[int]] = [[], []]
+    renamed: dict[int, int] = {}
+    pool.on_rename = renamed.update
+    for op, arg in ops:
+        table = tables[arg % 2]
+        held = [b for t in tables for b in t]
+        if op == 0 and pool.can_allocate(1):
+            table.extend(pool.allocate(1))
+        elif op == 1 and held:
+            b = held[arg % len(held)]
+            pool.retain(b)
+            table.append(b)
+        elif op == 2 and table:
+            pool.release(table.pop(arg % len(table)))
+        elif op == 3 and table:
+            b = table[arg % len(table)]
+            if b not in pool.parked_ids():
+                pool.park(b)
+        elif op == 4 and pool.parked_ids():
+            parked = sorted(pool.parked_ids())
+            pool.unpark(parked[arg % len(parked)])
+        elif op == 5 and table and not is_cold(table[arg % len(table)]):
+            old = table[arg % len(table)]
+            new = pool.migrate(old)
+            if new is not None:
+                assert renamed[old] == new and is_cold(new)
+                for t in tables:
+                    t[:] = [new if b == old else b for b in t]
+        pool.check_invariants(tables)
+    for t in tables:
+        pool.release_all(t)
+    for b in sorted(pool.parked_ids()):
+        pool.unpark(b)
+    assert pool.num_free == 8 and pool.cold.num_free == pool.cold.capacity
