@@ -83,6 +83,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="Storage dtype for K/V (default: the model's).",
     )
     g.add_argument(
+        "--hot-tokens",
+        type=int,
+        default=256,
+        help="With --kv-bits: the last tokens of each sequence kept in full precision; "
+        "full blocks before them are quantized.",
+    )
+    g.add_argument(
         "--model-dtype",
         choices=MODEL_DTYPES,
         default="auto",
@@ -126,9 +133,14 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
             parser.error("--chat-template-config must be a JSON object, e.g. '{\"x\": 1}'.")
     if args.max_kv_size is not None and args.max_kv_size <= 4:
         parser.error("--max-kv-size must be above the 4 tokens it always keeps.")
+    if args.hot_tokens < 0:
+        parser.error("--hot-tokens must be 0 or more.")
+    if args.kv_bits is not None and args.kv_bits not in (4, 8) and args.paged:
+        parser.error("--kv-bits must be 4 or 8 on a paged cache (or add --no-paged).")
+    if args.kv_group_size not in (32, 64, 128):
+        parser.error("--kv-group-size must be 32, 64 or 128.")
     if args.paged:
         dense_only = {
-            "kv_bits": "--kv-bits (a quantized cache)",
             "prompt_cache_file": "--prompt-cache-file",
             "image": "--image",
         }
@@ -167,13 +179,17 @@ def run_single(
     kwargs: dict[str, Any] = {}
     caches = None
     if args.paged:
-        caches = make_paged_cache(model, args.block_size, num_blocks, kv_dtype, args.max_kv_size)
+        paged = dict(
+            max_kv_size=args.max_kv_size,
+            kv_bits=args.kv_bits,
+            kv_group_size=args.kv_group_size,
+            hot_tokens=args.hot_tokens,
+        )
+        caches = make_paged_cache(model, args.block_size, num_blocks, kv_dtype, **paged)
         kwargs["prompt_cache"] = caches
         if draft_model is not None:
             # Speculative decoding splits the list: the model's caches, then the draft's.
-            draft = make_paged_cache(
-                draft_model, args.block_size, num_blocks, kv_dtype, args.max_kv_size
-            )
+            draft = make_paged_cache(draft_model, args.block_size, num_blocks, kv_dtype, **paged)
             kwargs["prompt_cache"] = caches + draft
     else:
         kwargs.update(
@@ -211,12 +227,15 @@ def run_single(
     elif caches is not None:
         pools = paged_pools(caches)
         fp = kv_footprint(pools, args.block_size)
-        stats = [p.blocks.stats() for p in pools]
-        held = sum(s.live_blocks + s.cached_blocks for s in stats)
+        tiers = [p.tier_stats() for p in pools]
+        held = sum(t.hot_blocks for t in tiers)
+        cold = sum(t.cold_blocks for t in tiers)
+        nbytes = sum(t.hot_bytes + t.cold_bytes for t in tiers)
         seq_tokens = max(c.offset for c in caches if hasattr(c, "pool"))
+        quantized = f" + {cold} {args.kv_bits}-bit" if args.kv_bits else ""
         print(
-            f"KV cache: paged, {held} blocks of {args.block_size} for {seq_tokens} tokens "
-            f"({fmt_bytes(held * fp.bytes_per_block)}); a dense mlx-lm cache would hold "
+            f"KV cache: paged, {held}{quantized} blocks of {args.block_size} for {seq_tokens} "
+            f"tokens ({fmt_bytes(nbytes)}); a dense mlx-lm cache would hold "
             f"{fmt_bytes(fp.dense_bytes(seq_tokens))}; prefix hits: 0 tokens (one request)"
         )
 
@@ -241,6 +260,9 @@ def run_many(
         max_batch_size=args.max_batch_size,
         prefill_step_size=args.prefill_step_size,
         kv_dtype=kv_dtype,
+        kv_bits=args.kv_bits,
+        kv_group_size=args.kv_group_size,
+        hot_tokens=args.hot_tokens,
     )
     sampler = None if args.temp == 0 else _sampler(args, tokenizer)
     stops = set(tokenizer.eos_token_ids)

@@ -59,6 +59,9 @@ METRICS = (
     "mlx_paged_preemptions_total",
     "mlx_paged_requests_aborted_total",
     "mlx_paged_requests_failed_total",
+    "mlx_paged_kv_blocks_cold",
+    "mlx_paged_kv_cold_bytes",
+    "mlx_paged_kv_migrations_total",
 )
 
 
@@ -732,6 +735,28 @@ def test_sigterm_finishes_the_running_stream_and_exits_0(tmp_path):
         httpx.get(f"{server.base}/health", timeout=2)
 
 
+# ---- the quantized cold tier ----------------------------------------------
+
+
+def test_kv_bits_quantizes_old_blocks_and_reports_them(tmp_path):
+    flags = ["--kv-bits", "8", "--hot-tokens", "16", "--log-level", "warning"]
+    s = start_server(tmp_path, "kv-bits", *flags)
+    try:
+        client = s.client()
+        prompt = list(range(1000, 1200))  # 200 tokens: 10 full blocks behind the hot tail
+        out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+        assert out.usage.completion_tokens == 8 and out.choices[0].text
+        m = s.metrics()
+        # The prompt's last token runs alone, after 199: (199 - 16) // 16 = 11 blocks lie
+        # behind the hot tail then, and move together; the 8 new tokens add none.
+        assert m["mlx_paged_kv_migrations_total"] == 11
+        # Parked in the prefix index when the request ended, still quantized.
+        assert m["mlx_paged_kv_blocks_cold"] == 11 and m["mlx_paged_kv_cold_bytes"] > 0
+        assert m["mlx_paged_kv_blocks_active"] == 0
+    finally:
+        s.stop()
+
+
 # ---- command line ----------------------------------------------------------
 
 
@@ -745,6 +770,8 @@ def test_sigterm_finishes_the_running_stream_and_exits_0(tmp_path):
         (["--port", "70000"], "--port must be in 1..65535"),
         (["--chat-template-args", "[1]"], "must be a JSON object"),
         (["--kv-dtype", "int8"], "invalid choice"),
+        (["--kv-bits", "3"], "invalid choice"),
+        (["--kv-bits", "8", "--hot-tokens", "-1"], "--hot-tokens must be 0 or more"),
     ],
 )
 def test_bad_flags_are_usage_errors(argv, message, capsys):

@@ -82,7 +82,7 @@ def test_blocks_between_the_sinks_and_the_window_go_back():
     stats = pool.blocks.stats()
     assert stats.live_blocks == 5 and stats.free_blocks == stats.total_blocks - 5
     assert [pool.blocks.refcounts[b] for b in held if b != HOLE] == [1] * 5
-    assert cache[0].nbytes == 5 * pool.held_bytes(0, 1)
+    assert cache[0].nbytes == 5 * pool.held_bytes(0, [held[0]])
 
 
 def test_decoding_holds_a_bounded_number_of_blocks():

@@ -112,8 +112,7 @@ class PagedKVCache(PagedLayerCache, KVCache):
         )
         if p.cold is None or p.cold.keys[self.layer] is None:
             return state
-        q = p.quant
-        cold = (*p.cold.keys[self.layer], *p.cold.values[self.layer])
+        q, cold = p.quant, (*p.cold.keys[self.layer], *p.cold.values[self.layer])
         return (*state, *cold, q.bits, q.group_size, q.hot_tokens)
 
     @state.setter
@@ -201,10 +200,9 @@ class PagedKVCache(PagedLayerCache, KVCache):
     def to_quantized(self, group_size: int = 64, bits: int = 4) -> PagedKVCache:
         """Quantize this cache's pool behind a full-precision hot tail; return ``self``.
 
-        What mlx-lm's ``maybe_quantize_kv_cache`` calls (``kv_bits``): the cache
-        stays paged, and from its next write every sequence of the pool keeps its
-        last ``hot_tokens`` (the pool's, or 256) tokens in full precision and the
-        full blocks before them ``bits``-bit (see ``make_paged_cache``).
+        What mlx-lm's ``kv_bits`` calls: the cache stays paged, and from its next
+        write every sequence of the pool keeps its last ``hot_tokens`` (the
+        pool's, or 256) tokens full precision, older full blocks ``bits``-bit.
 
         Raises:
             ValueError: for bits other than 4/8, a group size ``mx.quantize`` does

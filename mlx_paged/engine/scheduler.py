@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections import Counter, deque
 from collections.abc import Iterator
 
-from ..blocks import BlockTable, BlockTables, LayerKind, PrefixIndex, TieredBlockPool
+from ..blocks import BlockPool, BlockTable, BlockTables, LayerKind, PrefixIndex, TieredBlockPool
 from .request import EngineStats, Event, Prefill, Request
 
 #: The scheduler's counters, reported in ``EngineStats``.
@@ -183,8 +183,6 @@ class Scheduler:
     def stats(self) -> EngineStats:
         """Pool counts summed over layer groups, plus the counters."""
         groups = [g.blocks.stats() for g in self.groups.values()]
-        pools = [g.blocks for g in self.groups.values()]
-        tiers = [p.tier_stats() for p in pools if isinstance(p, TieredBlockPool)]
         return EngineStats(
             total_blocks=sum(s.total_blocks for s in groups),
             live_blocks=sum(s.live_blocks for s in groups),
@@ -194,9 +192,7 @@ class Scheduler:
             bytes=sum(s.bytes for s in groups),
             running=len(self.running),
             waiting=len(self.waiting),
-            cold_blocks=sum(t.cold_blocks for t in tiers),
-            cold_bytes=sum(t.cold_bytes for t in tiers),
-            migrations=sum(t.migrations for t in tiers),
+            **_cold_totals([g.blocks for g in self.groups.values()]),
             **self.counters,
         )
 
@@ -255,11 +251,9 @@ class Scheduler:
 
     def _peak_blocks(self, kind: LayerKind, prefill: int, total: int) -> int:
         """Most blocks one sequence holds at once, prefilling ``prefill`` of ``total`` tokens."""
-        span = -(-total // self.block_size) + 1
-        if kind.window is None:
-            hot = self.groups[kind].hot_span(min(self.prefill_step_size, prefill))
-            return span if hot is None else min(span, hot)
-        chunk = min(self.prefill_step_size, prefill)
+        span, chunk = -(-total // self.block_size) + 1, min(self.prefill_step_size, prefill)
+        if kind.window is None:  # a cold tier bounds the full-precision blocks too
+            return min(span, self.groups[kind].hot_span(chunk) or span)
         return min(span, -(-(kind.window + chunk) // self.block_size) + 1)
 
     def _decode_fits(self) -> bool:
@@ -293,3 +287,13 @@ class Scheduler:
     def _note_peak(self) -> None:
         live = sum(g.blocks.stats().live_blocks for g in self.groups.values())
         self.counters["peak_live_blocks"] = max(self.counters["peak_live_blocks"], live)
+
+
+def _cold_totals(pools: list[BlockPool]) -> dict[str, int]:
+    """Cold-tier blocks, bytes and migrations summed over the pools that have a tier."""
+    tiers = [p.tier_stats() for p in pools if isinstance(p, TieredBlockPool)]
+    return {
+        "cold_blocks": sum(t.cold_blocks for t in tiers),
+        "cold_bytes": sum(t.cold_bytes for t in tiers),
+        "migrations": sum(t.migrations for t in tiers),
+    }

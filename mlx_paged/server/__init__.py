@@ -51,6 +51,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default=None, help="K/V storage dtype.")
     p.add_argument(
+        "--kv-bits",
+        type=int,
+        choices=(4, 8),
+        default=None,
+        help="Quantize K/V blocks behind each request's last --hot-tokens tokens.",
+    )
+    p.add_argument(
+        "--kv-group-size", type=int, choices=(32, 64, 128), default=64, help="With --kv-bits."
+    )
+    p.add_argument(
+        "--hot-tokens",
+        type=int,
+        default=256,
+        help="With --kv-bits: tokens at the end of each request kept in full precision.",
+    )
+    p.add_argument(
         "--model-dtype",
         choices=("auto", *KV_DTYPES),
         default="auto",
@@ -90,6 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Exit with a usage error for values the engine or the app would refuse later."""
     positive = ("block_size", "max_batch_size", "prefill_step_size", "max_tokens", "max_queue")
+    if args.hot_tokens < 0:
+        parser.error(f"--hot-tokens must be 0 or more, got {args.hot_tokens}.")
     for name in (*positive, "num_blocks"):
         v = getattr(args, name)
         if v is not None and v <= 0:
@@ -130,6 +148,9 @@ def loader(args: argparse.Namespace):
             max_batch_size=args.max_batch_size,
             prefill_step_size=args.prefill_step_size,
             kv_dtype=kv_dtype,
+            kv_bits=args.kv_bits,
+            kv_group_size=args.kv_group_size,
+            hot_tokens=args.hot_tokens,
         )
         return engine, tokenizer
 

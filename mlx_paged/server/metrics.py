@@ -25,7 +25,9 @@ class EngineCollector:
             "kv_blocks_cached": ("KV blocks held only by the prefix index.", s.cached_blocks),
             "kv_blocks_free": ("KV blocks holding nothing.", s.free_blocks),
             "kv_blocks_total": ("KV blocks in the pool.", s.total_blocks),
-            "kv_cache_bytes": ("Bytes of the pool's K/V arrays.", s.bytes),
+            "kv_cache_bytes": ("Bytes of the pool's K/V arrays, both tiers.", s.bytes),
+            "kv_blocks_cold": ("Quantized KV blocks held (--kv-bits).", s.cold_blocks),
+            "kv_cold_bytes": ("Bytes of the quantized KV blocks held.", s.cold_bytes),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(f"mlx_paged_{name}", doc, value=value)
@@ -40,6 +42,7 @@ class EngineCollector:
             "preemptions": ("Requests preempted to free blocks.", "preemptions"),
             "requests_aborted": ("Requests aborted.", "aborted"),
             "requests_failed": ("Requests ended by an error.", "failed"),
+            "kv_migrations": ("KV blocks quantized into the cold tier.", "migrations"),
         }
         for name, (doc, field) in counters.items():
             yield CounterMetricFamily(f"mlx_paged_{name}", doc, value=getattr(s, field))
