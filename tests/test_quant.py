@@ -9,6 +9,7 @@ bookkeeping is checked by block id and refcount.
 from __future__ import annotations
 
 import copy
+import gc
 from pathlib import Path
 
 import mlx.core as mx
@@ -158,8 +159,6 @@ def test_a_shared_block_moves_once_for_every_holder(model):
     mine_k = cache[0].keys_and_values()[0]
     assert mx.array_equal(fork[0].keys_and_values()[0], mine_k[:, :, :100])
     del cache, fork, mine, theirs
-    import gc
-
     gc.collect()
     assert pool.tier_stats().cold_blocks == 0 and pool.blocks.stats().live_blocks == 0
 
@@ -229,6 +228,26 @@ def test_reads_mixing_tiers_in_any_order_match_block_by_block(model):
                 want_v = bv.transpose(2, 0, 1, 3).reshape(1, bv.shape[2], -1, bv.shape[3])
                 assert mx.array_equal(k[i : i + 1], want_k)
                 assert mx.array_equal(v[i : i + 1], want_v)
+
+
+def test_a_batch_reading_cold_blocks_matches_each_sequence_alone(model):
+    # Two sequences of different lengths: their cold blocks end at different columns,
+    # so the batch's read picks tiers per row (the masked path of read_tiered).
+    long = make_paged_cache(model, block_size=BLOCK, kv_bits=8, hot_tokens=HOT)
+    toks = tokens(130)
+    model(toks[:, :100], cache=long)
+    short = copy.deepcopy(long)
+    trim_prompt_cache(short, 100 - 60)
+    model(toks[:, 100:130], cache=long)  # long: 130 tokens, short: 60
+    model(toks[:, 60:61], cache=short)
+    alone = [copy.deepcopy(long), copy.deepcopy(short)]
+    step = tokens(2, seed=3).reshape(2, 1)
+    batch = [type(a).merge([a, b]) for a, b in zip(long, short, strict=True)]
+    together = model(step, cache=batch)
+    assert any(map(is_cold, long[0].table.blocks)) and any(map(is_cold, short[0].table.blocks))
+    for i, cache in enumerate(alone):
+        mine = model(step[i : i + 1], cache=cache)
+        assert mx.allclose(together[i : i + 1], mine, atol=1e-4), i
 
 
 def test_nbytes_counts_each_block_in_its_tier(model):

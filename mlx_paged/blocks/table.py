@@ -177,29 +177,32 @@ class BlockTables:
         return -(-(self.hot_tokens + chunk) // self.block_size) + self.migrate_blocks + 1
 
     def cold_candidates(self, table: BlockTable, hot_tokens: int) -> list[int]:
-        """Indices into ``table.blocks`` of hot blocks whose tokens all lie before the hot tail.
+        """Hot blocks of ``table`` whose tokens all lie before its hot tail, oldest first.
 
         The hot tail is the last ``hot_tokens`` tokens every layer has written.
         """
         n = (min(table.lengths, default=0) - hot_tokens) // self.block_size - table.first
-        return [i for i in range(max(n, 0)) if 0 <= table.blocks[i] < COLD]
+        return [b for b in table.blocks[: max(n, 0)] if 0 <= b < COLD]
 
-    def migrate(self, table: BlockTable, indices: list[int]) -> dict[int, int]:
-        """Move ``table.blocks[i]`` for each index to the cold tier; return ``{old: new}``.
+    def migrate(self, blocks: list[int]) -> dict[int, int]:
+        """Move hot ``blocks`` (repeats allowed) to the cold tier; return ``{old: new}``.
 
-        Every table holding a moved block is re-pointed (the prefix index by its
-        pool hook). Stops early, keeping the rest hot, when the cold tier is full.
-        The caller copies the K/V of each old block before the pool allocates again.
+        Every table holding a moved block is re-pointed, in one pass over the
+        tables (the prefix index by its pool hook). Stops early, keeping the rest
+        hot, when the cold tier is full. The caller copies the K/V of each old
+        block before the pool allocates again.
         """
         pool = self.blocks
         if not isinstance(pool, TieredBlockPool):
             raise ValueError("this pool has no cold tier.")
         moved: dict[int, int] = {}
-        for i in indices:
-            new = pool.migrate(table.blocks[i])
+        for b in blocks:
+            if b in moved:
+                continue  # shared by two of the tables the blocks came from
+            new = pool.migrate(b)
             if new is None:
                 break
-            moved[table.blocks[i]] = new
+            moved[b] = new
         if moved:
             for t in list(self._live.values()):
                 if any(b in moved for b in t.blocks):

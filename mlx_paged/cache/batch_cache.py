@@ -80,8 +80,7 @@ class PagedBatch:
             return (n, tuple(offsets), tuple(counts), versions, pool.blocks.shares)
 
         if self._step is None or self._step[0] != key():  # the first layer of a forward
-            for t in self.tables:
-                pool.maybe_migrate(t)
+            pool.maybe_migrate(self.tables)
             for t, o, c in zip(self.tables, offsets, counts, strict=True):
                 if window is not None:
                     pool.drop_before(t, max(0, o - window + 1))

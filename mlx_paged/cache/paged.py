@@ -57,7 +57,7 @@ class PagedKVCache(PagedLayerCache, KVCache):
         self._fetched = None
         start = self.offset
         if self.layer == 0 and self.pool.quant is not None:  # between steps: due blocks go cold
-            self.pool.maybe_migrate(self.table)
+            self.pool.maybe_migrate([self.table])
         self.pool.write_prefill(self.table, self.layer, keys, values)
         # A prefill chunk's attention reads the gathered K/V: let a device kernel copy them.
         read = fused_read if keys.shape[2] > 1 else None

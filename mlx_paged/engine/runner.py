@@ -56,9 +56,8 @@ class ModelRunner:
 
     def migrate(self, reqs: list[Request]) -> int:
         """Quantize the blocks due for the cold tier in every request (between steps)."""
-        return sum(
-            pool.maybe_migrate(r.tables[kind]) for kind, pool in self.pools.items() for r in reqs
-        )
+        pools = self.pools.items()
+        return sum(pool.maybe_migrate([r.tables[kind] for r in reqs]) for kind, pool in pools)
 
     def decode(self, reqs: list[Request]) -> mx.array:
         """One token for every request (blocks reserved): the lazy logits ``(B, V)``."""

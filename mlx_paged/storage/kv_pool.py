@@ -87,24 +87,27 @@ class KVPool(LayerArrays):
 
     # ---- the cold tier ----------------------------------------------------
 
-    def maybe_migrate(self, table: BlockTable) -> int:
-        """Quantize ``table``'s blocks behind its hot tail once enough are due; return how many.
+    def maybe_migrate(self, tables: list[BlockTable]) -> int:
+        """Quantize the blocks behind each table's hot tail once enough are due; return how many.
 
-        Call between steps (before a step's first write). Every table holding a
-        moved block is re-pointed to its cold id; the hot blocks go back to the pool.
+        Call between steps (before a step's first write). The blocks of all
+        ``tables`` move together: one pass re-points every table holding one,
+        one quantization per layer; the hot blocks go back to the pool.
         """
         q = self.quant
         if q is None or self.keys[0] is None:
             return 0
-        due = (min(table.lengths) - q.hot_tokens) // self.block_size - table.first
-        if due < q.migrate_blocks(self.block_size):
+        batch, due = q.migrate_blocks(self.block_size), []
+        for t in tables:
+            n = (min(t.lengths) - q.hot_tokens) // self.block_size - t.first
+            if n >= batch:
+                blocks = t.derived(
+                    "cold_due", (t.version, n), lambda t=t: self.cold_candidates(t, q.hot_tokens)
+                )
+                due += blocks if len(blocks) >= batch else []
+        if not due:
             return 0
-        indices = table.derived("cold_due", (table.version, due), lambda: self.cold_candidates(
-            table, q.hot_tokens
-        ))  # fmt: skip
-        if len(indices) < q.migrate_blocks(self.block_size):
-            return 0
-        moved = self.migrate(table, indices)
+        moved = self.migrate(due)
         if moved:
             self._quantize(list(moved), [new - COLD for new in moved.values()])
         return len(moved)
