@@ -5,7 +5,7 @@ kernels where one runs, else MLX's SDPA on gathered K/V); ``kernels`` holds the
 CUDA and Metal kernels and their MLX reference; ``records`` the shared records.
 """
 
-from .records import Fetched, PagedLayerCache, PagedView
+from .records import ColdView, Fetched, PagedLayerCache, PagedView
 from .routing import (
     ATTENTION_PATHS,
     KERNELS,
@@ -24,6 +24,7 @@ __all__ = [
     "ATTENTION_PATHS",
     "KERNELS",
     "READERS",
+    "ColdView",
     "Fetched",
     "PagedLayerCache",
     "PagedView",

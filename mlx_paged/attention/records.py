@@ -12,6 +12,28 @@ from typing import NamedTuple
 import mlx.core as mx
 
 
+class ColdView(NamedTuple):
+    """One layer's quantized blocks (mlx_paged's cold tier), in ``mx.quantize``'s format.
+
+    ``keys`` and ``values`` are (packed ``uint32`` values, scales, biases), each
+    ``(cold_blocks, block_size, n_kv_heads, ...)``. A block table entry
+    ``COLD + i`` (``mlx_paged.blocks.COLD``) names cold block ``i``.
+    """
+
+    keys: tuple[mx.array, mx.array, mx.array]
+    values: tuple[mx.array, mx.array, mx.array]
+    bits: int
+    group_size: int
+
+    def dequantized(self) -> tuple[mx.array, mx.array]:
+        """Every cold block as ``(cold_blocks, block_size, n_kv_heads, D)`` K and V."""
+        gs, bits = self.group_size, self.bits
+        return (
+            mx.dequantize(*self.keys, group_size=gs, bits=bits),
+            mx.dequantize(*self.values, group_size=gs, bits=bits),
+        )
+
+
 class PagedView(NamedTuple):
     """Where one layer's K/V lie in the blocks, for a batch of ``B`` sequences.
 
@@ -20,7 +42,9 @@ class PagedView(NamedTuple):
     A decode query of sequence ``b`` sits at position ``lengths[b] - 1`` and
     attends to positions ``max(starts[b], lengths[b] - window) .. lengths[b] - 1``
     (``window`` ``None`` means no limit). Rows of ``block_tables`` past a
-    sequence's last block hold arbitrary ids and must not be read.
+    sequence's last block hold arbitrary ids and must not be read. Entries of
+    ``COLD`` and above name blocks of ``cold`` (``None`` when no sequence of the
+    batch holds one).
 
     A named tuple: every layer of every decode step makes one, and a tuple is
     the cheapest immutable record to make.
@@ -32,6 +56,7 @@ class PagedView(NamedTuple):
     starts: mx.array  # (B,) int32, multiples of block_size
     lengths: mx.array  # (B,) int32
     window: int | None
+    cold: ColdView | None = None
 
     @property
     def block_size(self) -> int:

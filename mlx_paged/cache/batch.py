@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ..attention import Fetched, PagedLayerCache, PagedView, fused_read
+from ..attention import ColdView, Fetched, PagedLayerCache, PagedView, fused_read
 from ..blocks import BlockTable
 from ..storage import KVPool, take_blocks
 
@@ -62,7 +62,7 @@ class DecodeBatch:
         # Pad rows with a real id; the mask (and kernels, by ``lengths``) ignore them.
         table = [r + [r[-1] if r else 0] * (width - len(r)) for r in rows]
         self.block_tables = mx.array(table, dtype=mx.int32)  # (B, width)
-        # With cold blocks in any row, reads go through the tier plan and no kernel runs.
+        # With cold blocks in any row, gathers go through the tier plan.
         self.plan = pool.tier_plan(table) if any(map(pool.has_cold, tables)) else None
         self.starts = mx.array(starts, dtype=mx.int32)  # (B,)
         self.offset = mx.array(lengths, dtype=mx.int32)  # (B,) position of the first new token
@@ -170,7 +170,6 @@ class StepPagedKVCache(PagedLayerCache):
     def fetched(self, keys: mx.array, values: mx.array, mask: object) -> bool:
         """Whether attention got this layer's own K/V and a mask this batch made."""
         own = self._fetched is not None and self._fetched.matches(keys, values)
-        own = own and self.batch.plan is None  # kernels read hot blocks only
         own = own and mask is self.batch.masks.get(self.window)  # same window as the view
         self._fetched = None
         return own
@@ -178,6 +177,7 @@ class StepPagedKVCache(PagedLayerCache):
     def paged_view(self) -> PagedView:
         """Where this layer's K/V lie, for fused kernels."""
         b = self.batch
+        cold = self.pool.cold_arrays(self.layer) if b.plan is not None else None
         return PagedView(
             keys=self.pool.keys[self.layer],
             values=self.pool.values[self.layer],
@@ -185,6 +185,7 @@ class StepPagedKVCache(PagedLayerCache):
             starts=b.starts,
             lengths=b.lengths,
             window=self.window,
+            cold=None if cold is None else ColdView(*cold),
         )
 
     @property

@@ -13,7 +13,14 @@ from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import KVCache
 
-from ..attention import Fetched, PagedLayerCache, PagedView, fused_read, route_attention
+from ..attention import (
+    ColdView,
+    Fetched,
+    PagedLayerCache,
+    PagedView,
+    fused_read,
+    route_attention,
+)
 from ..blocks import COLD, HOLE, BlockTable, PagedCacheStats, is_cold
 from ..storage import KVPool, check_kv_quant
 from .batch_cache import PagedBatchKVCache
@@ -228,11 +235,9 @@ class PagedKVCache(PagedLayerCache, KVCache):
     def fetched(self, keys: mx.array, values: mx.array, mask: object) -> bool:
         """Whether attention got this layer's own K/V and mask, untouched by the model.
 
-        Only then, and with no cold block to dequantize, may a fused kernel read
-        the blocks instead.
+        Only then may a fused kernel read the blocks (either tier) instead.
         """
         own = self._fetched is not None and self._fetched.matches(keys, values)
-        own = own and not self.pool.has_cold(self.table)
         own = own and (mask is None or mask is self.table.mask)
         self._fetched = None
         return own
@@ -250,6 +255,7 @@ class PagedKVCache(PagedLayerCache, KVCache):
                 mx.array([self.offset], dtype=mx.int32),
             ),
         )
+        cold = p.cold_arrays(self.layer) if p.has_cold(t) else None
         return PagedView(
             keys=p.keys[self.layer],
             values=p.values[self.layer],
@@ -257,6 +263,7 @@ class PagedKVCache(PagedLayerCache, KVCache):
             starts=starts,
             lengths=lengths,
             window=self.window,
+            cold=None if cold is None else ColdView(*cold),
         )
 
     def gather_visible(self) -> tuple[mx.array, mx.array]:

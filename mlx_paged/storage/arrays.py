@@ -90,6 +90,15 @@ class LayerArrays(BlockTables):
             return False
         return table.derived("has_cold", (table.version,), lambda: any(map(is_cold, table.blocks)))
 
+    def cold_arrays(self, layer: int) -> tuple[Quantized, Quantized, int, int] | None:
+        """One layer's cold tier for kernels that read it directly: K's and V's (packed
+        words, scales, biases), the bits and the group size; ``None`` before its first
+        cold block."""
+        if self.cold is None or self.cold.keys[layer] is None:
+            return None
+        q = self.cold.quant
+        return self.cold.keys[layer], self.cold.values[layer], q.bits, q.group_size
+
     def block_rows(self, layer: int, ids: list[int]) -> tuple[mx.array, mx.array]:
         """Blocks ``ids`` (either tier) of one layer as ``(n, block_size, H, D)`` K and V.
 

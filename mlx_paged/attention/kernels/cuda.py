@@ -17,6 +17,10 @@ block writes a partial output with its max and sum; the last block of a
 and the sinks, so one launch does it all. Each launch zeroes its own counters
 (a fill in the same compiled graph), so launches that MLX runs concurrently, as
 independent nodes of one CUDA graph, never share them.
+
+The kernel body is ``paged_decode.kernel``, shared with the Metal kernel
+(``source.py``); with a cold tier (``PagedView.cold``) the same body reads
+quantized blocks directly.
 """
 
 from __future__ import annotations
@@ -32,11 +36,12 @@ from .plan import (
     LaunchCache,
     base_template,
     call_key,
+    cold_inputs,
     compiled_launch,
-    kernel_source,
     placeholder,
     plan_decode,
 )
+from .source import decode_source
 
 if TYPE_CHECKING:
     from ..records import PagedView
@@ -65,9 +70,12 @@ MAX_SPLITS = 32  # the merging block holds every split's weights (MAXS in the ke
 LOG2E = 1.4426950408889634
 
 # The kernel's source: a header (helpers) and the body MLX wraps in its generated signature.
-HEADER, DECODE_SOURCE = kernel_source("paged_decode.cu")
+HEADER, DECODE_SOURCE = decode_source("cuda", merge_inline=True)
 
-_INPUTS = ["queries", "keys", "values", "block_tables", "starts", "lengths", "sinks", "counters"]
+_INPUTS = [
+    *("queries", "keys", "values", "block_tables", "starts", "lengths", "sinks", "counters"),
+    *("cold_keys", "cold_kscales", "cold_kbiases", "cold_values", "cold_vscales", "cold_vbiases"),
+]
 _OUTPUTS = ["out", "part_out", "part_max", "part_sum"]
 _kernel_obj: list[object] = []
 
@@ -159,6 +167,8 @@ def _make_launch(
     wh, wr = warp_layout(groups, nw, hw)
     run = math.ceil(_span(view) / (S * wr))  # rows each warp walks
     base = rows or (ROWS_PER_STEP if run >= LONG_RUN else ROWS_PER_STEP_SHORT)
+    if view.cold is not None and not rows:
+        base = ROWS_PER_STEP_SHORT  # a cold row's scales and biases take registers too
     rs = rows_per_step(plan.dk, dv, view.keys.dtype.size, base)
     # Logits live in the log2 domain (exp2f), so the scale carries log2(e).
     template = base_template(plan, queries, view, has_sinks, scale * LOG2E)
@@ -172,10 +182,10 @@ def _make_launch(
     output_dtypes = [queries.dtype, mx.float32, mx.float32, mx.float32]
     slots = B * blocks if S > 1 else 0  # split counters: one per (sequence, block column)
 
-    def kernel_call(q, keys, values, tables, starts, lengths, sinks, no_counters):
+    def kernel_call(q, keys, values, tables, starts, lengths, sinks, no_counters, *cold):
         counters = mx.zeros((slots,), dtype=mx.int32) if slots else no_counters
         return _kernel()(
-            inputs=[q, keys, values, tables, starts, lengths, sinks, counters],
+            inputs=[q, keys, values, tables, starts, lengths, sinks, counters, *cold],
             template=template,
             grid=grid,
             threadgroup=threads,
@@ -195,6 +205,7 @@ def _make_launch(
             _as(view.lengths, mx.int32),
             placeholder(mx.float32) if sinks is None else _as(sinks, mx.float32),
             placeholder(mx.int32),  # the counters, when the launch has no splits
+            *cold_inputs(view),
         )
 
     return launch

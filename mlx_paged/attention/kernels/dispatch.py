@@ -49,9 +49,10 @@ def self_check(
 ) -> float:
     """Max abs difference of ``run`` against the reference on random inputs shaped like the call.
 
-    Uses the call's heads, head dims, dtypes, block size, window and scale, so
-    the variants compiled here are the ones the call will use; tries split-K
-    off and on. Raises whatever compiling or running the kernel raises.
+    Uses the call's heads, head dims, dtypes, block size, window, scale and
+    cold-tier format, so the variants compiled here are the ones the call will
+    use; tries split-K off and on. Raises whatever compiling or running the
+    kernel raises.
     """
     from .synthetic import random_paged_batch
 
@@ -69,6 +70,8 @@ def self_check(
         sinks=sinks is not None,
         first_blocks=[1, 0, 0],
         seed=7,
+        kv_bits=None if view.cold is None else view.cold.bits,
+        group_size=64 if view.cold is None else view.cold.group_size,
     )
     q = batch.queries.astype(queries.dtype)
     # The spec runs on the CPU: GPU float32 matmuls may round through TF32.
@@ -98,6 +101,7 @@ def _verified(backend: str, run: Runner, queries, view, scale, sinks) -> bool:
         view.window,
         sinks is not None,
         scale,
+        None if view.cold is None else (view.cold.bits, view.cold.group_size),
     )
     if variant not in _verdicts:
         tol = max(TOLERANCE[view.keys.dtype], TOLERANCE[queries.dtype])

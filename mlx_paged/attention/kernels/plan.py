@@ -5,7 +5,6 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
@@ -14,19 +13,7 @@ if TYPE_CHECKING:
     from ..records import PagedView
 
 FLOAT_TYPES = (mx.float16, mx.bfloat16, mx.float32)
-BODY_MARK = "// ---- body\n"
-
-
-def kernel_source(name: str) -> tuple[str, str]:
-    """``(header, body)`` of a kernel source file in this package, split at ``BODY_MARK``.
-
-    The header holds helpers and macros; MLX wraps the body in the kernel
-    signature it generates from the input and output names.
-    """
-    text = (Path(__file__).parent / name).read_text()
-    header, mark, body = text.partition(BODY_MARK)
-    assert mark, f"{name} has no {BODY_MARK.strip()!r} line between its header and body"
-    return header, body
+COLD_BITS = (4, 8)
 
 
 @dataclass
@@ -79,11 +66,43 @@ def plan_decode(queries: mx.array, view: PagedView, max_lanes_elems: int = 32) -
         return DecodePlan(reason=f"head dims {dk}/{dv} do not split into 16-byte lanes")
     if view.block_tables.ndim != 2 or view.block_tables.shape[0] != B:
         return DecodePlan(reason=f"block_tables {view.block_tables.shape} for batch {B}")
+    if view.cold is not None and (why := _cold_reason(view, dk, dv)):
+        return DecodePlan(reason=why)
     # Elements one lane holds per head: a 16-byte vector, more when a row exceeds 32 lanes.
     per_lane = max(vec, dk // 32, dv // 32)
     group = n_heads // n_kv
     hg = max(h for h in range(1, group + 1) if group % h == 0 and h * per_lane <= max_lanes_elems)
     return DecodePlan(B, n_heads, n_kv, group, hg, dk, dv)
+
+
+def _cold_reason(view: PagedView, dk: int, dv: int) -> str | None:
+    """Why the kernels cannot read this cold tier, or ``None``."""
+    cold = view.cold
+    if cold.bits not in COLD_BITS or cold.group_size % 32 or dk % cold.group_size:
+        return f"cold tier of {cold.bits} bits in groups of {cold.group_size}"
+    if dv % cold.group_size:
+        return f"cold tier groups of {cold.group_size} for v_head_dim {dv}"
+    for parts, d in ((cold.keys, dk), (cold.values, dv)):
+        words, scales, biases = parts
+        lead = words.shape[:3]
+        if words.dtype != mx.uint32 or words.shape[3] * 32 != d * cold.bits:
+            return f"cold words {words.shape} {words.dtype} for head dim {d}"
+        if lead[1:] != view.keys.shape[1:3] or scales.shape != biases.shape:
+            return f"cold blocks {lead} for a pool of {view.keys.shape}"
+        if scales.shape != (*lead, d // cold.group_size) or scales.dtype != view.keys.dtype:
+            return f"cold scales {scales.shape} {scales.dtype} for a {view.keys.dtype} pool"
+        if biases.dtype != scales.dtype:
+            return f"cold biases {biases.dtype}"
+    return None
+
+
+def cold_inputs(view: PagedView) -> list[mx.array]:
+    """The kernels' six cold-tier inputs: packed words, scales and biases of K, then V
+    (placeholders when the batch has no cold block)."""
+    if view.cold is None:
+        words, scale = placeholder(mx.uint32), placeholder(view.keys.dtype)
+        return [words, scale, scale, words, scale, scale]
+    return [*view.cold.keys, *view.cold.values]
 
 
 _placeholders: dict[mx.Dtype, mx.array] = {}
@@ -106,6 +125,7 @@ def base_template(
     plan: DecodePlan, queries: mx.array, view: PagedView, has_sinks: bool, scale: float
 ) -> list[tuple[str, object]]:
     """The template arguments both kernels take; ``scale`` is baked in as ``SCALE_BITS``."""
+    cold = view.cold
     return [
         ("T", view.keys.dtype),
         ("OT", queries.dtype),
@@ -119,14 +139,22 @@ def base_template(
         ("WINDOW", view.window or 0),
         ("SINKS", has_sinks),
         ("SCALE_BITS", float_bits(scale)),
+        ("QBITS", 0 if cold is None else cold.bits),
+        ("QGS", 32 if cold is None else cold.group_size),
     ]
 
 
 def call_key(
     queries: mx.array, view: PagedView, scale: float, sinks: mx.array | None, *tuning: object
 ) -> tuple:
-    """What a launch depends on: shapes, dtypes, window, sinks, scale and tuning overrides."""
+    """What a launch depends on: shapes, dtypes, window, sinks, scale, the cold tier's
+    format and size, and tuning overrides."""
     keys, values = view.keys, view.values
+    cold = (
+        None
+        if view.cold is None
+        else (view.cold.keys[0].shape, view.cold.bits, view.cold.group_size)
+    )
     return (
         queries.shape,
         queries.dtype,
@@ -138,6 +166,7 @@ def call_key(
         view.window,
         sinks is None,
         scale,
+        cold,
         *tuning,
     )
 

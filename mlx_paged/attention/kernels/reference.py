@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
+from ...blocks import COLD
+
 if TYPE_CHECKING:
     from ..records import PagedView
 
@@ -38,7 +40,7 @@ def reference_paged_decode(
         ``(B, n_heads, 1, v_head_dim)`` in ``queries.dtype``.
     """
     B, n_heads, _, dk = queries.shape
-    _, bs, n_kv, _ = view.keys.shape
+    num_hot, bs, n_kv, _ = view.keys.shape
     dv = view.values.shape[-1]
     group = n_heads // n_kv
     max_blocks = view.block_tables.shape[1]
@@ -48,6 +50,13 @@ def reference_paged_decode(
     needed = (view.lengths - view.starts + bs - 1) // bs  # (B,)
     cols = mx.arange(max_blocks)[None]  # (1, max_blocks)
     tables = mx.where(cols < needed[:, None], view.block_tables, 0)  # (B, max_blocks)
+    pools = (view.keys, view.values)
+    if view.cold is not None:  # cold block i follows the hot ones, dequantized
+        cold = view.cold.dequantized()
+        pools = tuple(
+            mx.concatenate([p, c.astype(p.dtype)]) for p, c in zip(pools, cold, strict=True)
+        )
+        tables = mx.where(tables >= COLD, tables - COLD + num_hot, tables)
 
     pos = view.starts[:, None] + mx.arange(T)[None]  # (B, T) token position of each slot
     lo, hi = visible_range(view)
@@ -59,8 +68,8 @@ def reference_paged_decode(
         # Unwritten slots may hold NaN/inf; zero them so 0 * garbage stays 0.
         return mx.where(valid[:, None, :, None], x, 0.0)
 
-    k = gather(view.keys, dk)  # (B, n_kv, T, dk)
-    v = gather(view.values, dv)  # (B, n_kv, T, dv)
+    k = gather(pools[0], dk)  # (B, n_kv, T, dk)
+    v = gather(pools[1], dv)  # (B, n_kv, T, dv)
     q = queries.astype(mx.float32).reshape(B, n_kv, group, dk)  # (B, n_kv, group, dk)
     scores = (q @ k.swapaxes(-1, -2)) * scale  # (B, n_kv, group, T)
     scores = mx.where(valid[:, None, None, :], scores, -mx.inf)

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ..records import PagedView
+from ...blocks import COLD
+from ..records import ColdView, PagedView
 
 
 @dataclass
@@ -34,6 +35,8 @@ def random_paged_batch(
     shuffle: bool = True,
     spare_blocks: int = 3,
     seed: int = 0,
+    kv_bits: int | None = None,
+    group_size: int = 64,
 ) -> PagedBatch:
     """Build a pool holding ``len(lengths)`` sequences in (optionally shuffled) blocks.
 
@@ -44,6 +47,9 @@ def random_paged_batch(
         shuffle: scatter blocks over the pool in random order (fragmentation).
         spare_blocks: unused blocks filled with huge values, so a kernel that
             reads outside the tables shows it.
+        kv_bits, group_size: with ``kv_bits``, two of every three blocks of a
+            sequence except its last move to a cold tier quantized this way; the
+            dense K/V hold their dequantized values and their hot copies garbage.
     """
     dv = dk if dv is None else dv
     B = len(lengths)
@@ -61,6 +67,12 @@ def random_paged_batch(
         keys[junk_ids] = mx.array(6e4, dtype=dtype)
         values[junk_ids] = mx.array(6e4, dtype=dtype)
     max_blocks = max(max(counts), 1)
+    cold_k: list = []
+    cold_v: list = []
+    if kv_bits and max(counts) < 2:  # no block to move: give the tier one unused block
+        for held, d in ((cold_k, dk), (cold_v, dv)):
+            zero = mx.zeros((block_size, n_kv_heads, d), dtype=dtype)
+            held.append(mx.quantize(zero, group_size=group_size, bits=kv_bits))
     tables, dense_k, dense_v, at = [], [], [], 0
     for n, f, c in zip(lengths, first_blocks, counts, strict=True):
         ids = order[at : at + c]
@@ -73,8 +85,20 @@ def random_paged_batch(
             keys[idx[-1], tail:] = mx.array(6e4, dtype=dtype)
             values[idx[-1], tail:] = mx.array(6e4, dtype=dtype)
         t = n - f * block_size
-        dense_k.append(keys[idx].reshape(-1, n_kv_heads, dk)[:t].swapaxes(0, 1)[None])
-        dense_v.append(values[idx].reshape(-1, n_kv_heads, dv)[:t].swapaxes(0, 1)[None])
+        bk, bv = keys[idx], values[idx]
+        picks = [j for j in range(c - 1) if j % 3 != 2] if kv_bits else []
+        for j in picks:
+            tables[-1][j] = COLD + len(cold_k)
+            for x, held in ((bk, cold_k), (bv, cold_v)):
+                parts = mx.quantize(x[j], group_size=group_size, bits=kv_bits)
+                held.append(parts)
+                x[j] = mx.dequantize(*parts, group_size=group_size, bits=kv_bits).astype(dtype)
+        if picks:  # the hot copies of cold blocks are never to be read
+            mx.eval(bk, bv)
+            keys[idx[mx.array(picks)]] = mx.array(6e4, dtype=dtype)
+            values[idx[mx.array(picks)]] = mx.array(6e4, dtype=dtype)
+        dense_k.append(bk.reshape(-1, n_kv_heads, dk)[:t].swapaxes(0, 1)[None])
+        dense_v.append(bv.reshape(-1, n_kv_heads, dv)[:t].swapaxes(0, 1)[None])
     view = PagedView(
         keys=keys,
         values=values,
@@ -82,11 +106,21 @@ def random_paged_batch(
         starts=mx.array([f * block_size for f in first_blocks], dtype=mx.int32),
         lengths=mx.array(lengths, dtype=mx.int32),
         window=window,
+        cold=_cold_view(cold_k, cold_v, kv_bits, group_size) if kv_bits else None,
     )
     queries = mx.random.normal((B, n_heads, 1, dk), key=kq).astype(dtype)
     sink_arr = mx.random.normal((n_heads,), key=ks) if sinks else None
     mx.eval(view.keys, view.values, queries, *dense_k, *dense_v)
     return PagedBatch(queries, view, sink_arr, dense_k, dense_v)
+
+
+def _cold_view(keys: list, values: list, bits: int, group_size: int) -> ColdView:
+    """The cold blocks stacked into a ``ColdView``."""
+
+    def stack(held: list) -> tuple[mx.array, mx.array, mx.array]:
+        return tuple(mx.stack([p[i] for p in held]) for i in range(3))
+
+    return ColdView(stack(keys), stack(values), bits, group_size)
 
 
 def dense_decode(batch: PagedBatch, scale: float) -> mx.array:

@@ -1,0 +1,269 @@
+"""One kernel body, two preludes: what each build may spell, that each build parses, and
+kernels reading the quantized cold tier directly (the reference on the CPU, the CUDA
+build on a GPU)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from test_kernels import cuda_only
+from test_parity import max_diff
+from tiny_models import VOCAB, tiny_model
+
+from mlx_paged import PagedEngine, make_paged_cache
+from mlx_paged.attention import routing, set_attention_path
+from mlx_paged.attention.kernels import source
+from mlx_paged.attention.kernels.cuda import paged_decode_cuda
+from mlx_paged.attention.kernels.plan import plan_decode
+from mlx_paged.attention.kernels.reference import reference_paged_decode
+from mlx_paged.attention.kernels.synthetic import dense_decode, random_paged_batch
+
+CUDA_ONLY = [
+    r"__\w+",  # __shfl_xor_sync, __syncthreads, __shared__, __ldcg, __half, ...
+    r"\bthreadIdx\b",
+    r"\bblockIdx\b",
+    r"\bgridDim\b",
+    r"\batomic\w*",
+    r"\bmake_uint4\b",
+    r"\bexp2f\b",
+    r"\bfmaxf\b",
+]
+METAL_ONLY = [
+    r"\bthreadgroup\b",
+    r"\bsimd\w*",
+    r"\bmetal::",
+    r"\bas_type\b",
+    r"\bdevice\b",
+    r"\bthread\b",
+    r"\bthread_index_in_threadgroup\b",
+    r"\bthreadgroup_position_in_grid\b",
+    r"\bmem_flags\b",
+]
+LAMBDA = r"\[[&=]?\]\s*\("
+
+
+def spelled(text: str, patterns: list[str]) -> list[str]:
+    """The matches of ``patterns`` in ``text``, comments left out."""
+    code = re.sub(r"//[^\n]*", "", text)
+    return [m for p in patterns for m in re.findall(p, code)]
+
+
+def test_the_body_uses_only_the_preludes_spellings():
+    body = "".join(source.sections("paged_decode.kernel").values())
+    assert spelled(body, CUDA_ONLY + METAL_ONLY + [LAMBDA]) == []
+    # Every PD_ name it uses is defined by both preludes.
+    used = set(re.findall(r"\bPD_[A-Z0-9_]+", re.sub(r"//[^\n]*", "", body))) - {"PD_COLD"}
+    for backend in source.BACKENDS:
+        defined = set(re.findall(r"#define (PD_\w+)", source.prelude(backend)["header"]))
+        assert used <= defined, (backend, used - defined)
+
+
+def test_each_build_spells_only_its_own_language():
+    for merge_inline in (True, False):
+        header, body = source.decode_source("cuda", merge_inline)
+        assert spelled(header + body, METAL_ONLY) == []
+    metal = [source.decode_source("metal", False), source.merge_source("metal")]
+    for header, body in metal:
+        assert spelled(header + body, CUDA_ONLY) == []
+        # MLX adds Metal's position attributes to the signature where the body names them.
+        assert "threadgroup_position_in_grid" in body
+
+
+def test_both_builds_run_the_same_body():
+    sections = source.sections("paged_decode.kernel")
+    cuda = source.decode_source("cuda", merge_inline=True)
+    metal = source.decode_source("metal", merge_inline=False)
+    merge = source.merge_source("metal")
+    for part in ("header",):
+        assert sections[part] in cuda[0] and sections[part] in metal[0]
+    assert sections["decode"] in cuda[1] and sections["decode"] in metal[1]
+    assert sections["merge"] in cuda[1] and sections["merge"] in merge[1]
+    assert sections["merge"] not in metal[1]  # Metal merges in a second launch
+    with pytest.raises(ValueError, match="backend"):
+        source.prelude("rocm")
+
+
+# ---- compiling the builds where a compiler is at hand ------------------------------
+
+TEMPLATE = (
+    "typename T, typename OT, int DK, int DV, int HQ, int HKV, int G, int HG, int BS, "
+    "int WINDOW, bool SINKS, int SCALE_BITS, int NW, int WH, int RS, bool PF, int QBITS, int QGS"
+)
+DECODE_INPUTS = [
+    *("queries:T", "keys:T", "values:T", "block_tables:int32_t", "starts:int32_t"),
+    *("lengths:int32_t", "sinks:float", "cold_keys:uint32_t", "cold_kscales:T"),
+    *("cold_kbiases:T", "cold_values:uint32_t", "cold_vscales:T", "cold_vbiases:T"),
+]
+DECODE_OUTPUTS = ["out:T", "part_out:float", "part_max:float", "part_sum:float"]
+MERGE_INPUTS = ["part_out:float", "part_max:float", "part_sum:float", "sinks:float"]
+
+
+def kernel_function(name, body, inputs, outputs, space="", attrs=(), qualifier=""):
+    """A templated function shaped like the one MLX generates around ``body``, and its
+    instantiation for the llama-1B shape. Names are ``name:type``; ``T`` stays the
+    template's."""
+    pairs = [(x.split(":")[0], x.split(":")[1]) for x in (*inputs, *outputs)]
+    params = [f"const {space}{t}* {n}" for n, t in pairs[: len(inputs)]]
+    params += [f"const int* {n}_shape" for n, _ in pairs[: len(inputs)]]
+    params += [f"{space}{t}* {n}" for n, t in pairs[len(inputs) :]]
+    params += list(attrs)
+    return f"template <{TEMPLATE}>\n{qualifier}void {name}({', '.join(params)}) {{\n{body}\n}}\n"
+
+
+def instantiation(
+    name, dtype, rows, prefetch, bits, warps, inputs, outputs, attrs=(), qualifier=""
+):
+    """The explicit instantiation of ``kernel_function(name, ...)`` for ``dtype``."""
+    args = f"{dtype}, {dtype}, 128, 128, 32, 8, 4, 4, 16, 0, true, 1000, {warps}, 1, {rows}, "
+    args += f"{str(prefetch).lower()}, {bits}, 64"
+    types = [f"const {x.split(':')[1]}*" for x in inputs] + ["const int*"] * len(inputs)
+    types += [f"{x.split(':')[1]}*" for x in outputs]
+    types += [a.split()[0] for a in attrs]
+    types = [t.replace("const T*", f"const {dtype}*").replace("T*", f"{dtype}*") for t in types]
+    return f"template {qualifier}void {name}<{args}>({', '.join(types)});\n"
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+@pytest.mark.parametrize("bits", [0, 4, 8])
+def test_the_metal_build_parses_as_cpp_with_metal_stand_ins(tmp_path, bits):
+    """Not a Metal compiler (none runs here): g++ with tests/metal_mock.h checks that the
+    Metal build is well-formed C++ with the prelude's spellings, for every tier."""
+    attrs = ["uint3 threadgroup_position_in_grid", "uint thread_index_in_threadgroup"]
+    attrs += ["uint3 threadgroups_per_grid"]
+    header, body = source.decode_source("metal", merge_inline=False)
+    _, merge = source.merge_source("metal")
+    code = Path(__file__).with_name("metal_mock.h").read_text() + header
+    code += kernel_function("decode", body, DECODE_INPUTS, DECODE_OUTPUTS, "device ", attrs)
+    code += kernel_function("merge", merge, MERGE_INPUTS, ["out:T"], "device ", attrs)
+    dtype = "float16_t"
+    code += instantiation("decode", dtype, 8, False, bits, 4, DECODE_INPUTS, DECODE_OUTPUTS, attrs)
+    code += instantiation("merge", dtype, 8, False, bits, 4, MERGE_INPUTS, ["out:T"], attrs)
+    path = tmp_path / "metal_build.cpp"
+    path.write_text(code)
+    cmd = ["g++", "-std=c++17", "-fsyntax-only", "-Wno-unknown-pragmas", str(path)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+def test_the_cuda_build_compiles_without_spilling(tmp_path):
+    """nvcc builds the CUDA kernel for the launch shapes cuda.py picks (16 rows per step
+    at full precision, 8 with a cold tier) with no register spills."""
+    header, body = source.decode_source("cuda", merge_inline=True)
+    inputs = [*DECODE_INPUTS[:7], "counters:int32_t", *DECODE_INPUTS[7:]]
+    code = "#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n#include <cstdint>\n" + header
+    code += kernel_function("decode", body, inputs, DECODE_OUTPUTS, qualifier="__global__ ")
+    for bits, rows in ((0, 16), (4, 8), (8, 8)):
+        code += instantiation(
+            "decode", "__half", rows, True, bits, 8, inputs, DECODE_OUTPUTS, qualifier="__global__ "
+        )
+    path = tmp_path / "cuda_build.cu"
+    path.write_text(code)
+    cmd = ["nvcc", "-arch=sm_90", "-c", str(path), "-o", str(tmp_path / "k.o"), "-Xptxas", "-v"]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    spills = re.findall(r"(\d+) bytes spill stores", done.stderr)
+    assert len(spills) == 3 and set(spills) == {"0"}, done.stderr[-3000:]
+
+
+# ---- kernels reading the cold tier -------------------------------------------------
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_the_reference_reads_cold_blocks_as_their_dequantized_values(bits):
+    batch = random_paged_batch([100, 33, 7], 8, 2, 128, 128, 16, kv_bits=bits, sinks=True)
+    cold = batch.view.cold
+    assert cold is not None and cold.keys[0].shape[0] == 5 + 1  # 4 of 7 blocks, 2 of 3
+    got = reference_paged_decode(batch.queries, batch.view, 0.1, batch.sinks)
+    # dense_decode reads the dequantized K/V; the hot copies of cold blocks hold 6e4.
+    assert max_diff(got, dense_decode(batch, 0.1)) < 1e-5
+
+
+def test_plan_declines_cold_tiers_the_kernels_cannot_read():
+    batch = random_paged_batch([40, 20], 4, 2, 64, 64, 16, kv_bits=4)
+    view, q = batch.view, batch.queries
+    assert plan_decode(q, view).reason is None
+    bad_bits = view._replace(cold=view.cold._replace(bits=3))
+    assert "cold tier" in plan_decode(q, bad_bits).reason
+    words, scales, biases = view.cold.keys
+    bad_dtype = view._replace(
+        cold=view.cold._replace(keys=(words, scales.astype(mx.float16), biases))
+    )
+    assert "cold scales" in plan_decode(q, bad_dtype).reason
+
+
+@pytest.fixture
+def recording_reference(monkeypatch):
+    """The reference as the only KERNELS entry, recording whether each view had cold blocks."""
+    seen = []
+
+    def reference(queries, view, scale, sinks):
+        seen.append(view.cold is not None)
+        return reference_paged_decode(queries, view, scale, sinks)
+
+    monkeypatch.setattr(routing, "KERNELS", [reference])
+    set_attention_path("auto")
+    yield seen
+    set_attention_path("auto")
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_caches_hand_kernels_their_cold_blocks(recording_reference, bits):
+    """Decode through a kernel that reads the cold tier gives the logits of the gather
+    path, which dequantizes the same blocks."""
+    model = tiny_model("llama", head_dim=64)
+    mx.random.seed(0)
+    prompt = mx.random.randint(0, VOCAB, (1, 120))
+    steps = mx.random.randint(0, VOCAB, (1, 6))
+    outs = {}
+    for path in ("gather", "auto"):
+        set_attention_path(path)
+        cache = make_paged_cache(model, block_size=8, kv_bits=bits, hot_tokens=16)
+        model(prompt, cache=cache)
+        outs[path] = mx.concatenate([model(steps[:, i : i + 1], cache=cache) for i in range(6)])
+    assert recording_reference.count(True) == 6 * len(cache)  # every layer, every step
+    assert max_diff(outs["gather"], outs["auto"]) < 1e-4
+
+
+def test_the_engines_decode_batches_hand_kernels_their_cold_blocks(recording_reference):
+    model = tiny_model("llama", head_dim=64)
+    prompts = [list(range(1 + s, 90 + 7 * s)) for s in range(3)]
+    results = {}
+    for path in ("gather", "auto"):
+        set_attention_path(path)
+        engine = PagedEngine(model, block_size=8, kv_bits=8, hot_tokens=16, max_batch_size=3)
+        results[path] = engine.generate(prompts, max_tokens=8)
+    assert any(recording_reference)
+    assert results["gather"] == results["auto"]
+
+
+@cuda_only
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize(
+    "config",
+    [
+        ([100, 33, 7], 8, 2, 128, 128, 16, None, True, None),
+        ([90, 45, 12], 4, 1, 64, 64, 8, 20, False, [8, 2, 0]),
+        ([70, 20], 6, 2, 128, 64, 16, None, True, None),
+    ],
+    ids=lambda c: f"L{c[0]}-d{c[3]}",
+)
+def test_cuda_kernel_reads_cold_blocks_like_the_reference(config, dtype, splits, bits):
+    lengths, hq, hkv, dk, dv, bs, window, sinks, first = config
+    batch = random_paged_batch(
+        lengths, hq, hkv, dk, dv, bs, dtype, window, sinks, first, kv_bits=bits
+    )
+    scale = dk**-0.5
+    with mx.stream(mx.cpu):
+        want = reference_paged_decode(batch.queries, batch.view, scale, batch.sinks)
+        want = want.astype(mx.float32)
+    got = paged_decode_cuda(batch.queries, batch.view, scale, batch.sinks, splits)
+    tol = {mx.float32: 1e-4, mx.float16: 4e-3, mx.bfloat16: 3e-2}[dtype]
+    assert max_diff(got.astype(mx.float32), want) <= tol
