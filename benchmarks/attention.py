@@ -17,6 +17,11 @@ turns:
 Also prints kernel/dense for both, the kernel's effective KV bandwidth (bytes of
 K+V read / per-call time) and the host time to build one call of each path.
 
+With ``--kv-bits 4|8`` every block but the last ``--hot-tokens`` of each
+sequence lies in the quantized cold tier, as ``kv_bits`` leaves a long sequence:
+the kernel reads them quantized, the gather path dequantizes them, and dense SDPA
+still reads float16.
+
 Run: ``python benchmarks/attention.py [--iters N] [--sweep FILE]``; ``--sweep`` also times
 the kernel's tuning variants (warps per block, rows per warp step, splits) in each cell,
 in graph, writes them all to FILE and prints the fastest.
@@ -29,8 +34,9 @@ import time
 
 import mlx.core as mx
 
-from mlx_paged.attention import PagedView
+from mlx_paged.attention import ColdView, PagedView
 from mlx_paged.attention.kernels.cuda import paged_decode_cuda
+from mlx_paged.blocks import COLD
 
 HQ, HKV, D, BS = 32, 8, 128, 16
 
@@ -115,12 +121,28 @@ def sweep(B: int, L: int, q, views, scale: float, want: mx.array, chain: int, ou
     return f"best: {best[1] if best else 'none'}"
 
 
-def paged_layer(B: int, L: int, dtype: mx.Dtype):
-    """Random contiguous K/V ``(B, HKV, L, D)`` and the same K/V in shuffled blocks."""
+def paged_layer(B: int, L: int, dtype: mx.Dtype, kv_bits: int | None = None, hot: int = 256):
+    """Random contiguous K/V ``(B, HKV, L, D)`` and the same K/V in shuffled blocks; with
+    ``kv_bits`` all but each sequence's last ``hot`` tokens' blocks quantized (logical
+    block ``i`` is cold block ``i``) and the contiguous K/V their dequantized values."""
     nblk = B * L // BS
     k = mx.random.normal((B, HKV, L, D)).astype(dtype)
     v = mx.random.normal((B, HKV, L, D)).astype(dtype)
     perm = mx.random.permutation(nblk).astype(mx.int32)  # logical block -> pool block
+    cold, table = None, perm.reshape(B, L // BS)
+    if kv_bits:
+        parts = []
+        for x in (k, v):
+            blocks = x.transpose(0, 2, 1, 3).reshape(nblk, BS, HKV, D)
+            parts.append(mx.quantize(blocks, group_size=64, bits=kv_bits))
+        cold = ColdView(parts[0], parts[1], kv_bits, 64)
+        deq = cold.dequantized()
+        k, v = (
+            mx.contiguous(d.astype(dtype).reshape(B, L, HKV, D).transpose(0, 2, 1, 3)) for d in deq
+        )
+        logical = mx.arange(nblk, dtype=mx.int32).reshape(B, L // BS)
+        is_cold = mx.arange(L // BS)[None] < (L - hot) // BS
+        table = mx.where(is_cold, logical + COLD, table)
 
     def to_pool(x: mx.array) -> mx.array:
         blocks = x.transpose(0, 2, 1, 3).reshape(nblk, BS, HKV, D)  # logical order
@@ -131,20 +153,30 @@ def paged_layer(B: int, L: int, dtype: mx.Dtype):
     view = PagedView(
         keys=to_pool(k),
         values=to_pool(v),
-        block_tables=perm.reshape(B, L // BS),
+        block_tables=table,
         starts=mx.zeros((B,), dtype=mx.int32),
         lengths=mx.full((B,), L, dtype=mx.int32),
         window=None,
+        cold=cold,
     )
-    mx.eval(k, v, view.keys, view.values, view.block_tables)
+    mx.eval(k, v, view.keys, view.values, view.block_tables, *(cold or ((), ()))[:2])
     return k, v, view
 
 
 def cell(
-    B: int, L: int, warmup: int, iters: int, rounds: int, chain: int, layers: int, sweep_out=None
+    B: int,
+    L: int,
+    warmup: int,
+    iters: int,
+    rounds: int,
+    chain: int,
+    layers: int,
+    sweep_out=None,
+    kv_bits: int | None = None,
+    hot: int = 256,
 ) -> str:
     dtype = mx.float16
-    sets = [paged_layer(B, L, dtype) for _ in range(layers)]
+    sets = [paged_layer(B, L, dtype, kv_bits, hot) for _ in range(layers)]
     k, v, view = sets[0]
     q = mx.random.normal((B, HQ, 1, D)).astype(dtype)
     scale = D**-0.5
@@ -157,12 +189,19 @@ def cell(
         return paged_decode_cuda(x, sets[i % layers][2], scale, None)
 
     def gather(x=q):
-        def read(pool):
-            y = pool[view.block_tables]  # (B, L/BS, BS, HKV, D)
+        def read(pool, cold):
+            table = view.block_tables
+            if cold is not None:  # dequantize the cold blocks, as the tiered read does
+                pool = mx.concatenate([pool, cold])
+                table = mx.where(table >= COLD, table - COLD + pool.shape[0] - cold.shape[0], table)
+            y = pool[table]  # (B, L/BS, BS, HKV, D)
             return y.reshape(B, L, HKV, D).transpose(0, 2, 1, 3)  # (B, HKV, L, D)
 
+        cold = [None, None]
+        if view.cold is not None:
+            cold = [c.astype(dtype) for c in view.cold.dequantized()]
         return mx.fast.scaled_dot_product_attention(
-            x, read(view.keys), read(view.values), scale=scale
+            x, read(view.keys, cold[0]), read(view.values, cold[1]), scale=scale
         )
 
     want = dense().astype(mx.float32)
@@ -175,7 +214,8 @@ def cell(
     b_k, b_d = build_us(kernel), build_us(dense)
     if sweep_out is not None:
         print(sweep(B, L, q, [s[2] for s in sets], scale, want, chain, sweep_out))
-    gbps = 2 * B * HKV * L * D * 2 / (t_k * 1e-3) / 1e9
+    row_bytes = D * 2 if kv_bits is None else D * kv_bits // 8 + 2 * 2 * D // 64
+    gbps = 2 * B * HKV * L * row_bytes / (t_k * 1e-3) / 1e9
     return (
         f"| {B:3d} | {L:6d} | {t_k:7.4f} | {t_d:7.4f} | {t_g:7.4f} | {t_k / t_d:5.2f} | "
         f"{g_k:7.4f} | {g_d:7.4f} | {g_k / g_d:5.2f} | {gbps:5.0f} | {b_k:4.1f} | {b_d:4.1f} | "
@@ -201,11 +241,16 @@ def main() -> None:
         help="in-graph calls rotate over this many K/V sets (as a model's layers do, so the "
         "K/V are not left in the GPU's L2 cache by the previous call)",
     )
+    ap.add_argument("--kv-bits", type=int, choices=(4, 8), help="quantize the old blocks")
+    ap.add_argument("--hot-tokens", type=int, default=256, help="tokens kept full precision")
     args = ap.parse_args()
     D = args.head_dim
     sweep_out = open(args.sweep, "w") if args.sweep else None  # noqa: SIM115
     info = mx.device_info().get("device_name", "")
-    print(f"device: {mx.default_device()} {info} head_dim={D} layers={args.layers}")
+    print(
+        f"device: {mx.default_device()} {info} head_dim={D} layers={args.layers} "
+        f"kv_bits={args.kv_bits} hot_tokens={args.hot_tokens if args.kv_bits else '-'}"
+    )
     print(
         "| B | L | per call: kernel ms | dense SDPA ms | gather+SDPA ms | kernel/dense "
         "| in graph: kernel ms | dense SDPA ms | kernel/dense | kernel GB/s "
@@ -215,7 +260,18 @@ def main() -> None:
     for B in args.batches:
         for L in args.lengths:
             print(
-                cell(B, L, args.warmup, args.iters, args.rounds, args.chain, args.layers, sweep_out)
+                cell(
+                    B,
+                    L,
+                    args.warmup,
+                    args.iters,
+                    args.rounds,
+                    args.chain,
+                    args.layers,
+                    sweep_out,
+                    args.kv_bits,
+                    args.hot_tokens,
+                )
             )
 
 

@@ -1,5 +1,6 @@
-"""GPU check: the fused paged decode kernel against the MLX reference, and the prefill
-block-read kernel against ``mx.take``, one line per config.
+"""GPU check: the fused paged decode kernel against the MLX reference (full precision,
+and with 4- and 8-bit cold tiers), and the prefill block-read kernel against
+``mx.take``, one line per config.
 
 Run on a CUDA machine from the repo root: ``python benchmarks/kernel_check.py``.
 Exits non-zero if any config exceeds its tolerance.
@@ -8,6 +9,7 @@ Exits non-zero if any config exceeds its tolerance.
 from __future__ import annotations
 
 import sys
+from itertools import product
 
 import mlx.core as mx
 
@@ -37,33 +39,33 @@ DTYPES = [mx.float32, mx.float16, mx.bfloat16]
 
 def main() -> int:
     failures, n = 0, 0
-    for shape in SHAPES:
+    for shape, dtype, bits in product(SHAPES, DTYPES, (None, 4, 8)):
         lengths, hq, hkv, dk, dv, bs, window, sinks, first = shape
-        for dtype in DTYPES:
-            batch = random_paged_batch(
-                lengths, hq, hkv, dk, dv, bs, dtype, window, sinks, first, seed=n
+        batch = random_paged_batch(
+            lengths, hq, hkv, dk, dv, bs, dtype, window, sinks, first, seed=n, kv_bits=bits
+        )
+        scale = dk**-0.5
+        # On the GPU float32 matmuls may use TF32: compute the spec on the CPU.
+        with mx.stream(mx.cpu):
+            ref = reference_paged_decode(batch.queries, batch.view, scale, batch.sinks)
+            ref = ref.astype(mx.float32)
+            mx.eval(ref)
+        dense = dense_decode(batch, scale).astype(mx.float32)
+        for splits in (1, None, 7):
+            out = paged_decode_cuda(batch.queries, batch.view, scale, batch.sinks, splits)
+            assert out is not None, f"kernel declined {shape}"
+            diff = mx.abs(out.astype(mx.float32) - ref.astype(mx.float32)).max().item()
+            dd = mx.abs(out.astype(mx.float32) - dense).max().item()
+            ok = diff <= TOL[dtype] and not (diff != diff)
+            failures += not ok
+            n += 1
+            print(
+                f"{'ok  ' if ok else 'FAIL'} lengths={lengths} hq={hq} hkv={hkv} dk={dk} "
+                f"dv={dv} bs={bs} window={window} sinks={sinks} first={first} "
+                f"{str(dtype).split('.')[-1]} kv_bits={bits} splits={splits}: "
+                f"max|kernel-ref|={diff:.3g} "
+                f"max|kernel-sdpa|={dd:.3g}"
             )
-            scale = dk**-0.5
-            # On the GPU float32 matmuls may use TF32: compute the spec on the CPU.
-            with mx.stream(mx.cpu):
-                ref = reference_paged_decode(batch.queries, batch.view, scale, batch.sinks)
-                ref = ref.astype(mx.float32)
-                mx.eval(ref)
-            dense = dense_decode(batch, scale).astype(mx.float32)
-            for splits in (1, None, 7):
-                out = paged_decode_cuda(batch.queries, batch.view, scale, batch.sinks, splits)
-                assert out is not None, f"kernel declined {shape}"
-                diff = mx.abs(out.astype(mx.float32) - ref.astype(mx.float32)).max().item()
-                dd = mx.abs(out.astype(mx.float32) - dense).max().item()
-                ok = diff <= TOL[dtype] and not (diff != diff)
-                failures += not ok
-                n += 1
-                print(
-                    f"{'ok  ' if ok else 'FAIL'} lengths={lengths} hq={hq} hkv={hkv} dk={dk} "
-                    f"dv={dv} bs={bs} window={window} sinks={sinks} first={first} "
-                    f"{str(dtype).split('.')[-1]} splits={splits}: max|kernel-ref|={diff:.3g} "
-                    f"max|kernel-sdpa|={dd:.3g}"
-                )
     for check in (concurrent_launches, block_reads):
         ok, total = check()
         failures += total - ok
