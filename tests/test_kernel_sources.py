@@ -53,8 +53,9 @@ def spelled(text: str, patterns: list[str]) -> list[str]:
     return [m for p in patterns for m in re.findall(p, code)]
 
 
-def test_the_body_uses_only_the_preludes_spellings():
-    body = "".join(source.sections("paged_decode.kernel").values())
+@pytest.mark.parametrize("name", ["paged_decode.kernel", "block_read.kernel"])
+def test_the_body_uses_only_the_preludes_spellings(name):
+    body = "".join(source.sections(name).values())
     assert spelled(body, CUDA_ONLY + METAL_ONLY + [LAMBDA]) == []
     # Every PD_ name it uses is defined by both preludes.
     used = set(re.findall(r"\bPD_[A-Z0-9_]+", re.sub(r"//[^\n]*", "", body))) - {"PD_COLD"}
@@ -67,7 +68,10 @@ def test_each_build_spells_only_its_own_language():
     for merge_inline in (True, False):
         header, body = source.decode_source("cuda", merge_inline)
         assert spelled(header + body, METAL_ONLY) == []
+    header, body = source.block_read_source("cuda")
+    assert spelled(header + body, METAL_ONLY) == []
     metal = [source.decode_source("metal", False), source.merge_source("metal")]
+    metal.append(source.block_read_source("metal"))
     for header, body in metal:
         assert spelled(header + body, CUDA_ONLY) == []
         # MLX adds Metal's position attributes to the signature where the body names them.
@@ -84,6 +88,10 @@ def test_both_builds_run_the_same_body():
     assert sections["decode"] in cuda[1] and sections["decode"] in metal[1]
     assert sections["merge"] in cuda[1] and sections["merge"] in merge[1]
     assert sections["merge"] not in metal[1]  # Metal merges in a second launch
+    read = source.sections("block_read.kernel")
+    for backend in source.BACKENDS:
+        header, body = source.block_read_source(backend)
+        assert read["header"] in header and read["copy"] in body
     with pytest.raises(ValueError, match="backend"):
         source.prelude("rocm")
 
@@ -128,13 +136,26 @@ def instantiation(
     return f"template {qualifier}void {name}<{args}>({', '.join(types)});\n"
 
 
+def read_function(body, space="", attrs=(), qualifier=""):
+    """The block-read kernel as MLX would wrap it, instantiated for float16 rows of 128."""
+    params = [f"const {space}T* keys", f"const {space}T* values", f"const {space}int* slots"]
+    params += ["const int* keys_shape", "const int* values_shape", "const int* slots_shape"]
+    params += [f"{space}T* k_out", f"{space}T* v_out", *attrs]
+    code = "template <typename T, int HK, int CK, int HV, int CV, int U>\n"
+    code += f"{qualifier}void block_read({', '.join(params)}) {{\n{body}\n}}\n"
+    types = [p.rsplit(" ", 1)[0].replace("T*", "float*") for p in params]
+    return (
+        code + f"template {qualifier}void block_read<float, 8, 16, 8, 16, 4>({', '.join(types)});\n"
+    )
+
+
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
 @pytest.mark.parametrize("bits", [0, 4, 8])
 def test_the_metal_build_parses_as_cpp_with_metal_stand_ins(tmp_path, bits):
     """Not a Metal compiler (none runs here): g++ with tests/metal_mock.h checks that the
     Metal build is well-formed C++ with the prelude's spellings, for every tier."""
     attrs = ["uint3 threadgroup_position_in_grid", "uint thread_index_in_threadgroup"]
-    attrs += ["uint3 threadgroups_per_grid"]
+    attrs += ["uint3 threadgroups_per_grid", "uint3 threads_per_threadgroup"]
     header, body = source.decode_source("metal", merge_inline=False)
     _, merge = source.merge_source("metal")
     code = Path(__file__).with_name("metal_mock.h").read_text() + header
@@ -143,6 +164,10 @@ def test_the_metal_build_parses_as_cpp_with_metal_stand_ins(tmp_path, bits):
     dtype = "float16_t"
     code += instantiation("decode", dtype, 8, False, bits, 4, DECODE_INPUTS, DECODE_OUTPUTS, attrs)
     code += instantiation("merge", dtype, 8, False, bits, 4, MERGE_INPUTS, ["out:T"], attrs)
+    read_header, read_body = source.block_read_source("metal")
+    read_header = read_header.split("// ---- header", 1)[-1]
+    code += read_header[read_header.index("template <int H") :]
+    code += read_function(read_body, "device ", attrs)
     path = tmp_path / "metal_build.cpp"
     path.write_text(code)
     cmd = ["g++", "-std=c++17", "-fsyntax-only", "-Wno-unknown-pragmas", str(path)]
@@ -152,8 +177,8 @@ def test_the_metal_build_parses_as_cpp_with_metal_stand_ins(tmp_path, bits):
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 def test_the_cuda_build_compiles_without_spilling(tmp_path):
-    """nvcc builds the CUDA kernel for the launch shapes cuda.py picks (16 rows per step
-    at full precision, 8 with a cold tier) with no register spills."""
+    """nvcc builds the CUDA decode kernel for the launch shapes cuda.py picks (16 rows per
+    step at full precision, 8 with a cold tier) and the block read, with no register spills."""
     header, body = source.decode_source("cuda", merge_inline=True)
     inputs = [*DECODE_INPUTS[:7], "counters:int32_t", *DECODE_INPUTS[7:]]
     code = "#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n#include <cstdint>\n" + header
@@ -162,13 +187,16 @@ def test_the_cuda_build_compiles_without_spilling(tmp_path):
         code += instantiation(
             "decode", "__half", rows, True, bits, 8, inputs, DECODE_OUTPUTS, qualifier="__global__ "
         )
+    read_header, read_body = source.block_read_source("cuda")
+    code += read_header[read_header.index("template <int H") :]
+    code += read_function(read_body, qualifier="__global__ ")
     path = tmp_path / "cuda_build.cu"
     path.write_text(code)
     cmd = ["nvcc", "-arch=sm_90", "-c", str(path), "-o", str(tmp_path / "k.o"), "-Xptxas", "-v"]
     done = subprocess.run(cmd, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     spills = re.findall(r"(\d+) bytes spill stores", done.stderr)
-    assert len(spills) == 3 and set(spills) == {"0"}, done.stderr[-3000:]
+    assert len(spills) == 4 and set(spills) == {"0"}, done.stderr[-3000:]  # 3 decodes, 1 read
 
 
 # ---- kernels reading the cold tier -------------------------------------------------

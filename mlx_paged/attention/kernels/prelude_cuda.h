@@ -22,6 +22,7 @@ PD_INLINE float pd_float(__nv_bfloat16 x) { return __bfloat162float(x); }
   const int pd_tid = threadIdx.x;
   const int pd_group_x = blockIdx.x, pd_group_y = blockIdx.y, pd_group_z = blockIdx.z;
   const int pd_groups_x = gridDim.x, pd_groups_z = gridDim.z;
+  const int pd_threads_x = blockDim.x;
 // ---- publish
   // Publish this split's partial; the last split of the (sequence, head group) to finish
   // merges them all in this launch. Each launch zeroes its own counters.

@@ -24,3 +24,4 @@ PD_INLINE float pd_float(X x) { return float(x); }
   const int pd_group_y = int(threadgroup_position_in_grid.y);
   const int pd_group_z = int(threadgroup_position_in_grid.z);
   const int pd_groups_x = int(threadgroups_per_grid.x), pd_groups_z = int(threadgroups_per_grid.z);
+  const int pd_threads_x = int(threads_per_threadgroup.x);

@@ -5,7 +5,8 @@ from the blocks. MLX's generic gather moves one element per thread through a
 full index computation; measured on an H100 it read about 0.1 TB/s (0.08 ms per
 layer for 4608 tokens of 8 heads x 64, where this kernel takes 0.017 ms). These
 kernels copy the same bytes with 16-byte moves, K and V in one launch, each
-thread issuing several loads before it stores.
+thread issuing several loads before it stores. CUDA and Metal build the same
+body (``block_read.kernel``, see ``source.py``).
 
 ``slots[b, t]`` is the pool slot (``block * block_size + offset``) of token
 ``t`` of sequence ``b``; the pool arrays are in layout A, ``(num_blocks,
@@ -21,88 +22,10 @@ from __future__ import annotations
 import mlx.core as mx
 
 from .plan import FLOAT_TYPES
+from .source import block_read_source
 
 THREADS = 256  # threads per block
 UNROLL = 4  # 16-byte moves per thread, loads issued before stores
-
-# Sequence b's chunk e = (token, head, 16-byte chunk) of the H * C per token: the
-# loads of UNROLL chunks go out before any store, so each thread keeps several in flight.
-CUDA_HEADER = r"""
-template <int H, int C, int U>
-__device__ __forceinline__ void br_copy(
-    const void* pool, void* out, const int32_t* slots, int b, int n, long first, int stride) {
-  const uint4* src = reinterpret_cast<const uint4*>(pool);
-  uint4* dst = reinterpret_cast<uint4*>(out) + (long)b * H * n * C;
-  const long total = (long)n * H * C;
-  uint4 buf[U];
-#pragma unroll
-  for (int j = 0; j < U; ++j) {
-    const long e = first + (long)j * stride;
-    if (e < total) {
-      const long t = e / (H * C);
-      buf[j] = src[(long)slots[(long)b * n + t] * (H * C) + (e - t * (H * C))];
-    }
-  }
-#pragma unroll
-  for (int j = 0; j < U; ++j) {
-    const long e = first + (long)j * stride;
-    if (e < total) {
-      const long t = e / (H * C);
-      const int r = int(e - t * (H * C)), h = r / C, c = r - h * C;
-      dst[((long)h * n + t) * C + c] = buf[j];
-    }
-  }
-}
-"""
-
-CUDA_SOURCE = r"""
-  const int n = slots_shape[1], b = blockIdx.y;
-  const long first = (long)blockIdx.x * blockDim.x * U + threadIdx.x;
-  if (blockIdx.z == 0) {
-    br_copy<HK, CK, U>(keys, k_out, slots, b, n, first, blockDim.x);
-  } else {
-    br_copy<HV, CV, U>(values, v_out, slots, b, n, first, blockDim.x);
-  }
-"""
-
-METAL_HEADER = r"""
-template <int H, int C, int U>
-void br_copy(const device uint4* src, device uint4* dst, const device int32_t* slots,
-             int b, int n, long first, int stride) {
-  dst += long(b) * H * n * C;
-  const long total = long(n) * H * C;
-  uint4 buf[U];
-  for (int j = 0; j < U; ++j) {
-    const long e = first + long(j) * stride;
-    if (e < total) {
-      const long t = e / (H * C);
-      buf[j] = src[long(slots[long(b) * n + t]) * (H * C) + (e - t * (H * C))];
-    }
-  }
-  for (int j = 0; j < U; ++j) {
-    const long e = first + long(j) * stride;
-    if (e < total) {
-      const long t = e / (H * C);
-      const int r = int(e - t * (H * C)), h = r / C, c = r - h * C;
-      dst[(long(h) * n + t) * C + c] = buf[j];
-    }
-  }
-}
-"""
-
-METAL_SOURCE = r"""
-  const int n = int(slots_shape[1]), b = int(threadgroup_position_in_grid.y);
-  const int stride = int(threads_per_threadgroup.x);
-  const long first = long(threadgroup_position_in_grid.x) * stride * U
-      + long(thread_position_in_threadgroup.x);
-  if (threadgroup_position_in_grid.z == 0) {
-    br_copy<HK, CK, U>(reinterpret_cast<const device uint4*>(keys),
-                       reinterpret_cast<device uint4*>(k_out), slots, b, n, first, stride);
-  } else {
-    br_copy<HV, CV, U>(reinterpret_cast<const device uint4*>(values),
-                       reinterpret_cast<device uint4*>(v_out), slots, b, n, first, stride);
-  }
-"""
 
 _kernels: dict[str, object] = {}
 
@@ -110,9 +33,7 @@ _kernels: dict[str, object] = {}
 def _kernel(backend: str) -> object:
     if backend not in _kernels:
         make = mx.fast.cuda_kernel if backend == "cuda" else mx.fast.metal_kernel
-        header, source = (
-            (CUDA_HEADER, CUDA_SOURCE) if backend == "cuda" else (METAL_HEADER, METAL_SOURCE)
-        )
+        header, source = block_read_source(backend)
         _kernels[backend] = make(
             "paged_block_read",
             ["keys", "values", "slots"],

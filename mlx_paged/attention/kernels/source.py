@@ -1,9 +1,9 @@
 """Kernel sources: one backend-neutral body per kernel, built for CUDA or Metal by a prelude.
 
-A body (``paged_decode.kernel``) is written only in the ``PD_`` spellings that
-``prelude_cuda.h`` and ``prelude_metal.h`` define (thread and group indices,
-warp shuffles, barriers, shared memory, address spaces, math) and in the C++
-the two languages share. The CUDA build is what ``kernel_check`` and the GPU
+A body (``paged_decode.kernel``, ``block_read.kernel``) is written only in the
+``PD_`` spellings that ``prelude_cuda.h`` and ``prelude_metal.h`` define (thread
+and group indices, warp shuffles, barriers, shared memory, address spaces,
+math) and in the C++ the two languages share. The CUDA build is what ``kernel_check`` and the GPU
 tests run; the Metal build differs from it only by its prelude.
 
 Files are cut into sections by ``// ---- name`` lines. A prelude has a
@@ -57,6 +57,12 @@ def decode_source(backend: str, merge_inline: bool) -> tuple[str, str]:
     if merge_inline:
         source += pre["publish"] + body["merge"]
     return header, source
+
+
+def block_read_source(backend: str) -> tuple[str, str]:
+    """``(header, body)`` of the prefill block-read kernel for ``backend``."""
+    pre, body = prelude(backend), sections("block_read.kernel")
+    return pre["header"] + body["header"], pre["indices"] + body["copy"]
 
 
 def merge_source(backend: str) -> tuple[str, str]:
