@@ -95,8 +95,9 @@ def random_paged_batch(
                 x[j] = mx.dequantize(*parts, group_size=group_size, bits=kv_bits).astype(dtype)
         if picks:  # the hot copies of cold blocks are never to be read
             mx.eval(bk, bv)
-            keys[idx[mx.array(picks)]] = mx.array(6e4, dtype=dtype)
-            values[idx[mx.array(picks)]] = mx.array(6e4, dtype=dtype)
+            moved = idx[mx.array(picks)]
+            keys[moved] = mx.array(6e4, dtype=dtype)
+            values[moved] = mx.array(6e4, dtype=dtype)
         dense_k.append(bk.reshape(-1, n_kv_heads, dk)[:t].swapaxes(0, 1)[None])
         dense_v.append(bv.reshape(-1, n_kv_heads, dv)[:t].swapaxes(0, 1)[None])
     view = PagedView(
