@@ -5,13 +5,14 @@ kernels where one runs, else MLX's SDPA on gathered K/V); ``kernels`` holds the
 CUDA and Metal kernels and their MLX reference; ``records`` the shared records.
 """
 
-from .records import ColdView, Fetched, PagedLayerCache, PagedView
+from .records import ColdView, Fetched, PagedLayerCache, PagedView, stand_ins, table_width
 from .routing import (
     ATTENTION_PATHS,
     KERNELS,
     READERS,
     attention_path,
     fused_read,
+    kernels_ready,
     paged_attention,
     path_counts,
     read_counts,
@@ -30,10 +31,13 @@ __all__ = [
     "PagedView",
     "attention_path",
     "fused_read",
+    "kernels_ready",
     "paged_attention",
     "path_counts",
     "read_counts",
     "route_attention",
     "scaled_dot_product_attention",
     "set_attention_path",
+    "stand_ins",
+    "table_width",
 ]

@@ -42,7 +42,8 @@ class PagedView(NamedTuple):
     A decode query of sequence ``b`` sits at position ``lengths[b] - 1`` and
     attends to positions ``max(starts[b], lengths[b] - window) .. lengths[b] - 1``
     (``window`` ``None`` means no limit). Rows of ``block_tables`` past a
-    sequence's last block hold arbitrary ids and must not be read. Entries of
+    sequence's last block hold arbitrary ids and must not be read; caches pad
+    the width to ``table_width(blocks)`` so kernels see few distinct shapes. Entries of
     ``COLD`` and above name blocks of ``cold`` (``None`` when no sequence of the
     batch holds one).
 
@@ -95,3 +96,32 @@ class PagedLayerCache:
     def paged_view(self) -> PagedView:
         """Where this layer's K/V lie in the blocks, for fused kernels."""
         raise NotImplementedError
+
+    def deferred_read(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array] | None:
+        """The real K/V if ``keys``/``values`` are stand-ins this cache returned, else ``None``.
+
+        A cache may return stand-ins (``stand_ins``) for a decode step's K/V while a
+        fused kernel is expected to read the blocks itself (``routing.kernels_ready``);
+        attention asks here before any other path reads them.
+        """
+        return None
+
+
+def table_width(blocks: int) -> int:
+    """The width of a ``PagedView.block_tables`` that holds ``blocks``: the next power of two.
+
+    Every distinct width is another launch shape for the fused kernels (a
+    trace and a compiled graph); powers of two bound them by log2 of the
+    longest table.
+    """
+    return 1 << max(0, blocks - 1).bit_length()
+
+
+def stand_ins(shape_k: tuple[int, ...], shape_v: tuple[int, ...], dtype: mx.Dtype):
+    """Unevaluated arrays of K/V's shapes and dtype that hold no data of their own.
+
+    What a cache returns for a decode step whose read it defers: attention
+    recognises them by identity and a fused kernel reads the blocks instead.
+    """
+    zero = mx.zeros((1, 1, 1, 1), dtype=dtype)
+    return mx.broadcast_to(zero, shape_k), mx.broadcast_to(zero, shape_v)

@@ -13,6 +13,13 @@ when none takes it: ``update_and_fetch`` already returned the layer's K/V
 gathered from the blocks, and MLX's SDPA runs on them. Calls whose K/V the
 model transformed (MLA) or whose mask it edited always take the gather path.
 
+A decode step of a cache whose pool ``defer_reads`` (the model hands K/V
+straight to attention) returns stand-ins instead of gathering K/V, while
+``kernels_ready()`` says a kernel may take the call: building the gather costs
+host time on every layer of every token, and the kernel never evaluates it. If
+no kernel takes the call after all, attention reads the real K/V then
+(``PagedLayerCache.deferred_read``).
+
 Which path runs is chosen by ``set_attention_path`` or the environment variable
 ``MLX_PAGED_ATTENTION``: ``auto`` (default: fused kernels where the device has
 one and it passed its self-check), ``kernel`` (always offer eligible calls to
@@ -97,6 +104,26 @@ def attention_path() -> str:
     return _path
 
 
+_ready: dict[tuple, bool] = {}
+
+
+def kernels_ready() -> bool:
+    """Whether a decode call may go to a fused kernel: the path is not ``"gather"`` and
+    an entry of ``KERNELS`` runs on the default device (its ``available()``, if it has one)."""
+    if _path == "gather" or not KERNELS:
+        return False
+    key = (mx.default_device(), *map(id, KERNELS))
+    ready = _ready.get(key)
+    if ready is None:
+        ready = _ready[key] = any(_available(k) for k in KERNELS)
+    return ready
+
+
+def _available(kernel: Callable) -> bool:
+    available = getattr(kernel, "available", None)
+    return available is None or bool(available())
+
+
 def _warn_no_kernel() -> None:
     global _warned_no_kernel
     if not _warned_no_kernel:
@@ -138,6 +165,7 @@ def paged_attention(
                 return out
         if _path == "kernel":
             _warn_no_kernel()
+    keys, values = cache.deferred_read(keys, values) or (keys, values)
     path_counts["gather"] += 1
     return mx.fast.scaled_dot_product_attention(
         queries, keys, values, scale=scale, mask=mask, sinks=sinks

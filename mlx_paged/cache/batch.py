@@ -13,7 +13,16 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ..attention import ColdView, Fetched, PagedLayerCache, PagedView, fused_read
+from ..attention import (
+    ColdView,
+    Fetched,
+    PagedLayerCache,
+    PagedView,
+    fused_read,
+    kernels_ready,
+    stand_ins,
+    table_width,
+)
 from ..blocks import BlockTable
 from ..storage import KVPool, take_blocks
 
@@ -62,6 +71,7 @@ class DecodeBatch:
         # Pad rows with a real id; the mask (and kernels, by ``lengths``) ignore them.
         table = [r + [r[-1] if r else 0] * (width - len(r)) for r in rows]
         self.block_tables = mx.array(table, dtype=mx.int32)  # (B, width)
+        self._rows = table
         # With cold blocks in any row, gathers go through the tier plan.
         self.plan = pool.tier_plan(table) if any(map(pool.has_cold, tables)) else None
         self.starts = mx.array(starts, dtype=mx.int32)  # (B,)
@@ -82,6 +92,8 @@ class DecodeBatch:
         self.width = width * bs
         self.masks: dict[int | None, mx.array] = {}
         self._slots: mx.array | None = None
+        self._stand_ins: dict[tuple, tuple[mx.array, mx.array]] = {}
+        self._view_tables: mx.array | None = None
 
     def write(self, pool: mx.array, new: mx.array) -> None:
         """Store ``(B, n_new, H, D)`` new K or V in a layer's pool array, real tokens only."""
@@ -112,6 +124,22 @@ class DecodeBatch:
             self._slots = ids.reshape(len(self.tables), -1)
         return self._slots
 
+    @property
+    def view_tables(self) -> mx.array:
+        """``block_tables`` padded to ``table_width`` for kernels (made once per step)."""
+        if self._view_tables is None:
+            w = table_width(len(self._rows[0]))
+            self._view_tables = mx.array([r + r[-1:] * (w - len(r)) for r in self._rows], mx.int32)
+        return self._view_tables
+
+    def stand_ins(self, h: int, dk: int, dv: int, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
+        """``(B, h, width, dk|dv)`` stand-ins for deferred reads, made once per step."""
+        key = (h, dk, dv, dtype)
+        if key not in self._stand_ins:
+            b, t = len(self.tables), self.width
+            self._stand_ins[key] = stand_ins((b, h, t, dk), (b, h, t, dv), dtype)
+        return self._stand_ins[key]
+
     def finish(self) -> None:
         """Record the step's tokens in every table (after the forward)."""
         for t in self.tables:
@@ -125,6 +153,7 @@ class StepPagedKVCache(PagedLayerCache):
     def __init__(self, pool: KVPool, batch: DecodeBatch, layer: int, window: int | None = None):
         self.pool, self.batch, self.layer, self.window = pool, batch, layer, window
         self._fetched: Fetched | None = None
+        self._deferred: Fetched | None = None  # stand-ins returned for a deferred read
 
     @property
     def offset(self) -> mx.array:
@@ -138,25 +167,42 @@ class StepPagedKVCache(PagedLayerCache):
             raise ValueError(
                 f"this batch takes (B={len(b.tables)}, H, {b.n_new}, D) K/V; got {keys.shape}."
             )
-        self._fetched = None
+        self._fetched = self._deferred = None
         p, layer = self.pool, self.layer
         p.check_write(layer, keys[:1], values[:1])
         k = p.to_storage(keys.swapaxes(1, 2))  # (B, n_new, H, D)
         v = p.to_storage(values.swapaxes(1, 2))
         b.write(p.keys[layer], k)
         b.write(p.values[layer], v)
-        dtype = p.input_dtypes[layer]
-        # A prefill step's attention reads the gathered K/V: let a device kernel copy them.
-        # A decode step's fused kernel reads the blocks itself and leaves them unevaluated.
+        if b.n_new == 1 and p.defer_reads and kernels_ready():
+            # A fused kernel will read the blocks itself: no gather to build.
+            dtype = p.input_dtypes[layer]
+            keys, values = b.stand_ins(keys.shape[1], keys.shape[3], values.shape[3], dtype)
+            self._deferred = Fetched(keys, values)
+        else:
+            keys, values = self._read()
+        self._fetched = Fetched(keys, values)
+        return keys, values
+
+    def deferred_read(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array] | None:
+        """The gathered K/V, if ``keys``/``values`` are this step's stand-ins."""
+        if self._deferred is None or not self._deferred.matches(keys, values):
+            return None
+        return self._read()
+
+    def _read(self) -> tuple[mx.array, mx.array]:
+        """``(B, H, width, D)`` K/V of the batch's blocks, in the layer's input dtype."""
+        p, layer, b = self.pool, self.layer, self.batch
         pk, pv = p.keys[layer], p.values[layer]
         if b.plan is not None:
             keys, values = p.read_tiered(layer, b.plan)
         else:
+            # A prefill step's attention reads the gathered K/V: let a device kernel copy them.
             read = fused_read(pk, pv, b.slots) if b.n_new > 1 else None
             keys, values = read or take_blocks(pk, pv, b.slots)
+        dtype = p.input_dtypes[layer]
         if keys.dtype != dtype:
             keys, values = keys.astype(dtype), values.astype(dtype)
-        self._fetched = Fetched(keys, values)
         return keys, values
 
     def make_mask(
@@ -181,7 +227,7 @@ class StepPagedKVCache(PagedLayerCache):
         return PagedView(
             keys=self.pool.keys[self.layer],
             values=self.pool.values[self.layer],
-            block_tables=b.block_tables,
+            block_tables=b.view_tables,
             starts=b.starts,
             lengths=b.lengths,
             window=self.window,

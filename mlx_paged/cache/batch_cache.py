@@ -338,6 +338,13 @@ class PagedBatchKVCache(PagedLayerCache):
         """Whether attention got this forward's own K/V and mask."""
         return self._view is not None and self._view.fetched(keys, values, mask)
 
+    def deferred_read(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array] | None:
+        """The last forward's gathered K/V, if these are the stand-ins it returned."""
+        if self._view is None:
+            return None
+        self._view.layer = self.layer
+        return self._view.deferred_read(keys, values)
+
     def paged_view(self) -> PagedView:
         """Where this layer's K/V lie in the last forward, for fused kernels."""
         self._view.layer = self.layer

@@ -7,6 +7,11 @@ not layers.
 
 from __future__ import annotations
 
+import ast
+import inspect
+import sys
+from functools import cache
+
 import mlx.nn as nn
 from mlx_lm.models.cache import (
     ArraysCache,
@@ -75,4 +80,96 @@ def classify(cache: object, family: str) -> LayerKind | None:
         f"{family}: cache type {type(cache).__name__} is not supported by mlx_paged "
         "(supported: KVCache, RotatingKVCache, ArraysCache, CacheList of those); "
         "use mlx-lm's own cache for this model."
+    )
+
+
+def attention_reads_kv_directly(model: nn.Module) -> bool:
+    """Whether every attention of ``model`` hands ``update_and_fetch``'s K/V straight to
+    ``scaled_dot_product_attention``, reading at most their ``.shape`` on the way.
+
+    Decided from the source of the modules that define ``model``'s layers (what
+    the model does with the K/V is not visible at run time). Only then may a
+    decode step return stand-ins for K/V a fused kernel will read from the
+    blocks itself: a model that transforms them (MLA) or keeps them would see
+    stand-ins.
+    """
+    modules = {type(m).__module__ for m in model.modules()}
+    verdicts = [_module_reads_kv_directly(name) for name in sorted(modules)]
+    return any(v is True for v in verdicts) and not any(v is False for v in verdicts)
+
+
+@cache
+def _module_reads_kv_directly(name: str) -> bool | None:
+    """``_reads_kv_directly`` of a module's source, and its ``scaled_dot_product_attention`` is
+    mlx-lm's; ``None`` if it has no source to read."""
+    module = sys.modules.get(name)
+    try:
+        source = inspect.getsource(module) if module is not None else None
+    except (OSError, TypeError):
+        source = None
+    if source is None:
+        return None
+    verdict = _reads_kv_directly(source)
+    if verdict:  # the name must be mlx-lm's function, which attention routing rebinds
+        sdpa = getattr(module, "scaled_dot_product_attention", None)
+        verdict = getattr(sdpa, "__module__", None) in _ROUTED
+    return verdict
+
+
+_ROUTED = ("mlx_lm.models.base", "mlx_paged.attention.routing")
+
+
+def _reads_kv_directly(source: str) -> bool | None:
+    """For ``x, y = <cache>.update_and_fetch(...)`` in ``source``: whether every later read of
+    ``x``/``y`` is an argument of ``scaled_dot_product_attention`` or a ``.shape``;
+    ``None`` where the source never calls ``update_and_fetch``."""
+    tree = ast.parse(source)
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    found = False
+    for node in ast.walk(tree):
+        if not (
+            isinstance(node, ast.Assign)
+            and isinstance(node.value, ast.Call)
+            and getattr(node.value.func, "attr", None) == "update_and_fetch"
+        ):
+            continue
+        found = True
+        names = {n.id for t in node.targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+        for stmt in _statements_after(node, parents):
+            for use in ast.walk(stmt):
+                if isinstance(use, ast.Name) and use.id in names and isinstance(use.ctx, ast.Load):
+                    if not _direct_use(use, parents[use]):
+                        return False
+            if isinstance(stmt, ast.Assign) and names & {
+                n.id for t in stmt.targets for n in ast.walk(t) if isinstance(n, ast.Name)
+            }:
+                break  # rebound: later reads are of something else
+    return True if found else None
+
+
+def _statements_after(node: ast.AST, parents: dict) -> list[ast.stmt]:
+    """Statements that may run after ``node`` in its function: later siblings at every level,
+    and the whole body of each enclosing loop."""
+    after: list[ast.stmt] = []
+    while node in parents and not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        parent = parents[node]
+        for field in ("body", "orelse", "finalbody"):
+            block = getattr(parent, field, None)
+            if isinstance(block, list) and node in block:
+                after += block[block.index(node) + 1 :]
+        if isinstance(parent, (ast.For, ast.While)):
+            after += parent.body
+        node = parent
+    return after
+
+
+def _direct_use(name: ast.Name, parent: ast.AST) -> bool:
+    if isinstance(parent, ast.Attribute) and parent.attr == "shape":
+        return True
+    func = getattr(parent, "func", None)
+    return (
+        isinstance(parent, ast.Call)
+        and name in parent.args
+        and isinstance(func, ast.Name)
+        and func.id == "scaled_dot_product_attention"
     )

@@ -15,7 +15,7 @@ from mlx_lm.models.cache import CacheList
 from ..attention import route_attention
 from ..blocks import LayerKind, check_block_size
 from ..storage import KVPool, KVQuant, check_kv_dtype, check_kv_quant
-from .families import SINK_TOKENS, classify, default_caches, model_type
+from .families import SINK_TOKENS, attention_reads_kv_directly, classify, default_caches, model_type
 from .paged import PagedKVCache
 from .sinks import PagedSinkKVCache
 
@@ -147,8 +147,12 @@ def make_pools(
     quant: KVQuant | None = None,
     cold_blocks: int | None = None,
 ) -> dict[LayerKind, KVPool]:
-    """One ``KVPool`` per layer group; ``quant`` (and ``cold_blocks``) for full attention only."""
-    return {
+    """One ``KVPool`` per layer group; ``quant`` (and ``cold_blocks``) for full attention only.
+
+    The pools defer decode reads (``KVPool.defer_reads``) when the layout's model
+    hands K/V straight to attention.
+    """
+    pools = {
         kind: KVPool(
             n,
             block_size,
@@ -159,6 +163,9 @@ def make_pools(
         )
         for kind, n in layout.counts.items()
     }
+    for pool in pools.values():
+        pool.defer_reads = layout.direct_kv
+    return pools
 
 
 @dataclass
@@ -167,13 +174,15 @@ class PagedLayout:
 
     ``template`` is what ``model.make_cache()`` (or mlx-lm's default) returns;
     ``counts`` says how many paged layers each kind (full attention, or one
-    sliding window) has; ``native`` counts caches kept as they are.
+    sliding window) has; ``native`` counts caches kept as they are;
+    ``direct_kv`` is ``attention_reads_kv_directly(model)``.
     """
 
     template: list
     family: str
     counts: Counter[LayerKind]
     native: int
+    direct_kv: bool = False
 
     @classmethod
     def of(cls, model: nn.Module, max_kv_size: int | None = None) -> PagedLayout:
@@ -192,7 +201,7 @@ class PagedLayout:
                 counts[kind] += 1
 
         _walk(template, family, count)
-        return cls(template, family, counts, native)
+        return cls(template, family, counts, native, attention_reads_kv_directly(model))
 
     def bind(
         self,

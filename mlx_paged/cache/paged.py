@@ -19,7 +19,10 @@ from ..attention import (
     PagedLayerCache,
     PagedView,
     fused_read,
+    kernels_ready,
     route_attention,
+    stand_ins,
+    table_width,
 )
 from ..blocks import COLD, HOLE, BlockTable, PagedCacheStats, is_cold
 from ..storage import KVPool, check_kv_quant
@@ -30,7 +33,9 @@ class PagedKVCache(PagedLayerCache, KVCache):
     """One layer's KV cache for one sequence, stored in a shared ``KVPool``.
 
     Use ``make_paged_cache(model)`` to build a model's caches. ``update_and_fetch``
-    returns the layer's K/V gathered lazily from the blocks; ``copy.deepcopy``
+    returns the layer's K/V gathered lazily from the blocks (a decode step whose
+    attention a fused kernel will serve returns stand-ins, see
+    ``PagedLayerCache.deferred_read``); ``copy.deepcopy``
     forks by reference (copy-on-write), it never copies the pool. A subclass of
     mlx-lm's ``KVCache`` for code that checks the type; it overrides every member.
 
@@ -40,6 +45,9 @@ class PagedKVCache(PagedLayerCache, KVCache):
         layer: This layer's index within ``pool``.
         window: Sliding-window size in tokens, or ``None`` for full attention.
     """
+
+    # (stand-ins, first token, end) of a decode step whose read was deferred
+    _deferred: tuple[Fetched, int, int] | None = None
 
     def __init__(self, pool: KVPool, table: BlockTable, layer: int, window: int | None = None):
         self.pool = pool
@@ -61,16 +69,19 @@ class PagedKVCache(PagedLayerCache, KVCache):
         Full attention returns every token; a sliding window returns tokens from
         the start of the block holding the oldest key any new query sees.
         """
-        self._fetched = None
+        self._fetched = self._deferred = None
         start = self.offset
         if self.layer == 0 and self.pool.quant is not None:  # between steps: due blocks go cold
             self.pool.maybe_migrate([self.table])
         self.pool.write_prefill(self.table, self.layer, keys, values)
-        # A prefill chunk's attention reads the gathered K/V: let a device kernel copy them.
-        read = fused_read if keys.shape[2] > 1 else None
-        keys, values = self.pool.gather(
-            self.table, self.layer, self._read_start(start), self.offset, read
-        )
+        n, lo, end = keys.shape[2], self._read_start(start), self.offset
+        if n == 1 and self.pool.defer_reads and kernels_ready():
+            keys, values = self._stand_ins(keys.shape[1], end - lo, keys.shape[3], values.shape[3])
+            self._deferred = (Fetched(keys, values), lo, end)
+        else:
+            # A prefill chunk's attention reads the gathered K/V: let a device kernel copy them.
+            read = fused_read if n > 1 else None
+            keys, values = self.pool.gather(self.table, self.layer, lo, end, read)
         self._fetched = Fetched(keys, values)
         if self.window is not None:
             # Blocks this step's queries do not read go back now; a fused kernel
@@ -125,7 +136,7 @@ class PagedKVCache(PagedLayerCache, KVCache):
     @state.setter
     def state(self, v: tuple) -> None:
         self.pool, self.table, self.window = _restore(v)
-        self.layer, self._fetched = 0, None
+        self.layer, self._fetched, self._deferred = 0, None, None
 
     @classmethod
     def from_state(cls, state: tuple) -> PagedKVCache:
@@ -250,7 +261,7 @@ class PagedKVCache(PagedLayerCache, KVCache):
             "view",
             (t.version, self.offset),
             lambda: (
-                p.table_ids(t)[None],
+                mx.array([_padded(t.blocks, table_width(len(t.blocks)))], dtype=mx.int32),
                 mx.array([t.first * p.block_size], dtype=mx.int32),
                 mx.array([self.offset], dtype=mx.int32),
             ),
@@ -266,9 +277,22 @@ class PagedKVCache(PagedLayerCache, KVCache):
             cold=None if cold is None else ColdView(*cold),
         )
 
+    def deferred_read(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array] | None:
+        """The K/V the last decode step stood in for, if these are its stand-ins."""
+        if self._deferred is None or not self._deferred[0].matches(keys, values):
+            return None
+        _, lo, end = self._deferred
+        return self.pool.gather(self.table, self.layer, lo, end)
+
     def gather_visible(self) -> tuple[mx.array, mx.array]:
         """This layer's retained K/V as contiguous ``(1, H, T, D)`` arrays."""
         return self.pool.gather_visible(self.table, self.layer)
+
+    def _stand_ins(self, h: int, t: int, dk: int, dv: int) -> tuple[mx.array, mx.array]:
+        """``(1, h, t, dk|dv)`` stand-ins, made once per step for all the layers of the table."""
+        dtype = self.pool.input_dtypes[self.layer]
+        shapes = ((1, h, t, dk), (1, h, t, dv))
+        return self.table.derived("stand_ins", (*shapes, dtype), lambda: stand_ins(*shapes, dtype))
 
     def _read_start(self, offset: int) -> int:
         """First token ``update_and_fetch`` returns when queries start at ``offset``."""
@@ -276,6 +300,11 @@ class PagedKVCache(PagedLayerCache, KVCache):
             return 0
         oldest = max(0, offset - self.window + 1)
         return oldest - oldest % self.pool.block_size
+
+
+def _padded(ids: list[int], width: int) -> list[int]:
+    """``ids`` padded to ``width`` with its last id (never read: kernels stop at the length)."""
+    return ids + [ids[-1] if ids else 0] * (width - len(ids))
 
 
 def _restore(state: tuple) -> tuple[KVPool, BlockTable, int | None]:

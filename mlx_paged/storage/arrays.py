@@ -45,6 +45,9 @@ class LayerArrays(BlockTables):
         self.keys: list[mx.array | None] = [None] * num_layers
         self.values: list[mx.array | None] = [None] * num_layers
         self.input_dtypes: list[mx.Dtype | None] = [None] * num_layers
+        #: Whether decode steps may return stand-ins for the K/V a fused kernel reads
+        #: itself (set by ``make_pools`` for models that hand K/V straight to attention).
+        self.defer_reads = False
         # Per layer, the (K shape, V shape, K dtype, V dtype) of a one-token write that passed.
         self._decode_ok: dict[int, tuple] = {}
 

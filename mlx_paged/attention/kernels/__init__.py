@@ -14,11 +14,13 @@ from .dispatch import (
     metal_block_read,
     metal_paged_decode,
 )
+from .plan import compiled_variants
 from .reference import reference_paged_decode
 
 __all__ = [
     "DEVICE_KERNELS",
     "DEVICE_READERS",
+    "compiled_variants",
     "cuda_block_read",
     "cuda_paged_decode",
     "metal_block_read",

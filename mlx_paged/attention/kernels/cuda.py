@@ -38,6 +38,7 @@ from .plan import (
     call_key,
     cold_inputs,
     compiled_launch,
+    kernel_templates,
     placeholder,
     plan_decode,
 )
@@ -174,6 +175,7 @@ def _make_launch(
     template = base_template(plan, queries, view, has_sinks, scale * LOG2E)
     pf = PREFETCH if prefetch is None else prefetch
     template += [("NW", nw), ("WH", wh), ("RS", rs), ("PF", pf)]
+    kernel_templates.add(("cuda_paged_decode", *template))
     blocks = groups // wh
     parts = (B, HQ, S) if S > 1 else (1,)  # unused without splits
     grid = (blocks * nw * 32, B, S)

@@ -154,6 +154,7 @@ def _device_kernel(backend: str, run: Runner, launch_for: Callable[..., Launch |
 
     kernel.__name__ = kernel.__qualname__ = name
     kernel.__doc__ = f"``KERNELS`` entry for the {backend} paged decode kernel (self-checked)."
+    kernel.available = lambda: backend_available(backend)  # type: ignore[attr-defined]
     return kernel
 
 

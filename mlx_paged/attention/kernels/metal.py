@@ -30,6 +30,7 @@ from .plan import (
     call_key,
     cold_inputs,
     compiled_launch,
+    kernel_templates,
     placeholder,
     plan_decode,
 )
@@ -102,6 +103,7 @@ def _make_launch(
     # Logits live in the log2 domain (exp2), so the scale carries log2(e).
     template = base_template(plan, queries, view, has_sinks, scale * LOG2E)
     template += [("NW", nw), ("WH", 1), ("RS", rs), ("PF", PREFETCH)]
+    kernel_templates.add(("metal_paged_decode", *template))
     groups = plan.n_kv_heads * (plan.group // plan.heads_per_block)
     grid = (groups * nw * 32, B, S)
     threads = (nw * 32, 1, 1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import struct
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -188,17 +189,33 @@ def compiled_launch(launch: Callable[..., mx.array]) -> Callable[..., mx.array]:
 
 
 class LaunchCache:
-    """Launches keyed by call shape, made once each; at most ``limit``, oldest dropped first."""
+    """Launches keyed by call shape, made once each; at most ``limit``, least recently used
+    dropped first."""
 
     def __init__(self, limit: int = 256):
         self.limit = limit
         self.fns: dict[tuple, Launch | None] = {}
+        _launch_caches.add(self)
 
     def get(self, key: tuple, make: Callable[[], Launch | None]) -> Launch | None:
         """The launch for ``key``, made by ``make`` on first use; ``None`` if ``make`` declines."""
-        fn = self.fns.get(key, _MISSING)
+        fns = self.fns
+        fn = fns.pop(key, _MISSING)
         if fn is _MISSING:
-            if len(self.fns) >= self.limit:
-                del self.fns[next(iter(self.fns))]
-            fn = self.fns[key] = make()
+            if len(fns) >= self.limit:
+                del fns[next(iter(fns))]
+            fn = make()
+        fns[key] = fn  # last: the most recently used
         return fn  # type: ignore[return-value]
+
+
+_launch_caches: weakref.WeakSet[LaunchCache] = weakref.WeakSet()
+#: ``(kernel name, template arguments)`` of every launch made: each is one compiled binary.
+kernel_templates: set[tuple] = set()
+
+
+def compiled_variants() -> dict[str, int]:
+    """How many kernel variants this process has made: ``binaries`` (template sets, one
+    device compile each) and ``launches`` (call shapes held, one traced graph each)."""
+    launches = {id(fn) for c in _launch_caches for fn in c.fns.values() if fn is not None}
+    return {"binaries": len(kernel_templates), "launches": len(launches)}

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .plan import FLOAT_TYPES
+from .plan import FLOAT_TYPES, kernel_templates
 from .source import block_read_source
 
 THREADS = 256  # threads per block
@@ -77,9 +77,11 @@ def read_blocks(
     ck, cv = dk * keys.itemsize // 16, dv * values.itemsize // 16
     per_block = THREADS * UNROLL
     blocks = -(-T * max(hk * ck, hv * cv) // per_block)
+    template = [("HK", hk), ("CK", ck), ("HV", hv), ("CV", cv), ("U", UNROLL)]
+    kernel_templates.add((f"{backend}_block_read", keys.dtype, values.dtype, *template))
     k, v = _kernel(backend)(
         inputs=[keys, values, slots],
-        template=[("HK", hk), ("CK", ck), ("HV", hv), ("CV", cv), ("U", UNROLL)],
+        template=template,
         grid=(blocks * THREADS, B, 2),
         threadgroup=(THREADS, 1, 1),
         output_shapes=[(B, hk, T, dk), (B, hv, T, dv)],
