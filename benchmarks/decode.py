@@ -1,7 +1,8 @@
 """Single-sequence decode speed: make_paged_cache against mlx-lm's default cache.
 
 A llama-1B-shaped random model (hidden 2048, 16 layers, 32 heads, 8 KV heads,
-vocab 128256). The context is filled with random K/V written through each
+vocab 128256), or with ``--shape smollm2`` the embedded model's shape
+(SmolLM2-135M). The context is filled with random K/V written through each
 cache's ``update_and_fetch`` (decode speed does not depend on the values), then
 decode steps run the way ``mlx_lm.generate_step`` runs them: the next step is
 queued with ``async_eval`` before the current token is read.
@@ -10,6 +11,9 @@ Usage:
     python benchmarks/decode.py                      # CPU, float32
     python benchmarks/decode.py --dtype float16 --steps 100 --repeats 3   # on a GPU
     python benchmarks/decode.py --contexts 1024 --steps 8 --layers 2   # quick look
+    python benchmarks/decode.py --dtype float16 --steps 20 --interleave 15 --eager-read
+    python benchmarks/decode.py --shape smollm2 --bits 4 --dtype float16   # the embedded model's
+        # shape and 4-bit weights (random values)
 """
 
 from __future__ import annotations
@@ -17,31 +21,57 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import statistics
 import time
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx_lm.models import llama
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_paged import make_paged_cache
 from mlx_paged.attention import path_counts
+from mlx_paged.attention.kernels import compiled_variants
+
+KV_HEADS = 8  # of the model built (set in main)
 
 
-def llama_1b(dtype: mx.Dtype, layers: int) -> llama.Model:
-    args = llama.ModelArgs(
-        model_type="llama",
+SHAPES = {
+    "llama-1b": dict(
         hidden_size=2048,
-        num_hidden_layers=layers,
         intermediate_size=8192,
         num_attention_heads=32,
         num_key_value_heads=8,
-        rms_norm_eps=1e-5,
         vocab_size=128256,
         rope_theta=500000.0,
+    ),
+    # The embedded model's shape (SmolLM2-135M), random weights.
+    "smollm2": dict(
+        hidden_size=576,
+        intermediate_size=1536,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        vocab_size=49152,
+        rope_theta=100000.0,
+        rope_traditional=True,
+    ),
+}
+
+
+def llama_1b(dtype: mx.Dtype, layers: int, shape: str = "llama-1b", bits: int = 0) -> llama.Model:
+    """A random-weight llama of ``shape``; ``bits`` quantizes its weights (groups of 32)."""
+    args = llama.ModelArgs(
+        model_type="llama",
+        num_hidden_layers=layers,
+        rms_norm_eps=1e-5,
         tie_word_embeddings=True,
+        **SHAPES[shape],
     )
     model = llama.Model(args)
     model.set_dtype(dtype)
+    if bits:
+        nn.quantize(model, group_size=32, bits=bits)
     mx.eval(model.parameters())
     return model
 
@@ -51,8 +81,8 @@ def fill(cache: list, context: int, dtype: mx.Dtype, chunk: int = 2048) -> None:
     for c in cache:
         for start in range(0, context, chunk):
             n = min(chunk, context - start)
-            k = mx.random.normal((1, 8, n, 64)).astype(dtype)
-            v = mx.random.normal((1, 8, n, 64)).astype(dtype)
+            k = mx.random.normal((1, KV_HEADS, n, 64)).astype(dtype)
+            v = mx.random.normal((1, KV_HEADS, n, 64)).astype(dtype)
             c.update_and_fetch(k, v)
             mx.eval(c.state)
 
@@ -80,7 +110,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384])
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--layers", type=int, default=None, help="default: the shape's (16, 30)")
+    parser.add_argument("--shape", default="llama-1b", choices=sorted(SHAPES))
+    parser.add_argument("--bits", type=int, default=0, help="quantize the weights (4 or 8)")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument(
         "--capacity-context",
@@ -98,13 +130,29 @@ def main() -> None:
     parser.add_argument(
         "--repeats", type=int, default=1, help="time each case this often, in turn; keep the best"
     )
+    parser.add_argument(
+        "--interleave",
+        type=int,
+        default=0,
+        help="instead of --repeats: fill each case's cache once, then time ROUNDS rounds of "
+        "--steps steps per case in turn and report medians (steadier on a shared host)",
+    )
+    parser.add_argument(
+        "--eager-read",
+        action="store_true",
+        help="also time a paged cache that builds the gathered K/V on every decode step "
+        "(no deferred read)",
+    )
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
+    global KV_HEADS
     dtype = getattr(mx, args.dtype)
-    model = llama_1b(dtype, args.layers)
+    layers = args.layers or {"llama-1b": 16, "smollm2": 30}[args.shape]
+    model = llama_1b(dtype, layers, args.shape, args.bits)
+    KV_HEADS = SHAPES[args.shape]["num_key_value_heads"]
     print(
-        f"device={mx.default_device()} dtype={args.dtype} layers={args.layers} "
-        f"block_size={args.block_size} steps={args.steps}"
+        f"device={mx.default_device()} shape={args.shape} bits={args.bits} dtype={args.dtype} "
+        f"layers={layers} block_size={args.block_size} steps={args.steps}"
     )
     results = []
 
@@ -126,6 +174,42 @@ def main() -> None:
         for name, s in best.items():
             results.append(dict(case=name, context=context, ms_per_step=s * 1e3, tok_s=1 / s))
         return best
+
+    def eager() -> list:
+        cache = make_paged_cache(model, args.block_size)
+        for c in cache:
+            c.pool.defer_reads = False
+        return cache
+
+    def interleaved(context: int, cases: dict) -> dict[str, float]:
+        """Median seconds per step of each case over ``--interleave`` rounds taken in turn."""
+        caches = {}
+        for name, make in cases.items():
+            caches[name] = make()
+            fill(caches[name], context, dtype)
+        times = {name: [] for name in cases}
+        for _ in range(args.interleave):
+            for name, cache in caches.items():
+                times[name].append(decode_seconds_per_step(model, cache, args.steps, warmup=2))
+        out = {name: statistics.median(t) for name, t in times.items()}
+        for name, s in out.items():
+            results.append(dict(case=name, context=context, ms_per_step=s * 1e3, tok_s=1 / s))
+        return out
+
+    if args.interleave:
+        for context in args.contexts:
+            cases = {
+                "dense": lambda: make_prompt_cache(model),
+                "paged": lambda: make_paged_cache(model, args.block_size),
+            }
+            if args.eager_read:
+                cases["paged-eager-read"] = eager
+            med = interleaved(context, cases)
+            line = "  ".join(
+                f"{name} {1 / s:7.1f} tok/s ({med['dense'] / s:.3f})" for name, s in med.items()
+            )
+            print(f"context={context:6d} median of {args.interleave} rounds: {line}", flush=True)
+        args.contexts, args.capacity_context = [], 0
 
     for context in args.contexts:
         best = run_cases(
@@ -159,6 +243,7 @@ def main() -> None:
                 f"context={ctx:6d} pool capacity {m}x ({need * m} blocks): {s * 1e3:8.2f} ms/step"
             )
     print(f"attention calls by path: {dict(path_counts)}")
+    print(f"compiled kernel variants: {compiled_variants()}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

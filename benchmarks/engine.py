@@ -9,7 +9,9 @@ once. Compared in the same run:
   and ``copy.deepcopy``'d into each request's cache (what mlx_lm.server does);
 - ``paged``: ``PagedEngine``, which adopts the shared blocks by reference.
 
-Time to first token counts from a request's arrival. Cold cases compute the
+Time to first token counts from a request's arrival to the moment the engine
+hands the token out (``step(on_event=...)``, when ``mlx_paged.server`` streams
+it); for the median request it is split into the engine's phases. Cold cases compute the
 system prompt inside the clock; ``-warm`` cases start with it cached (a server
 that has served it before).
 
@@ -41,6 +43,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_paged import PagedEngine
 from mlx_paged.attention import path_counts
+from mlx_paged.attention.kernels import compiled_variants
 
 
 def build_model(args) -> llama.Model:
@@ -93,6 +96,41 @@ class Recorder:
             peak_gb=mx.get_peak_memory() / 1e9,
             requests=len(self.first),
         )
+
+
+class Timeline:
+    """The engine's phases (the runner's calls, each evaluated) with their times, to split
+    a request's time to first token into where it went."""
+
+    PHASES = {
+        "prefill": "prefill alone",
+        "forward": "prefill batched",
+        "decode": "decode",
+        "sample": "sample",
+    }
+
+    def __init__(self, engine: PagedEngine):
+        self.spans: list[tuple[str, float, float]] = []
+        for name, label in self.PHASES.items():
+            inner = getattr(engine.runner, name)
+
+            def timed(*args, inner=inner, label=label, **kwargs):
+                start = time.perf_counter()
+                out = inner(*args, **kwargs)
+                mx.eval(out if isinstance(out, mx.array) else [])
+                self.spans.append((label, start, time.perf_counter()))
+                return out
+
+            setattr(engine.runner, name, timed)
+
+    def between(self, t0: float, t1: float) -> dict[str, float]:
+        """Seconds of each phase inside ``[t0, t1]``; ``other`` is the rest (host work
+        between the runner's calls: admission, scheduling, events)."""
+        out = dict.fromkeys(self.PHASES.values(), 0.0)
+        for label, a, b in self.spans:
+            out[label] += max(0.0, min(b, t1) - max(a, t0))
+        out["other"] = (t1 - t0) - sum(out.values())
+        return out
 
 
 def prefill_prefix(model, prefix: list[int], step: int) -> list:
@@ -158,8 +196,15 @@ def run_paged(model, prompts, arrivals, gen, args, prefix=None) -> tuple[Recorde
             print(f"  prefix request: peak {mx.get_peak_memory() / 1e9:6.2f} GB", flush=True)
             mx.reset_peak_memory()
     rec = Recorder()
+    timeline = Timeline(engine)
     pending = list(range(len(prompts)))
     done = 0
+
+    def heard(e) -> None:  # when the engine hands a token out (a server streams it then)
+        nonlocal done
+        rec.token(e.uid)
+        done += e.finish_reason is not None
+
     while done < len(prompts):
         now = time.perf_counter() - rec.start
         for i in [i for i in pending if arrivals[i] <= now]:
@@ -168,9 +213,7 @@ def run_paged(model, prompts, arrivals, gen, args, prefix=None) -> tuple[Recorde
         if not (engine.waiting or engine.running):
             time.sleep(0.001)
             continue
-        for e in engine.step():
-            rec.token(e.uid)
-            done += e.finish_reason is not None
+        engine.step(on_event=heard)
         if args.memory_trace:
             gb = [mx.get_active_memory(), mx.get_peak_memory(), engine.stats().bytes]
             print(
@@ -179,7 +222,10 @@ def run_paged(model, prompts, arrivals, gen, args, prefix=None) -> tuple[Recorde
                 f"peak {gb[1] / 1e9:6.2f} GB, pool {gb[2] / 1e9:5.2f} GB",
                 flush=True,
             )
-    return rec, engine.stats().__dict__
+    # Where the median request's time to first token went.
+    uid = sorted(rec.first, key=lambda u: rec.first[u] - rec.arrival[u])[len(rec.first) // 2]
+    parts = timeline.between(rec.arrival[uid], rec.first[uid])
+    return rec, dict(engine.stats().__dict__, ttft_p50_parts_s=parts)
 
 
 def measure(name: str, fn: Callable, results: list) -> None:
@@ -189,7 +235,8 @@ def measure(name: str, fn: Callable, results: list) -> None:
     out = fn()
     rec, extra = out if isinstance(out, tuple) else (out, {})
     r = rec.result(name)
-    r.update({k: extra[k] for k in ("prefix_hit_tokens", "prefilled_tokens") if k in extra})
+    keep = ("prefix_hit_tokens", "prefilled_tokens", "ttft_p50_parts_s")
+    r.update({k: extra[k] for k in keep if k in extra})
     results.append(r)
     print(
         f"{r['case']:28s} wall {r['wall_s']:7.2f} s  {r['tok_s']:8.1f} tok/s  "
@@ -197,6 +244,9 @@ def measure(name: str, fn: Callable, results: list) -> None:
         f"peak {r['peak_gb']:6.2f} GB",
         flush=True,
     )
+    if "ttft_p50_parts_s" in r:
+        parts = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in r["ttft_p50_parts_s"].items())
+        print(f"{'':28s} TTFT p50 request: {parts}", flush=True)
 
 
 def main() -> None:
@@ -285,6 +335,7 @@ def main() -> None:
             measure(f"mixed N={args.mixed} {name}", fn, results)
 
     print(f"attention calls by path: {dict(path_counts)}")
+    print(f"compiled kernel variants: {compiled_variants()}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(weights_gb=weights_gb, results=results), f, indent=1)

@@ -108,13 +108,17 @@ class PagedLayerCache:
 
 
 def table_width(blocks: int) -> int:
-    """The width of a ``PagedView.block_tables`` that holds ``blocks``: the next power of two.
+    """The width of a ``PagedView.block_tables`` that holds ``blocks``.
 
-    Every distinct width is another launch shape for the fused kernels (a
-    trace and a compiled graph); powers of two bound them by log2 of the
-    longest table.
+    Every distinct width is another launch shape for the fused kernels (a trace
+    and a compiled graph), so widths come in steps: up to 8 as they are, then 8
+    per doubling (9, 10, .., 16, 18, .., 32, 36, ..). That pads at most 1/8 of a
+    table, and a sequence growing from ``n`` to ``2n`` blocks meets 8 widths.
     """
-    return 1 << max(0, blocks - 1).bit_length()
+    if blocks <= 8:
+        return max(blocks, 1)
+    step = 1 << (blocks - 1).bit_length() - 4  # 1/16 of the next power of two
+    return -(-blocks // step) * step
 
 
 def stand_ins(shape_k: tuple[int, ...], shape_v: tuple[int, ...], dtype: mx.Dtype):

@@ -93,7 +93,8 @@ def attention_reads_kv_directly(model: nn.Module) -> bool:
     blocks itself: a model that transforms them (MLA) or keeps them would see
     stand-ins.
     """
-    modules = {type(m).__module__ for m in model.modules()}
+    layers = model.modules() if isinstance(model, nn.Module) else [model]
+    modules = {type(m).__module__ for m in layers}
     verdicts = [_module_reads_kv_directly(name) for name in sorted(modules)]
     return any(v is True for v in verdicts) and not any(v is False for v in verdicts)
 

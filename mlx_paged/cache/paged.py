@@ -46,15 +46,13 @@ class PagedKVCache(PagedLayerCache, KVCache):
         window: Sliding-window size in tokens, or ``None`` for full attention.
     """
 
-    # (stand-ins, first token, end) of a decode step whose read was deferred
-    _deferred: tuple[Fetched, int, int] | None = None
-
     def __init__(self, pool: KVPool, table: BlockTable, layer: int, window: int | None = None):
         self.pool = pool
         self.table = table
         self.layer = layer
         self.window = window
         self._fetched: Fetched | None = None
+        self._deferred: tuple[Fetched, int, int] | None = None  # stand-ins, first, end
 
     # ---- mlx-lm protocol --------------------------------------------------
 
@@ -74,9 +72,12 @@ class PagedKVCache(PagedLayerCache, KVCache):
         if self.layer == 0 and self.pool.quant is not None:  # between steps: due blocks go cold
             self.pool.maybe_migrate([self.table])
         self.pool.write_prefill(self.table, self.layer, keys, values)
-        n, lo, end = keys.shape[2], self._read_start(start), self.offset
+        lo = _read_start(start, self.window, self.pool.block_size)
+        n, end = keys.shape[2], self.offset
         if n == 1 and self.pool.defer_reads and kernels_ready():
-            keys, values = self._stand_ins(keys.shape[1], end - lo, keys.shape[3], values.shape[3])
+            t, dtype = end - lo, self.pool.input_dtypes[self.layer]
+            shapes = ((1, keys.shape[1], t, keys.shape[3]), (1, keys.shape[1], t, values.shape[3]))
+            keys, values = _stand_ins(self.table, shapes, dtype)
             self._deferred = (Fetched(keys, values), lo, end)
         else:
             # A prefill chunk's attention reads the gathered K/V: let a device kernel copy them.
@@ -86,7 +87,7 @@ class PagedKVCache(PagedLayerCache, KVCache):
         if self.window is not None:
             # Blocks this step's queries do not read go back now; a fused kernel
             # reads the blocks after this, so nothing it needs may go yet.
-            self.pool.drop_before(self.table, self._read_start(start))
+            self.pool.drop_before(self.table, lo)
         return keys, values
 
     def make_mask(
@@ -101,7 +102,8 @@ class PagedKVCache(PagedLayerCache, KVCache):
             return create_causal_mask(N, self.offset) if return_array else "causal"
         # A wider window sees no more: the layer holds no keys older than its own.
         window = min(window_size or self.window, self.window)
-        before = self.offset - self._read_start(self.offset)  # keys older than the queries
+        # keys older than the queries
+        before = self.offset - _read_start(self.offset, self.window, self.pool.block_size)
         if not return_array and before + N <= window:
             mask = None if N == 1 else "causal"
         else:
@@ -256,16 +258,7 @@ class PagedKVCache(PagedLayerCache, KVCache):
     def paged_view(self) -> PagedView:
         """This layer's blocks as a batch of one, for fused kernels."""
         p, t = self.pool, self.table
-        # The layers of a step share the small arrays.
-        block_tables, starts, lengths = t.derived(
-            "view",
-            (t.version, self.offset),
-            lambda: (
-                mx.array([_padded(t.blocks, table_width(len(t.blocks)))], dtype=mx.int32),
-                mx.array([t.first * p.block_size], dtype=mx.int32),
-                mx.array([self.offset], dtype=mx.int32),
-            ),
-        )
+        block_tables, starts, lengths = _view_arrays(t, self.offset, p.block_size)
         cold = p.cold_arrays(self.layer) if p.has_cold(t) else None
         return PagedView(
             keys=p.keys[self.layer],
@@ -281,30 +274,41 @@ class PagedKVCache(PagedLayerCache, KVCache):
         """The K/V the last decode step stood in for, if these are its stand-ins."""
         if self._deferred is None or not self._deferred[0].matches(keys, values):
             return None
-        _, lo, end = self._deferred
-        return self.pool.gather(self.table, self.layer, lo, end)
+        return self.pool.gather(self.table, self.layer, *self._deferred[1:])
 
     def gather_visible(self) -> tuple[mx.array, mx.array]:
         """This layer's retained K/V as contiguous ``(1, H, T, D)`` arrays."""
         return self.pool.gather_visible(self.table, self.layer)
 
-    def _stand_ins(self, h: int, t: int, dk: int, dv: int) -> tuple[mx.array, mx.array]:
-        """``(1, h, t, dk|dv)`` stand-ins, made once per step for all the layers of the table."""
-        dtype = self.pool.input_dtypes[self.layer]
-        shapes = ((1, h, t, dk), (1, h, t, dv))
-        return self.table.derived("stand_ins", (*shapes, dtype), lambda: stand_ins(*shapes, dtype))
 
-    def _read_start(self, offset: int) -> int:
-        """First token ``update_and_fetch`` returns when queries start at ``offset``."""
-        if self.window is None:
-            return 0
-        oldest = max(0, offset - self.window + 1)
-        return oldest - oldest % self.pool.block_size
+def _read_start(offset: int, window: int | None, block_size: int) -> int:
+    """First token a layer with ``window`` reads for queries from ``offset``: the start of
+    the block holding the oldest key they see."""
+    if window is None:
+        return 0
+    oldest = max(0, offset - window + 1)
+    return oldest - oldest % block_size
 
 
-def _padded(ids: list[int], width: int) -> list[int]:
-    """``ids`` padded to ``width`` with its last id (never read: kernels stop at the length)."""
-    return ids + [ids[-1] if ids else 0] * (width - len(ids))
+def _view_arrays(table: BlockTable, offset: int, block_size: int) -> tuple[mx.array, ...]:
+    """A one-sequence view's block table (padded to ``table_width`` with its last id, which
+    kernels never read), start and length; the layers of a step share them."""
+
+    def make() -> tuple[mx.array, ...]:
+        ids = table.blocks
+        padded = ids + [ids[-1] if ids else 0] * (table_width(len(ids)) - len(ids))
+        return (
+            mx.array([padded], dtype=mx.int32),
+            mx.array([table.first * block_size], dtype=mx.int32),
+            mx.array([offset], dtype=mx.int32),
+        )
+
+    return table.derived("view", (table.version, offset), make)
+
+
+def _stand_ins(table: BlockTable, shapes: tuple, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
+    """Stand-ins of ``shapes`` for a deferred read, made once per step for the table's layers."""
+    return table.derived("stand_ins", (*shapes, dtype), lambda: stand_ins(*shapes, dtype))
 
 
 def _restore(state: tuple) -> tuple[KVPool, BlockTable, int | None]:
