@@ -189,6 +189,7 @@ def run_paged(model, prompts, arrivals, gen, args, prefix=None) -> tuple[Recorde
         block_size=args.block_size,
         max_batch_size=args.batch,
         prefill_step_size=args.prefill_step_size,
+        prefill_budget=args.prefill_budget,
     )
     if prefix:
         engine.generate([prefix], max_tokens=1)
@@ -263,6 +264,9 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument(
         "--prefill-step-size", type=int, default=512, help="for both systems (engine default)"
+    )
+    parser.add_argument(
+        "--prefill-budget", type=int, default=None, help="the engine's prompt tokens per step"
     )
     parser.add_argument("--mixed", type=int, default=32, help="requests in the mixed run (0: skip)")
     parser.add_argument("--mixed-max", type=int, default=4096)

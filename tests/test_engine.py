@@ -93,6 +93,14 @@ def test_mixed_batch_equals_solo(family):
     assert stats.live_blocks == 0 and stats.preemptions == 0
 
 
+def test_a_prefill_budget_changes_when_tokens_come_not_which():
+    prompts = mixed_prompts()
+    engine = PagedEngine(model_of("llama"), block_size=BS, max_batch_size=6, prefill_budget=24)
+    for prompt, got in zip(prompts, run_all(engine, prompts), strict=True):
+        assert got == solo("llama", tuple(prompt))
+    assert engine.stats().live_blocks == 0
+
+
 @pytest.mark.parametrize("family", ["llama", "gemma3_text"])
 def test_kernel_path_reads_the_batch_where_it_lies(family, monkeypatch):
     """With the reference paged kernel offered, batched decode reads through the PagedView."""
@@ -222,6 +230,8 @@ def test_bad_requests(kwargs, match):
         (dict(max_batch_size=0), "max_batch_size"),
         (dict(prefill_step_size=-1), "prefill_step_size"),
         (dict(num_blocks=0), "num_blocks"),
+        (dict(prefill_budget=0), "prefill_budget"),
+        (dict(prefill_budget=True), "prefill_budget"),
     ],
 )
 def test_bad_engine_arguments(kwargs, match):

@@ -19,8 +19,9 @@ BS = 4  # block size
 FULL = LayerKind()
 
 
-def make(num_blocks=None, max_batch_size=8, prefill_step_size=64, layers=2):
-    return Scheduler({FULL: BlockTables(layers, BS, num_blocks)}, max_batch_size, prefill_step_size)
+def make(num_blocks=None, max_batch_size=8, prefill_step_size=64, layers=2, budget=None):
+    groups = {FULL: BlockTables(layers, BS, num_blocks)}
+    return Scheduler(groups, max_batch_size, prefill_step_size, budget)
 
 
 def request(uid, prompt, max_tokens=4, stop=()):
@@ -71,6 +72,31 @@ def test_chunked_prefill_steps_and_the_last_token_alone():
     assert work.alone and work.fresh
     assert work.steps == [16, 16, 7, 1]
     assert sched.counters["prefilled_tokens"] == 40
+
+
+def test_a_prefill_budget_admits_per_step_and_running_requests_decode_between():
+    sched = make(budget=20)
+    for uid in range(5):
+        sched.add(request(uid, range(10 * uid + 1, 10 * uid + 11), max_tokens=8))
+    running, generated = [], []
+    for _ in range(3):
+        step(sched)
+        running.append([r.uid for r in sched.running])
+        generated.append([len(r.generated) for r in sched.running])
+    # 20 tokens a step: two 10-token prompts; everyone running decodes every step.
+    assert running == [[0, 1], [0, 1, 2, 3], [0, 1, 2, 3, 4]]
+    assert generated == [[2, 2], [3, 3, 2, 2], [4, 4, 3, 3, 2]]
+    assert sched.counters["prefilled_tokens"] == 50
+
+
+def test_a_prompt_over_the_budget_is_still_admitted_alone():
+    sched = make(budget=8)
+    sched.add(request(0, range(30)))
+    sched.add(request(1, range(100, 104)))
+    step(sched)
+    assert [r.uid for r in sched.running] == [0] and [r.uid for r in sched.waiting] == [1]
+    step(sched)
+    assert [r.uid for r in sched.running] == [0, 1]
 
 
 def test_short_prompts_are_batched_by_length_with_blocks_reserved_at_admission():

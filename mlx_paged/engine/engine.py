@@ -39,6 +39,9 @@ class PagedEngine:
         num_blocks: Blocks per layer group, or ``None`` to grow on demand.
         max_batch_size: Most sequences decoding at once.
         prefill_step_size: Most tokens per prefill forward.
+        prefill_budget: Most prompt tokens admitted per step, beside its decode
+            (``None``: every request that fits is admitted and prefilled before the
+            step's decode). Each step admits at least one request.
         kv_dtype: Storage dtype for K/V; ``None`` keeps the model's.
         kv_bits, kv_group_size, hot_tokens: A quantized cold tier, as in
             ``make_paged_cache``: full-attention blocks behind each sequence's
@@ -55,6 +58,7 @@ class PagedEngine:
         num_blocks: int | None = None,
         max_batch_size: int = 64,
         prefill_step_size: int = 512,
+        prefill_budget: int | None = None,
         kv_dtype: mx.Dtype | None = None,
         kv_bits: int | None = None,
         kv_group_size: int = 64,
@@ -69,6 +73,8 @@ class PagedEngine:
         ):
             raise ValueError(f"cold_blocks must be a positive int or None, got {cold_blocks!r}.")
         sizes = {"max_batch_size": max_batch_size, "prefill_step_size": prefill_step_size}
+        if prefill_budget is not None:
+            sizes["prefill_budget"] = prefill_budget
         for name, v in sizes.items():
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"{name} must be a positive int, got {v!r}.")
@@ -79,7 +85,7 @@ class PagedEngine:
                 f"has {layout.native} recurrent/SSM caches; use make_paged_cache per request."
             )
         pools = make_pools(layout, block_size, num_blocks, kv_dtype, quant, cold_blocks)
-        self.scheduler = Scheduler(pools, max_batch_size, prefill_step_size)
+        self.scheduler = Scheduler(pools, max_batch_size, prefill_step_size, prefill_budget)
         self.runner = ModelRunner(model, layout, pools)
         self.vocab_size = vocab_size(model)
         self._next_uid = 0
@@ -257,8 +263,13 @@ def check_tokens(tokens: Sequence[object], vocab: int | None) -> None:
     """Raise ValueError unless every token is an int id in ``[0, vocab)``.
 
     MLX does not bounds-check the embedding's gather: an id outside the table
-    reads stray memory or crashes the process, so ids are checked here.
+    reads stray memory or crashes the process, so ids are checked here. Plain
+    ``int`` lists (the usual case) are checked with ``min``/``max``; anything
+    else token by token.
     """
+    if tokens and all(type(t) is int for t in tokens):
+        if min(tokens) >= 0 and (vocab is None or max(tokens) < vocab):
+            return
     for i, t in enumerate(tokens):
         if isinstance(t, bool) or not isinstance(t, numbers.Integral):
             raise ValueError(f"token {i} is {t!r}; token ids must be ints.")

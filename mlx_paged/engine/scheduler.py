@@ -45,16 +45,24 @@ class Scheduler:
         groups: Per layer group, its block-table bookkeeping (all with one block size).
         max_batch_size: Most requests running at once.
         prefill_step_size: Most tokens per prefill forward.
+        prefill_budget: Most prompt tokens admitted per step (``None``: no limit). Once
+            a step's admissions reach it, the rest wait for the next step, so running
+            requests decode between prefills; each step admits at least one request.
     """
 
     def __init__(
-        self, groups: dict[LayerKind, BlockTables], max_batch_size: int, prefill_step_size: int
+        self,
+        groups: dict[LayerKind, BlockTables],
+        max_batch_size: int,
+        prefill_step_size: int,
+        prefill_budget: int | None = None,
     ):
         self.groups = groups
         self.kinds = list(groups)
         self.block_size = groups[self.kinds[0]].block_size
         self.max_batch_size = max_batch_size
         self.prefill_step_size = prefill_step_size
+        self.prefill_budget = prefill_budget
         self.index = PrefixIndex(
             [groups[k].blocks for k in self.kinds], [k.window for k in self.kinds]
         )
@@ -88,7 +96,10 @@ class Scheduler:
         batched: dict[tuple[int, bool], list[Request]] = {}  # (tokens, fresh) -> requests
         bs = self.block_size
         heads = Counter(tuple(r.prompt[:bs]) for r in self.waiting)
+        spent, budget = 0, self.prefill_budget
         while self.waiting and len(self.running) < self.max_batch_size:
+            if budget is not None and spent >= budget:
+                break
             req = self.waiting[0]
             # Adopting a shared partial tail costs a copy; an idle pool always
             # fits the request computed from scratch (``add`` checked).
@@ -98,6 +109,7 @@ class Scheduler:
             self.running.append(req)
             start = req.written
             n = self.kv_target(req) - start
+            spent += n
             self.counters["prefilled_tokens"] += n
             head = tuple(req.prompt[:bs])
             heads[head] -= 1
