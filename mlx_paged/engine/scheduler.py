@@ -45,9 +45,8 @@ class Scheduler:
         groups: Per layer group, its block-table bookkeeping (all with one block size).
         max_batch_size: Most requests running at once.
         prefill_step_size: Most tokens per prefill forward.
-        prefill_budget: Most prompt tokens admitted per step (``None``: no limit). Once
-            a step's admissions reach it, the rest wait for the next step, so running
-            requests decode between prefills; each step admits at least one request.
+        prefill_budget: Most prompt tokens admitted per step (``None``: no limit); the
+            rest wait, and running requests decode between. Each step admits one at least.
     """
 
     def __init__(
@@ -96,10 +95,8 @@ class Scheduler:
         batched: dict[tuple[int, bool], list[Request]] = {}  # (tokens, fresh) -> requests
         bs = self.block_size
         heads = Counter(tuple(r.prompt[:bs]) for r in self.waiting)
-        spent, budget = 0, self.prefill_budget
-        while self.waiting and len(self.running) < self.max_batch_size:
-            if budget is not None and spent >= budget:
-                break
+        spent, budget = 0, self.prefill_budget or float("inf")
+        while self.waiting and len(self.running) < self.max_batch_size and spent < budget:
             req = self.waiting[0]
             # Adopting a shared partial tail costs a copy; an idle pool always
             # fits the request computed from scratch (``add`` checked).
@@ -115,7 +112,7 @@ class Scheduler:
             heads[head] -= 1
             shared = start < bs <= n and heads[head] > 0
             if n > self.prefill_step_size or shared:
-                steps = self._steps(n, not req.generated, self.prefill_step_size)
+                steps = _prefill_steps(n, not req.generated, self.prefill_step_size)
                 yield Prefill([req], steps, alone=True)
             elif n > 0:
                 # Take the blocks now, so the next admission sees them gone.
@@ -127,7 +124,7 @@ class Scheduler:
         for (n, fresh), reqs in batched.items():
             per_forward = max(1, self.prefill_step_size // n)
             for i in range(0, len(reqs), per_forward):
-                yield Prefill(reqs[i : i + per_forward], self._steps(n, fresh, n), alone=False)
+                yield Prefill(reqs[i : i + per_forward], _prefill_steps(n, fresh, n), alone=False)
 
     def index_written(self, req: Request) -> None:
         """Index the full blocks ``req`` has written, so running requests can share them.
@@ -247,15 +244,6 @@ class Scheduler:
             req.prefix_hit = hit
         return True
 
-    def _steps(self, n: int, fresh: bool, chunk: int) -> list[int]:
-        """Forwards for ``n`` tokens, at most ``chunk`` each.
-
-        A new request's last token runs on its own: only its logits are needed,
-        and the head over every prompt position would cost more than the model.
-        """
-        body = n - 1 if fresh else n
-        return [min(chunk, body - lo) for lo in range(0, body, chunk)] + ([1] if fresh else [])
-
     def _blocks_to_write(self, kind: LayerKind, table: BlockTable, start: int, end: int) -> int:
         """Blocks a prefill of ``[start, end)`` takes; a window keeps only its last blocks."""
         need = self.groups[kind].blocks_needed(table, start, end)
@@ -299,6 +287,16 @@ class Scheduler:
     def _note_peak(self) -> None:
         live = sum(g.blocks.stats().live_blocks for g in self.groups.values())
         self.counters["peak_live_blocks"] = max(self.counters["peak_live_blocks"], live)
+
+
+def _prefill_steps(n: int, fresh: bool, chunk: int) -> list[int]:
+    """Forwards for ``n`` tokens, at most ``chunk`` each.
+
+    A new request's last token runs on its own: only its logits are needed,
+    and the head over every prompt position would cost more than the model.
+    """
+    body = n - 1 if fresh else n
+    return [min(chunk, body - lo) for lo in range(0, body, chunk)] + ([1] if fresh else [])
 
 
 def _cold_totals(pools: list[BlockPool]) -> dict[str, int]:
