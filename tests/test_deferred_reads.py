@@ -210,3 +210,23 @@ def test_launch_cache_drops_the_least_recently_used():
     assert cache.get("none", lambda: None) is None  # a decline is kept, and counts no launch
     assert list(cache.fns) == ["b", "none"]
     assert compiled_variants()["launches"] == before + 1
+
+
+def test_mlx_lm_batch_generator_with_deferred_reads_matches_dense(kernel):
+    """mlx-lm's BatchGenerator on installed paged caches (``PagedBatchKVCache``): stand-ins
+    reach attention, and the real read when no kernel takes the call gives dense tokens."""
+    from test_batch_cache import prompts, run_generator
+
+    from mlx_paged import install_paged_cache, uninstall_paged_cache
+
+    model = tiny_model("gemma3_text")
+    ps = prompts()
+    dense = run_generator(model, ps)
+    install_paged_cache(model, block_size=8)
+    try:
+        for take in (True, False):
+            kernel["take"] = take
+            assert run_generator(model, ps) == dense
+    finally:
+        uninstall_paged_cache(model)
+    assert kernel["took"] > 0 and kernel["declined"] > 0

@@ -24,7 +24,7 @@ from ..attention import (
     table_width,
 )
 from ..blocks import BlockTable
-from ..storage import KVPool, take_blocks
+from ..storage import KVPool, TierPlan, take_blocks
 
 
 class DecodeBatch:
@@ -71,9 +71,10 @@ class DecodeBatch:
         # Pad rows with a real id; the mask (and kernels, by ``lengths``) ignore them.
         table = [r + [r[-1] if r else 0] * (width - len(r)) for r in rows]
         self.block_tables = mx.array(table, dtype=mx.int32)  # (B, width)
-        self._rows = table
-        # With cold blocks in any row, gathers go through the tier plan.
-        self.plan = pool.tier_plan(table) if any(map(pool.has_cold, tables)) else None
+        self._rows = table  # for the tier plan
+        self.has_cold = any(map(pool.has_cold, tables))
+        self._plan: TierPlan | None = None
+        self._pool = pool
         self.starts = mx.array(starts, dtype=mx.int32)  # (B,)
         self.offset = mx.array(lengths, dtype=mx.int32)  # (B,) position of the first new token
         self.new_tokens = counts  # real new tokens per sequence
@@ -125,11 +126,18 @@ class DecodeBatch:
         return self._slots
 
     @property
+    def plan(self) -> TierPlan | None:
+        """How gathers read both tiers when any row holds a cold block (made once, when a
+        gather first needs it: a step that a fused kernel serves never does)."""
+        if self.has_cold and self._plan is None:
+            self._plan = self._pool.tier_plan(self._rows)
+        return self._plan
+
+    @property
     def view_tables(self) -> mx.array:
-        """``block_tables`` padded to ``table_width`` for kernels (made once per step)."""
+        """``block_tables`` padded to ``table_width`` with each row's last id, for kernels."""
         if self._view_tables is None:
-            w = table_width(len(self._rows[0]))
-            self._view_tables = mx.array([r + r[-1:] * (w - len(r)) for r in self._rows], mx.int32)
+            self._view_tables = pad_tables(self.block_tables)
         return self._view_tables
 
     def stand_ins(self, h: int, dk: int, dv: int, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
@@ -145,6 +153,16 @@ class DecodeBatch:
         for t in self.tables:
             n = t.lengths[0] + self.n_new
             t.lengths[:] = [n] * len(t.lengths)
+
+
+def pad_tables(block_tables: mx.array) -> mx.array:
+    """``(B, width)`` ids padded on the right to ``table_width(width)`` with each row's last id
+    (kernels stop at each sequence's length and never read them)."""
+    width = block_tables.shape[-1]
+    extra = table_width(width) - width
+    if not extra:
+        return block_tables
+    return mx.pad(block_tables, [(0, 0)] * (block_tables.ndim - 1) + [(0, extra)], mode="edge")
 
 
 class StepPagedKVCache(PagedLayerCache):
@@ -223,7 +241,7 @@ class StepPagedKVCache(PagedLayerCache):
     def paged_view(self) -> PagedView:
         """Where this layer's K/V lie, for fused kernels."""
         b = self.batch
-        cold = self.pool.cold_arrays(self.layer) if b.plan is not None else None
+        cold = self.pool.cold_arrays(self.layer) if b.has_cold else None
         return PagedView(
             keys=self.pool.keys[self.layer],
             values=self.pool.values[self.layer],

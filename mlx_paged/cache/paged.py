@@ -22,10 +22,10 @@ from ..attention import (
     kernels_ready,
     route_attention,
     stand_ins,
-    table_width,
 )
 from ..blocks import COLD, HOLE, BlockTable, PagedCacheStats, is_cold
 from ..storage import KVPool, check_kv_quant
+from .batch import pad_tables
 from .batch_cache import PagedBatchKVCache
 
 
@@ -258,7 +258,7 @@ class PagedKVCache(PagedLayerCache, KVCache):
     def paged_view(self) -> PagedView:
         """This layer's blocks as a batch of one, for fused kernels."""
         p, t = self.pool, self.table
-        block_tables, starts, lengths = _view_arrays(t, self.offset, p.block_size)
+        block_tables, starts, lengths = _view_arrays(p, t, self.offset)
         cold = p.cold_arrays(self.layer) if p.has_cold(t) else None
         return PagedView(
             keys=p.keys[self.layer],
@@ -290,20 +290,18 @@ def _read_start(offset: int, window: int | None, block_size: int) -> int:
     return oldest - oldest % block_size
 
 
-def _view_arrays(table: BlockTable, offset: int, block_size: int) -> tuple[mx.array, ...]:
-    """A one-sequence view's block table (padded to ``table_width`` with its last id, which
-    kernels never read), start and length; the layers of a step share them."""
-
-    def make() -> tuple[mx.array, ...]:
-        ids = table.blocks
-        padded = ids + [ids[-1] if ids else 0] * (table_width(len(ids)) - len(ids))
-        return (
-            mx.array([padded], dtype=mx.int32),
-            mx.array([table.first * block_size], dtype=mx.int32),
+def _view_arrays(pool: KVPool, table: BlockTable, offset: int) -> tuple[mx.array, ...]:
+    """A one-sequence view's block table (padded, ``pad_tables``), start and length; the
+    layers of a step share them."""
+    return table.derived(
+        "view",
+        (table.version, offset),
+        lambda: (
+            pad_tables(pool.table_ids(table)[None]),
+            mx.array([table.first * pool.block_size], dtype=mx.int32),
             mx.array([offset], dtype=mx.int32),
-        )
-
-    return table.derived("view", (table.version, offset), make)
+        ),
+    )
 
 
 def _stand_ins(table: BlockTable, shapes: tuple, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
