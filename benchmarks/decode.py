@@ -87,7 +87,13 @@ def fill(cache: list, context: int, dtype: mx.Dtype, chunk: int = 2048) -> None:
             mx.eval(c.state)
 
 
-def decode_seconds_per_step(model, cache: list, steps: int, warmup: int = 3) -> float:
+def decode_seconds_per_step(
+    model, cache: list, steps: int, warmup: int = 3, parts: dict | None = None
+) -> float:
+    """Seconds per pipelined decode step; with ``parts``, add each step's seconds spent
+    building the graph (``build``), in ``async_eval`` (``dispatch``) and waiting for the
+    previous token (``wait``) to its lists."""
+
     def step(y: mx.array) -> mx.array:
         logits = model(y[None], cache=cache)[:, -1, :]
         return mx.argmax(logits, axis=-1)
@@ -97,9 +103,16 @@ def decode_seconds_per_step(model, cache: list, steps: int, warmup: int = 3) -> 
     for i in range(warmup + steps):
         if i == warmup:
             tic = time.perf_counter()
+        t0 = time.perf_counter()
         nxt = step(y)
+        t1 = time.perf_counter()
         mx.async_eval(nxt)
+        t2 = time.perf_counter()
         y.item()
+        if parts is not None and i >= warmup:
+            for name, s in zip(("build", "dispatch", "wait"), (t1 - t0, t2 - t1)):
+                parts[name].append(s)
+            parts["wait"].append(time.perf_counter() - t2)
         y = nxt
     y.item()
     return (time.perf_counter() - tic) / steps
@@ -142,6 +155,12 @@ def main() -> None:
         action="store_true",
         help="also time a paged cache that builds the gathered K/V on every decode step "
         "(no deferred read)",
+    )
+    parser.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="with --interleave: also print each case's median host time per step building "
+        "the graph, in async_eval, and waiting for the device",
     )
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
@@ -188,10 +207,19 @@ def main() -> None:
             caches[name] = make()
             fill(caches[name], context, dtype)
         times = {name: [] for name in cases}
+        parts = {name: {"build": [], "dispatch": [], "wait": []} for name in cases}
         for _ in range(args.interleave):
             for name, cache in caches.items():
-                times[name].append(decode_seconds_per_step(model, cache, args.steps, warmup=2))
+                times[name].append(
+                    decode_seconds_per_step(
+                        model, cache, args.steps, warmup=2, parts=parts[name]
+                    )
+                )
         out = {name: statistics.median(t) for name, t in times.items()}
+        if args.breakdown:
+            for name, p in parts.items():
+                line = ", ".join(f"{k} {statistics.median(v) * 1e3:.3f}" for k, v in p.items())
+                print(f"context={context:6d} {name:17s} median ms per step: {line}")
         for name, s in out.items():
             results.append(dict(case=name, context=context, ms_per_step=s * 1e3, tok_s=1 / s))
         return out

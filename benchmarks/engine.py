@@ -22,6 +22,8 @@ memory (``mx.get_peak_memory``, which includes the model's weights).
 Usage:
     python benchmarks/engine.py --dtype float16                 # on a GPU
     python benchmarks/engine.py --layers 2 --hidden 256 --n 4 --system 128 --gen 8   # quick look
+    python benchmarks/engine.py --dtype float16 --n 64 --mixed 0 --first-batch --cases paged
+        # a fresh process's first batch (one case per process)
 """
 
 from __future__ import annotations
@@ -279,6 +281,12 @@ def main() -> None:
     parser.add_argument(
         "--memory-trace", action="store_true", help="print memory after every engine step"
     )
+    parser.add_argument(
+        "--first-batch",
+        action="store_true",
+        help="skip the warm-up, so the first case times a fresh process's first batch "
+        "(kernel compiles and self-checks included); run one case per process",
+    )
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
 
@@ -295,12 +303,13 @@ def main() -> None:
     def toks(n: int) -> list[int]:
         return [rng.randrange(args.vocab) for _ in range(n)]
 
-    # Warm up (kernel compilation, per-shape plans) on the largest W run of each path.
-    n = max(args.n)
-    warm_system = toks(args.system)
-    warm = [warm_system + toks(args.unique) for _ in range(n)]
-    run_batchgen(model, warm, [0.0] * n, args.gen, step, prefix=warm_system, batch=n)
-    run_paged(model, warm, [0.0] * n, args.gen, args)
+    if not args.first_batch:
+        # Warm up (kernel compilation, per-shape plans) on the largest W run of each path.
+        n = max(args.n)
+        warm_system = toks(args.system)
+        warm = [warm_system + toks(args.unique) for _ in range(n)]
+        run_batchgen(model, warm, [0.0] * n, args.gen, step, prefix=warm_system, batch=n)
+        run_paged(model, warm, [0.0] * n, args.gen, args)
 
     results: list[dict] = []
     system = toks(args.system)
