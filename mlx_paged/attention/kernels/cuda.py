@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
+from .cubin import CudaKernel
 from .plan import (
     DecodePlan,
     Launch,
@@ -82,10 +83,10 @@ _kernel_obj: list[object] = []
 
 
 def _kernel() -> object:
-    """The kernel object (MLX compiles and caches one binary per template set)."""
+    """The kernel object (one binary per template set, compiled once per machine)."""
     if not _kernel_obj:
         _kernel_obj.append(
-            mx.fast.cuda_kernel("paged_decode", _INPUTS, _OUTPUTS, DECODE_SOURCE, header=HEADER)
+            CudaKernel("paged_decode", _INPUTS, _OUTPUTS, DECODE_SOURCE, header=HEADER)
         )
     return _kernel_obj[0]
 

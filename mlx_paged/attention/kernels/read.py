@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from .cubin import CudaKernel
 from .plan import FLOAT_TYPES, kernel_templates
 from .source import block_read_source
 
@@ -32,7 +33,7 @@ _kernels: dict[str, object] = {}
 
 def _kernel(backend: str) -> object:
     if backend not in _kernels:
-        make = mx.fast.cuda_kernel if backend == "cuda" else mx.fast.metal_kernel
+        make = CudaKernel if backend == "cuda" else mx.fast.metal_kernel
         header, source = block_read_source(backend)
         _kernels[backend] = make(
             "paged_block_read",

@@ -1,0 +1,301 @@
+"""CUDA kernels compiled once per machine instead of once per process.
+
+``mx.fast.cuda_kernel`` hands its source to NVRTC in every new process: MLX
+keeps the PTX of its own kernels on disk, not of custom ones. On the H100 host
+that took 1.5-2.5 s per template set, paid by the first requests a fresh
+server sees. ``CudaKernel`` builds the same body with NVRTC itself (through
+ctypes, on the library MLX already loaded), keeps the cubin under
+``$MLX_PAGED_KERNEL_CACHE`` (else ``<cache root>/cuda-kernels``) keyed by a
+hash of the source, the GPU architecture and the NVRTC version, and launches it
+with ``mx.fast.precompiled_cuda_kernel``. Where NVRTC, the driver or a writable
+folder cannot be found, or ``MLX_PAGED_KERNEL_CACHE=off``, it launches through
+``mx.fast.cuda_kernel`` as before.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import hashlib
+import logging
+import os
+import tempfile
+from collections.abc import Callable, Sequence
+from functools import cache
+from pathlib import Path
+
+import mlx.core as mx
+
+from ...paths import cache_root
+
+logger = logging.getLogger("mlx_paged.kernels")
+
+CTYPES = {
+    mx.float16: "__half",
+    mx.bfloat16: "__nv_bfloat16",
+    mx.float32: "float",
+    mx.int32: "int",
+    mx.uint32: "unsigned int",
+}
+_PREAMBLE = "#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n"
+TemplateArg = tuple[str, "int | bool | mx.Dtype"]
+
+
+# ---- the compiler and the GPU ------------------------------------------------
+
+
+def _loaded_library(stem: str) -> str | None:
+    """Path of a shared library this process already mapped (MLX's own NVRTC), if any."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                path = line.rsplit(" ", 1)[-1].strip()
+                if os.path.basename(path).startswith(stem):
+                    return path
+    except OSError:
+        pass
+    return None
+
+
+def _open(stem: str, name: str) -> ctypes.CDLL | None:
+    for path in (_loaded_library(stem), ctypes.util.find_library(name)):
+        if path:
+            try:
+                return ctypes.CDLL(path)
+            except OSError:
+                continue
+    return None
+
+
+@cache
+def _nvrtc() -> ctypes.CDLL | None:
+    lib = _open("libnvrtc.so", "nvrtc")
+    if lib is not None:
+        lib.nvrtcGetErrorString.restype = ctypes.c_char_p
+    return lib
+
+
+@cache
+def architecture() -> str | None:
+    """``"sm_90"`` for an H100: the compute capability of GPU 0, from the CUDA driver."""
+    cuda = getattr(mx, "cuda", None)
+    if cuda is None or not cuda.is_available():
+        return None
+    drv = _open("libcuda.so", "cuda")
+    if drv is None:
+        return None
+    dev, major, minor = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
+    if drv.cuInit(0) or drv.cuDeviceGet(ctypes.byref(dev), 0):
+        return None
+    # CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR / _MINOR
+    if drv.cuDeviceGetAttribute(ctypes.byref(major), 75, dev) or drv.cuDeviceGetAttribute(
+        ctypes.byref(minor), 76, dev
+    ):
+        return None
+    return f"sm_{major.value}{minor.value}"
+
+
+@cache
+def _nvrtc_version() -> str:
+    lib, major, minor = _nvrtc(), ctypes.c_int(), ctypes.c_int()
+    lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor))
+    return f"{major.value}.{minor.value}"
+
+
+def cache_dir() -> Path | None:
+    """Where cubins are kept, or ``None`` if ``MLX_PAGED_KERNEL_CACHE=off``."""
+    env = os.environ.get("MLX_PAGED_KERNEL_CACHE")
+    if env == "off":
+        return None
+    return Path(env).expanduser() if env else cache_root() / "cuda-kernels"
+
+
+def available() -> bool:
+    """Whether kernels can be compiled here and kept between processes."""
+    return cache_dir() is not None and _nvrtc() is not None and architecture() is not None
+
+
+def _include_options() -> list[str]:
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(var):
+            return [f"--include-path={os.environ[var]}/include"]
+    return ["--include-path=/usr/local/cuda/include"] if Path("/usr/local/cuda").is_dir() else []
+
+
+def _check(lib: ctypes.CDLL, result: int, what: str) -> None:
+    if result:
+        raise RuntimeError(f"{what} failed: {lib.nvrtcGetErrorString(result).decode()}")
+
+
+def nvrtc_compile(source: str, name: str, options: Sequence[str]) -> bytes:
+    """Compile ``source`` to a cubin with NVRTC; raise ``RuntimeError`` with the log on failure."""
+    lib, prog = _nvrtc(), ctypes.c_void_p()
+    _check(
+        lib,
+        lib.nvrtcCreateProgram(
+            ctypes.byref(prog), source.encode(), f"{name}.cu".encode(), 0, None, None
+        ),
+        "nvrtcCreateProgram",
+    )
+    try:
+        opts = (ctypes.c_char_p * len(options))(*(o.encode() for o in options))
+        if lib.nvrtcCompileProgram(prog, len(options), opts):
+            size = ctypes.c_size_t()
+            lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+            log = ctypes.create_string_buffer(size.value + 1)
+            lib.nvrtcGetProgramLog(prog, log)
+            raise RuntimeError(f"NVRTC could not compile {name}: {log.value.decode()}")
+        size = ctypes.c_size_t()
+        _check(lib, lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "nvrtcGetCUBINSize")
+        out = ctypes.create_string_buffer(size.value)
+        _check(lib, lib.nvrtcGetCUBIN(prog, out), "nvrtcGetCUBIN")
+        return out.raw
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+# ---- the disk cache ------------------------------------------------------------
+
+_cubins: dict[str, bytes] = {}
+
+
+def cubin(source: str, name: str, compile_fn: Callable | None = None) -> bytes:
+    """The cubin of ``source`` (an ``extern "C"`` kernel called ``name``): from this process,
+    else from the cache folder, else compiled and written there (atomically)."""
+    options = [f"--gpu-architecture={architecture()}", "--std=c++17", *_include_options()]
+    key = hashlib.sha256("\0".join([source, *options, _nvrtc_version()]).encode()).hexdigest()
+    if key in _cubins:
+        return _cubins[key]
+    folder = cache_dir()
+    path = None if folder is None else folder / f"{name}-{key[:32]}.cubin"
+    if path is not None and path.is_file():
+        data = path.read_bytes()
+    else:
+        data = (compile_fn or nvrtc_compile)(source, name, options)
+        if path is not None:
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+                with tempfile.NamedTemporaryFile(dir=folder, delete=False) as f:
+                    f.write(data)
+                os.replace(f.name, path)
+            except OSError as e:  # a read-only home: keep it for this process only
+                logger.info("mlx_paged: cannot keep compiled kernels in %s (%s).", folder, e)
+    _cubins[key] = data
+    return data
+
+
+# ---- kernels ---------------------------------------------------------------------
+
+
+def render(
+    name: str,
+    header: str,
+    body: str,
+    input_names: Sequence[str],
+    input_dtypes: Sequence[mx.Dtype],
+    input_ndims: Sequence[int],
+    output_names: Sequence[str],
+    output_dtypes: Sequence[mx.Dtype],
+    template: Sequence[TemplateArg],
+) -> tuple[str, list[int]]:
+    """The whole CUDA source of one template set, and the indices of the inputs whose shapes
+    are passed as trailing ``int`` arguments (those the body reads as ``<name>_shape[i]``).
+
+    The signature and constants follow what ``mx.fast.cuda_kernel`` generates, so the
+    same body builds either way.
+    """
+    params = [f"const {CTYPES[d]}* {n}" for n, d in zip(input_names, input_dtypes, strict=True)]
+    params += [f"{CTYPES[d]}* {n}" for n, d in zip(output_names, output_dtypes, strict=True)]
+    shaped = [i for i, n in enumerate(input_names) if f"{n}_shape" in body]
+    lines = []
+    for i in shaped:
+        n, dims = input_names[i], range(input_ndims[i])
+        params += [f"int {n}_shape_{d}" for d in dims]
+        lines.append(f"  const int {n}_shape[] = {{{', '.join(f'{n}_shape_{d}' for d in dims)}}};")
+    for arg, value in template:
+        if isinstance(value, mx.Dtype):
+            lines.append(f"  using {arg} = {CTYPES[value]};")
+        elif isinstance(value, bool):
+            lines.append(f"  constexpr bool {arg} = {'true' if value else 'false'};")
+        else:
+            lines.append(f"  constexpr int {arg} = {value};")
+    signature = ",\n    ".join(params)
+    source = (
+        f'{_PREAMBLE}{header}\nextern "C" __global__ void {name}(\n    {signature}) {{\n'
+        + "\n".join(lines)
+        + f"\n{body}\n}}\n"
+    )
+    return source, shaped
+
+
+class CudaKernel:
+    """One kernel body, called like an ``mx.fast.cuda_kernel`` object.
+
+    Each template set is compiled once per machine (see the module docstring);
+    without NVRTC it falls back to ``mx.fast.cuda_kernel``.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        input_names: Sequence[str],
+        output_names: Sequence[str],
+        source: str,
+        header: str = "",
+    ):
+        self.name, self.header, self.body = name, header, source
+        self.input_names, self.output_names = list(input_names), list(output_names)
+        self._fallback = None
+        self._built: dict[tuple, tuple[str, bytes, list[int]]] = {}
+
+    def __call__(
+        self,
+        *,
+        inputs: Sequence[mx.array],
+        template: Sequence[TemplateArg],
+        grid: tuple[int, int, int],
+        threadgroup: tuple[int, int, int],
+        output_shapes: Sequence[Sequence[int]],
+        output_dtypes: Sequence[mx.Dtype],
+    ) -> list[mx.array]:
+        if not available():
+            if self._fallback is None:
+                self._fallback = mx.fast.cuda_kernel(
+                    self.name, self.input_names, self.output_names, self.body, header=self.header
+                )
+            return self._fallback(
+                inputs=inputs,
+                template=template,
+                grid=grid,
+                threadgroup=threadgroup,
+                output_shapes=output_shapes,
+                output_dtypes=output_dtypes,
+            )
+        key = (tuple(template), *((x.dtype, x.ndim) for x in inputs), *output_dtypes)
+        if key not in self._built:
+            digest = hashlib.sha256(repr(key).encode()).hexdigest()[:16]
+            name = f"mlx_paged_{self.name}_{digest}"
+            source, shaped = render(
+                name,
+                self.header,
+                self.body,
+                self.input_names,
+                [x.dtype for x in inputs],
+                [x.ndim for x in inputs],
+                self.output_names,
+                output_dtypes,
+                template,
+            )
+            self._built[key] = (name, cubin(source, name), shaped)
+        name, data, shaped = self._built[key]
+        return mx.fast.precompiled_cuda_kernel(
+            name=name,
+            compiled_source=data,
+            inputs=inputs,
+            output_shapes=output_shapes,
+            output_dtypes=output_dtypes,
+            scalars=[d for i in shaped for d in inputs[i].shape],
+            grid=grid,
+            threadgroup=threadgroup,
+            ensure_row_contiguous=True,
+        )

@@ -1,0 +1,158 @@
+"""CUDA kernels compiled once per machine: the rendered source, the disk cache and, on a GPU,
+kernels loaded from it matching the reference."""
+
+from __future__ import annotations
+
+import re
+
+import mlx.core as mx
+import pytest
+from test_kernels import cuda_only
+
+from mlx_paged.attention.kernels import cubin, cuda, read, source
+from mlx_paged.attention.kernels.cuda import paged_decode_cuda
+from mlx_paged.attention.kernels.read import read_blocks
+from mlx_paged.attention.kernels.reference import reference_paged_decode
+from mlx_paged.attention.kernels.synthetic import random_paged_batch
+from mlx_paged.storage import take_blocks
+
+DECODE_DTYPES = [mx.float16] * 3 + [mx.int32] * 3 + [mx.float32, mx.int32]
+DECODE_DTYPES += [mx.uint32, mx.float16, mx.float16] * 2
+DECODE_NDIMS = [4, 4, 4, 2] + [1] * 10
+OUTPUT_DTYPES = [mx.float16, mx.float32, mx.float32, mx.float32]
+
+
+def render_decode(template):
+    return cubin.render(
+        "k",
+        cuda.HEADER,
+        cuda.DECODE_SOURCE,
+        cuda._INPUTS,
+        DECODE_DTYPES,
+        DECODE_NDIMS,
+        cuda._OUTPUTS,
+        OUTPUT_DTYPES,
+        template,
+    )
+
+
+def test_render_writes_mlxs_signature_with_shapes_as_trailing_ints():
+    src, shaped = render_decode([("T", mx.float16), ("DK", 64), ("SINKS", False), ("NEG", -3)])
+    assert shaped == [cuda._INPUTS.index("block_tables")]  # the only shape the body reads
+    params = re.search(r'extern "C" __global__ void k\(([^)]*)\)', src).group(1)
+    names = [p.split()[-1].lstrip("*") for p in params.split(",")]
+    want = [*cuda._INPUTS, *cuda._OUTPUTS, "block_tables_shape_0", "block_tables_shape_1"]
+    assert names == want
+    assert "const __half* queries" in params and "const unsigned int* cold_keys" in params
+    assert "float* part_out" in params and "const float* sinks" in params
+    for line in [
+        "const int block_tables_shape[] = {block_tables_shape_0, block_tables_shape_1};",
+        "using T = __half;",
+        "constexpr int DK = 64;",
+        "constexpr bool SINKS = false;",
+        "constexpr int NEG = -3;",
+    ]:
+        assert line in src
+    assert src.endswith(f"\n{cuda.DECODE_SOURCE}\n}}\n")  # the body, unchanged, closes it
+
+
+def test_render_of_the_block_read_passes_the_slots_shape():
+    header, body = source.block_read_source("cuda")
+    src, shaped = cubin.render(
+        "r",
+        header,
+        body,
+        ["keys", "values", "slots"],
+        [mx.bfloat16, mx.bfloat16, mx.int32],
+        [4, 4, 2],
+        ["k_out", "v_out"],
+        [mx.bfloat16, mx.bfloat16],
+        [("HK", 8), ("U", 4)],
+    )
+    assert shaped == [2]
+    assert "const __nv_bfloat16* keys" in src and "int slots_shape_1" in src
+
+
+@pytest.fixture
+def kernel_cache(tmp_path, monkeypatch):
+    """A cache folder of its own, an architecture and an NVRTC version without a GPU, and
+    a compiler that records its calls."""
+    monkeypatch.setenv("MLX_PAGED_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setattr(cubin, "architecture", lambda: "sm_90")
+    monkeypatch.setattr(cubin, "_nvrtc_version", lambda: "13.0")
+    monkeypatch.setattr(cubin, "_cubins", {})
+    calls = []
+
+    def compile_fn(src, name, options):
+        calls.append((name, options))
+        return f"cubin of {name} for {options[0]}".encode()
+
+    return tmp_path, calls, compile_fn
+
+
+def test_cubins_are_compiled_once_then_read_from_disk(kernel_cache, monkeypatch):
+    folder, calls, compile_fn = kernel_cache
+    data = cubin.cubin("source A", "ka", compile_fn)
+    assert data == b"cubin of ka for --gpu-architecture=sm_90"
+    assert [c[0] for c in calls] == ["ka"] and "--std=c++17" in calls[0][1]
+    (path,) = folder.glob("ka-*.cubin")
+    assert path.read_bytes() == data
+    assert cubin.cubin("source A", "ka", compile_fn) == data and len(calls) == 1  # memo
+    monkeypatch.setattr(cubin, "_cubins", {})  # a new process
+    assert cubin.cubin("source A", "ka", compile_fn) == data and len(calls) == 1  # disk
+    # Another source, architecture or NVRTC version is another file.
+    cubin.cubin("source B", "ka", compile_fn)
+    monkeypatch.setattr(cubin, "architecture", lambda: "sm_80")
+    cubin.cubin("source A", "ka", compile_fn)
+    monkeypatch.setattr(cubin, "_nvrtc_version", lambda: "12.9")
+    cubin.cubin("source A", "ka", compile_fn)
+    assert len(calls) == 4 and len(list(folder.glob("ka-*.cubin"))) == 4
+    assert not [p for p in folder.iterdir() if not p.name.endswith(".cubin")]  # no temp files
+
+
+def test_an_unwritable_cache_keeps_cubins_for_the_process(kernel_cache, monkeypatch):
+    folder, calls, compile_fn = kernel_cache
+    blocked = folder / "file"
+    blocked.write_text("not a folder")
+    monkeypatch.setenv("MLX_PAGED_KERNEL_CACHE", str(blocked / "sub"))
+    assert cubin.cubin("source", "k", compile_fn) == b"cubin of k for --gpu-architecture=sm_90"
+    assert cubin.cubin("source", "k", compile_fn) and len(calls) == 1
+
+
+def test_the_cache_folder_and_off(monkeypatch, tmp_path):
+    monkeypatch.setenv("MLX_PAGED_KERNEL_CACHE", "off")
+    assert cubin.cache_dir() is None and not cubin.available()
+    monkeypatch.delenv("MLX_PAGED_KERNEL_CACHE")
+    monkeypatch.setenv("MLX_PAGED_CACHE", str(tmp_path))
+    assert cubin.cache_dir() == tmp_path / "cuda-kernels"
+
+
+# ---- on a GPU ------------------------------------------------------------------------
+
+
+@cuda_only
+def test_kernels_from_the_disk_cache_match_the_reference(tmp_path, monkeypatch):
+    """A fresh process's kernels (no memo, no MLX module) are read from the cache folder,
+    compiled by nobody, and still match the reference and ``mx.take``."""
+    monkeypatch.setenv("MLX_PAGED_KERNEL_CACHE", str(tmp_path))
+    assert cubin.available()
+    batch = random_paged_batch([300, 17], n_heads=8, n_kv_heads=2, dk=64, dv=64, block_size=16)
+    want = reference_paged_decode(batch.queries, batch.view, 0.125, None)
+    got = paged_decode_cuda(batch.queries, batch.view, 0.125, None, num_splits=2)
+    assert mx.allclose(got, want, atol=2e-3).item()
+    assert list(tmp_path.glob("*.cubin"))
+
+    def no_compile(*args):
+        raise AssertionError("compiled again instead of reading the cache")
+
+    monkeypatch.setattr(cubin, "nvrtc_compile", no_compile)
+    monkeypatch.setattr(cubin, "_cubins", {})
+    monkeypatch.setattr(cuda, "_kernel_obj", [])
+    monkeypatch.setattr(cuda, "_launches", cuda.LaunchCache())
+    monkeypatch.setattr(read, "_kernels", {})
+    got = paged_decode_cuda(batch.queries, batch.view, 0.125, None, num_splits=2)
+    assert mx.allclose(got, want, atol=2e-3).item()
+    slots = mx.array([[5, 3, 40, 41]], dtype=mx.int32)
+    got = read_blocks("cuda", batch.view.keys, batch.view.values, slots)
+    want = take_blocks(batch.view.keys, batch.view.values, slots)
+    assert all(mx.array_equal(g, w).item() for g, w in zip(got, want, strict=True))
