@@ -136,23 +136,30 @@ def test_kernels_from_the_disk_cache_match_the_reference(tmp_path, monkeypatch):
     compiled by nobody, and still match the reference and ``mx.take``."""
     monkeypatch.setenv("MLX_PAGED_KERNEL_CACHE", str(tmp_path))
     assert cubin.available()
+
+    def fresh_process():  # forget every compiled kernel this process holds
+        monkeypatch.setattr(cubin, "_cubins", {})
+        monkeypatch.setattr(cuda, "_kernel_obj", [])
+        monkeypatch.setattr(cuda, "_launches", cuda.LaunchCache())
+        monkeypatch.setattr(read, "_kernels", {})
+
+    fresh_process()
     batch = random_paged_batch([300, 17], n_heads=8, n_kv_heads=2, dk=64, dv=64, block_size=16)
     want = reference_paged_decode(batch.queries, batch.view, 0.125, None)
     got = paged_decode_cuda(batch.queries, batch.view, 0.125, None, num_splits=2)
     assert mx.allclose(got, want, atol=2e-3).item()
-    assert list(tmp_path.glob("*.cubin"))
+    slots = mx.array([[5, 3, 40, 41]], dtype=mx.int32)
+    want_kv = take_blocks(batch.view.keys, batch.view.values, slots)
+    got_kv = read_blocks("cuda", batch.view.keys, batch.view.values, slots)
+    assert all(mx.array_equal(g, w).item() for g, w in zip(got_kv, want_kv, strict=True))
+    assert len(list(tmp_path.glob("*.cubin"))) == 2  # the decode template set and the read
 
     def no_compile(*args):
         raise AssertionError("compiled again instead of reading the cache")
 
     monkeypatch.setattr(cubin, "nvrtc_compile", no_compile)
-    monkeypatch.setattr(cubin, "_cubins", {})
-    monkeypatch.setattr(cuda, "_kernel_obj", [])
-    monkeypatch.setattr(cuda, "_launches", cuda.LaunchCache())
-    monkeypatch.setattr(read, "_kernels", {})
+    fresh_process()
     got = paged_decode_cuda(batch.queries, batch.view, 0.125, None, num_splits=2)
     assert mx.allclose(got, want, atol=2e-3).item()
-    slots = mx.array([[5, 3, 40, 41]], dtype=mx.int32)
-    got = read_blocks("cuda", batch.view.keys, batch.view.values, slots)
-    want = take_blocks(batch.view.keys, batch.view.values, slots)
-    assert all(mx.array_equal(g, w).item() for g, w in zip(got, want, strict=True))
+    got_kv = read_blocks("cuda", batch.view.keys, batch.view.values, slots)
+    assert all(mx.array_equal(g, w).item() for g, w in zip(got_kv, want_kv, strict=True))
