@@ -163,3 +163,30 @@ def test_kernels_from_the_disk_cache_match_the_reference(tmp_path, monkeypatch):
     assert mx.allclose(got, want, atol=2e-3).item()
     got_kv = read_blocks("cuda", batch.view.keys, batch.view.values, slots)
     assert all(mx.array_equal(g, w).item() for g, w in zip(got_kv, want_kv, strict=True))
+
+
+def test_inputs_a_template_set_does_not_read_are_left_out_of_the_signature():
+    dtypes = [*DECODE_DTYPES[:6], None, None, None, None, None, None, None, None]
+    src, shaped = cubin.render(
+        "k",
+        cuda.HEADER,
+        cuda.DECODE_SOURCE,
+        cuda._INPUTS,
+        dtypes,
+        DECODE_NDIMS,
+        cuda._OUTPUTS,
+        OUTPUT_DTYPES,
+        [("T", mx.float16)],
+        {n: cubin.CTYPES.get(t, t) for n, t in cuda._ABSENT.items()},
+    )
+    params = re.search(r'extern "C" __global__ void k\(([^)]*)\)', src).group(1)
+    assert "sinks" not in params and "counters" not in params and "cold_" not in params
+    assert shaped == [3]
+    for line in [
+        "const float* sinks = nullptr;",
+        "const int* counters = nullptr;",
+        "const unsigned int* cold_keys = nullptr;",
+        "const T* cold_vbiases = nullptr;",
+    ]:
+        assert line in src
+    assert src.index("using T = __half;") < src.index("const T* cold_kscales = nullptr;")

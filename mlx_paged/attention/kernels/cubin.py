@@ -27,6 +27,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from ...paths import cache_root
+from .plan import placeholder
 
 logger = logging.getLogger("mlx_paged.kernels")
 
@@ -197,16 +198,20 @@ def render(
     output_names: Sequence[str],
     output_dtypes: Sequence[mx.Dtype],
     template: Sequence[TemplateArg],
+    absent: dict[str, str] | None = None,
 ) -> tuple[str, list[int]]:
     """The whole CUDA source of one template set, and the indices of the inputs whose shapes
     are passed as trailing ``int`` arguments (those the body reads as ``<name>_shape[i]``).
 
     The signature and constants follow what ``mx.fast.cuda_kernel`` generates, so the
-    same body builds either way.
+    same body builds either way. An input whose dtype is ``None`` is left out of the
+    signature and declared a null pointer to ``absent[name]`` (a C type or a template
+    type name): the body must not read it for this template set.
     """
-    params = [f"const {CTYPES[d]}* {n}" for n, d in zip(input_names, input_dtypes, strict=True)]
+    ins = [(i, n, d) for i, (n, d) in enumerate(zip(input_names, input_dtypes, strict=True))]
+    params = [f"const {CTYPES[d]}* {n}" for _, n, d in ins if d is not None]
     params += [f"{CTYPES[d]}* {n}" for n, d in zip(output_names, output_dtypes, strict=True)]
-    shaped = [i for i, n in enumerate(input_names) if f"{n}_shape" in body]
+    shaped = [i for i, n, d in ins if d is not None and f"{n}_shape" in body]
     lines = []
     for i in shaped:
         n, dims = input_names[i], range(input_ndims[i])
@@ -219,6 +224,7 @@ def render(
             lines.append(f"  constexpr bool {arg} = {'true' if value else 'false'};")
         else:
             lines.append(f"  constexpr int {arg} = {value};")
+    lines += [f"  const {absent[n]}* {n} = nullptr;" for _, n, d in ins if d is None]
     signature = ",\n    ".join(params)
     source = (
         f'{_PREAMBLE}{header}\nextern "C" __global__ void {name}(\n    {signature}) {{\n'
@@ -232,7 +238,10 @@ class CudaKernel:
     """One kernel body, called like an ``mx.fast.cuda_kernel`` object.
 
     Each template set is compiled once per machine (see the module docstring);
-    without NVRTC it falls back to ``mx.fast.cuda_kernel``.
+    without NVRTC it falls back to ``mx.fast.cuda_kernel``. Inputs named in
+    ``absent`` (with their dtype, or the name of a dtype template argument) may be
+    passed as ``None`` where the template set does not read them: the compiled
+    kernel leaves them out, so a launch carries fewer arrays.
     """
 
     def __init__(
@@ -242,9 +251,11 @@ class CudaKernel:
         output_names: Sequence[str],
         source: str,
         header: str = "",
+        absent: dict[str, mx.Dtype | str] | None = None,
     ):
         self.name, self.header, self.body = name, header, source
         self.input_names, self.output_names = list(input_names), list(output_names)
+        self.absent = absent or {}
         self._fallback = None
         self._built: dict[tuple, tuple[str, bytes, list[int]]] = {}
 
@@ -259,6 +270,11 @@ class CudaKernel:
         output_dtypes: Sequence[mx.Dtype],
     ) -> list[mx.array]:
         if not available():
+            types = dict(template)
+            inputs = [
+                placeholder(self._dtype(n, types)) if x is None else x
+                for n, x in zip(self.input_names, inputs, strict=True)
+            ]
             if self._fallback is None:
                 self._fallback = mx.fast.cuda_kernel(
                     self.name, self.input_names, self.output_names, self.body, header=self.header
@@ -271,7 +287,7 @@ class CudaKernel:
                 output_shapes=output_shapes,
                 output_dtypes=output_dtypes,
             )
-        key = (tuple(template), *((x.dtype, x.ndim) for x in inputs), *output_dtypes)
+        key = (tuple(template), *(x and (x.dtype, x.ndim) for x in inputs), *output_dtypes)
         if key not in self._built:
             digest = hashlib.sha256(repr(key).encode()).hexdigest()[:16]
             name = f"mlx_paged_{self.name}_{digest}"
@@ -280,18 +296,19 @@ class CudaKernel:
                 self.header,
                 self.body,
                 self.input_names,
-                [x.dtype for x in inputs],
-                [x.ndim for x in inputs],
+                [x and x.dtype for x in inputs],
+                [x and x.ndim for x in inputs],
                 self.output_names,
                 output_dtypes,
                 template,
+                {n: CTYPES.get(t, t) for n, t in self.absent.items()},
             )
             self._built[key] = (name, cubin(source, name), shaped)
         name, data, shaped = self._built[key]
         return mx.fast.precompiled_cuda_kernel(
             name=name,
             compiled_source=data,
-            inputs=inputs,
+            inputs=[x for x in inputs if x is not None],
             output_shapes=output_shapes,
             output_dtypes=output_dtypes,
             scalars=[d for i in shaped for d in inputs[i].shape],
@@ -299,3 +316,7 @@ class CudaKernel:
             threadgroup=threadgroup,
             ensure_row_contiguous=True,
         )
+
+    def _dtype(self, name: str, template: dict) -> mx.Dtype:
+        t = self.absent[name]
+        return template[t] if isinstance(t, str) else t

@@ -37,10 +37,8 @@ from .plan import (
     LaunchCache,
     base_template,
     call_key,
-    cold_inputs,
     compiled_launch,
     kernel_templates,
-    placeholder,
     plan_decode,
 )
 from .source import decode_source
@@ -79,6 +77,13 @@ _INPUTS = [
     *("cold_keys", "cold_kscales", "cold_kbiases", "cold_values", "cold_vscales", "cold_vbiases"),
 ]
 _OUTPUTS = ["out", "part_out", "part_max", "part_sum"]
+# Inputs a launch leaves out (passes as None) when its template set does not read them:
+# sinks without SINKS, counters without splits, the cold tier's arrays without QBITS.
+_ABSENT = {"sinks": mx.float32, "counters": mx.int32}
+_ABSENT |= {
+    **dict.fromkeys(("cold_keys", "cold_values"), mx.uint32),
+    **dict.fromkeys(("cold_kscales", "cold_kbiases", "cold_vscales", "cold_vbiases"), "T"),
+}
 _kernel_obj: list[object] = []
 
 
@@ -86,7 +91,7 @@ def _kernel() -> object:
     """The kernel object (one binary per template set, compiled once per machine)."""
     if not _kernel_obj:
         _kernel_obj.append(
-            CudaKernel("paged_decode", _INPUTS, _OUTPUTS, DECODE_SOURCE, header=HEADER)
+            CudaKernel("paged_decode", _INPUTS, _OUTPUTS, DECODE_SOURCE, HEADER, _ABSENT)
         )
     return _kernel_obj[0]
 
@@ -185,10 +190,15 @@ def _make_launch(
     output_dtypes = [queries.dtype, mx.float32, mx.float32, mx.float32]
     slots = B * blocks if S > 1 else 0  # split counters: one per (sequence, block column)
 
-    def kernel_call(q, keys, values, tables, starts, lengths, sinks, no_counters, *cold):
-        counters = mx.zeros((slots,), dtype=mx.int32) if slots else no_counters
+    cold = view.cold is not None
+
+    def kernel_call(q, keys, values, tables, starts, lengths, *rest):
+        # rest: the sinks (with SINKS), then the six cold-tier arrays (with a cold tier)
+        sinks = rest[0] if has_sinks else None
+        cold_arrays = rest[has_sinks:] if cold else [None] * 6
+        counters = mx.zeros((slots,), dtype=mx.int32) if slots else None
         return _kernel()(
-            inputs=[q, keys, values, tables, starts, lengths, sinks, counters, *cold],
+            inputs=[q, keys, values, tables, starts, lengths, sinks, counters, *cold_arrays],
             template=template,
             grid=grid,
             threadgroup=threads,
@@ -199,6 +209,9 @@ def _make_launch(
     replay = compiled_launch(kernel_call)
 
     def launch(q: mx.array, view: PagedView, sinks: mx.array | None) -> mx.array:
+        rest = [_as(sinks, mx.float32)] if has_sinks else []
+        if cold:
+            rest += [*view.cold.keys, *view.cold.values]
         return replay(
             q,
             view.keys,
@@ -206,9 +219,7 @@ def _make_launch(
             _as(view.block_tables, mx.int32),
             _as(view.starts, mx.int32),
             _as(view.lengths, mx.int32),
-            placeholder(mx.float32) if sinks is None else _as(sinks, mx.float32),
-            placeholder(mx.int32),  # the counters, when the launch has no splits
-            *cold_inputs(view),
+            *rest,
         )
 
     return launch
