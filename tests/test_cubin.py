@@ -190,3 +190,49 @@ def test_inputs_a_template_set_does_not_read_are_left_out_of_the_signature():
     ]:
         assert line in src
     assert src.index("using T = __half;") < src.index("const T* cold_kscales = nullptr;")
+
+
+def test_a_call_launches_the_cached_cubin_with_only_the_inputs_it_reads(kernel_cache, monkeypatch):
+    """``CudaKernel.__call__`` without a GPU: MLX's launch replaced by a recorder."""
+    folder, calls, compile_fn = kernel_cache
+    monkeypatch.setattr(cubin, "available", lambda: True)
+    monkeypatch.setattr(cubin, "nvrtc_compile", compile_fn)
+    launched = []
+
+    def precompiled(**kw):
+        launched.append(kw)
+        shapes, dtypes = kw["output_shapes"], kw["output_dtypes"]
+        return [mx.zeros(s, dtype=d) for s, d in zip(shapes, dtypes, strict=True)]
+
+    monkeypatch.setattr(mx.fast, "precompiled_cuda_kernel", precompiled)
+    kernel = cubin.CudaKernel(
+        "k", ["a", "b", "opt"], ["out"], "out[0] = a[b_shape[1]];", "", {"opt": "T"}
+    )
+    a, b = mx.zeros((4,), dtype=mx.float16), mx.zeros((2, 3), dtype=mx.int32)
+    for _ in range(2):
+        kernel(
+            inputs=[a, b, None],
+            template=[("T", mx.float16), ("X", 2)],
+            grid=(32, 1, 1),
+            threadgroup=(32, 1, 1),
+            output_shapes=[(1,)],
+            output_dtypes=[mx.float16],
+        )
+    kernel(
+        inputs=[a, b, a],
+        template=[("T", mx.float16), ("X", 2)],
+        grid=(32, 1, 1),
+        threadgroup=(32, 1, 1),
+        output_shapes=[(1,)],
+        output_dtypes=[mx.float16],
+    )
+    assert len(calls) == 2  # two template sets (without and with ``opt``), each compiled once
+    first, again, other = launched
+    assert [id(x) for x in first["inputs"]] == [id(a), id(b)]
+    assert [id(x) for x in other["inputs"]] == [id(a), id(b), id(a)]
+    assert first["scalars"] == [2, 3] and first["name"] == again["name"] != other["name"]
+    assert (
+        first["compiled_source"]
+        == f"cubin of {first['name']} for --gpu-architecture=sm_90".encode()
+    )
+    assert first["ensure_row_contiguous"] and first["grid"] == (32, 1, 1)

@@ -287,7 +287,9 @@ class CudaKernel:
                 output_shapes=output_shapes,
                 output_dtypes=output_dtypes,
             )
-        key = (tuple(template), *(x and (x.dtype, x.ndim) for x in inputs), *output_dtypes)
+        present = [x is not None for x in inputs]
+        key = (tuple(template), *(x.dtype if x is not None else None for x in inputs))
+        key += (*(x.ndim for x in inputs if x is not None), *output_dtypes)
         if key not in self._built:
             digest = hashlib.sha256(repr(key).encode()).hexdigest()[:16]
             name = f"mlx_paged_{self.name}_{digest}"
@@ -296,8 +298,8 @@ class CudaKernel:
                 self.header,
                 self.body,
                 self.input_names,
-                [x and x.dtype for x in inputs],
-                [x and x.ndim for x in inputs],
+                [x.dtype if p else None for x, p in zip(inputs, present, strict=True)],
+                [x.ndim if p else 0 for x, p in zip(inputs, present, strict=True)],
                 self.output_names,
                 output_dtypes,
                 template,
@@ -308,7 +310,7 @@ class CudaKernel:
         return mx.fast.precompiled_cuda_kernel(
             name=name,
             compiled_source=data,
-            inputs=[x for x in inputs if x is not None],
+            inputs=[x for x, p in zip(inputs, present, strict=True) if p],
             output_shapes=output_shapes,
             output_dtypes=output_dtypes,
             scalars=[d for i in shaped for d in inputs[i].shape],
