@@ -38,7 +38,9 @@ class PagedEngine:
         block_size: Token slots per block.
         num_blocks: Blocks per layer group, or ``None`` to grow on demand.
         max_batch_size: Most sequences decoding at once.
-        prefill_step_size: Most tokens per prefill forward.
+        prefill_step_size: Most tokens per prefill forward; short suffixes are
+            batched up to it. Larger values give earlier first tokens at a higher
+            peak memory (BENCHMARKS.md, run 100).
         prefill_budget: Most prompt tokens admitted per step, beside its decode
             (``None``: every request that fits is admitted and prefilled before the
             step's decode). Each step admits at least one request.
