@@ -65,12 +65,12 @@ def refcounts(sched):
     return sched.groups[FULL].blocks.refcounts
 
 
-def test_chunked_prefill_steps_and_the_last_token_alone():
+def test_chunked_prefill_steps_end_with_the_last_token():
     sched = make(prefill_step_size=16)
     sched.add(request(0, range(40)))
     (work,) = list(sched.admit())
     assert work.alone and work.fresh
-    assert work.steps == [16, 16, 7, 1]
+    assert work.steps == [16, 16, 8]  # the first token comes from the last chunk's logits
     assert sched.counters["prefilled_tokens"] == 40
 
 
@@ -105,8 +105,8 @@ def test_short_prompts_are_batched_by_length_with_blocks_reserved_at_admission()
         sched.add(request(uid, prompt))
     works = list(sched.admit())
     assert [([r.uid for r in w.requests], w.steps, w.alone) for w in works] == [
-        ([0, 1], [4, 1], False),
-        ([2], [2, 1], False),
+        ([0, 1], [5], False),
+        ([2], [3], False),
     ]
     # Admission order took the blocks: 2 per 5-token prompt, 1 for the 3-token one.
     assert [r.tables[FULL].blocks for r in sched.running] == [[0, 1], [2, 3], [4]]
@@ -130,7 +130,7 @@ def test_a_request_behind_adopts_the_prefix_its_neighbour_just_wrote():
     # it copied on write (block 3) before its own tokens go in; block 4 is new.
     assert b.written == 10 and sched.counters["prefix_hit_tokens"] == 10
     assert b.tables[FULL].blocks == [0, 1, 3, 4]
-    assert second.steps == [2, 1] and not second.alone
+    assert second.steps == [3] and not second.alone
     # Blocks 0 and 1: both tables and the index; block 2: request 0 and the index.
     assert refcounts(sched)[:5] == [3, 3, 2, 1, 1]
     assert list(admitted) == []

@@ -34,8 +34,8 @@ class ModelRunner:
     def prefill(self, req: Request, n: int, logits: bool = False) -> mx.array | None:
         """Run ``req``'s next ``n`` tokens through its own caches.
 
-        Returns the last position's logits ``(1, V)`` if asked, else ``None``: the
-        head over every prompt position would cost more than the model.
+        Returns the last position's logits ``(1, V)`` if asked, else ``None`` (left
+        unevaluated, so the head over the chunk is not computed).
         """
         start = req.written
         caches = self.layout.bind(self.pools, req.tables, PagedKVCache)

@@ -112,7 +112,7 @@ class Scheduler:
             heads[head] -= 1
             shared = start < bs <= n and heads[head] > 0
             if n > self.prefill_step_size or shared:
-                steps = _prefill_steps(n, not req.generated, self.prefill_step_size)
+                steps = _prefill_steps(n, self.prefill_step_size)
                 yield Prefill([req], steps, alone=True)
             elif n > 0:
                 # Take the blocks now, so the next admission sees them gone.
@@ -121,10 +121,10 @@ class Scheduler:
                 batched.setdefault((n, not req.generated), []).append(req)
             self._note_peak()
         assert self.running or not self.waiting, "an idle pool cannot take the next request"
-        for (n, fresh), reqs in batched.items():
+        for (n, _), reqs in batched.items():
             per_forward = max(1, self.prefill_step_size // n)
             for i in range(0, len(reqs), per_forward):
-                yield Prefill(reqs[i : i + per_forward], _prefill_steps(n, fresh, n), alone=False)
+                yield Prefill(reqs[i : i + per_forward], [n], alone=False)
 
     def index_written(self, req: Request) -> None:
         """Index the full blocks ``req`` has written, so running requests can share them.
@@ -289,14 +289,14 @@ class Scheduler:
         self.counters["peak_live_blocks"] = max(self.counters["peak_live_blocks"], live)
 
 
-def _prefill_steps(n: int, fresh: bool, chunk: int) -> list[int]:
+def _prefill_steps(n: int, chunk: int) -> list[int]:
     """Forwards for ``n`` tokens, at most ``chunk`` each.
 
-    A new request's last token runs on its own: only its logits are needed,
-    and the head over every prompt position would cost more than the model.
+    A new request's first token comes from its last forward's last position. Running
+    that token in a forward of its own costs a pass through the model (host-bound on
+    a GPU: a few ms), more than the head over the rest of the chunk (run 101).
     """
-    body = n - 1 if fresh else n
-    return [min(chunk, body - lo) for lo in range(0, body, chunk)] + ([1] if fresh else [])
+    return [min(chunk, n - lo) for lo in range(0, n, chunk)]
 
 
 def _cold_totals(pools: list[BlockPool]) -> dict[str, int]:
