@@ -236,3 +236,53 @@ def test_a_call_launches_the_cached_cubin_with_only_the_inputs_it_reads(kernel_c
         == f"cubin of {first['name']} for --gpu-architecture=sm_90".encode()
     )
     assert first["ensure_row_contiguous"] and first["grid"] == (32, 1, 1)
+
+
+def test_an_empty_cache_file_is_compiled_again(kernel_cache):
+    folder, calls, compile_fn = kernel_cache
+    data = cubin.cubin("source", "k", compile_fn)
+    (path,) = folder.glob("k-*.cubin")
+    path.write_bytes(b"")  # a file left empty (by a full disk, say)
+    cubin._cubins.clear()
+    assert cubin.cubin("source", "k", compile_fn) == data and len(calls) == 2
+    assert path.read_bytes() == data
+
+
+def test_a_failed_build_hands_the_kernel_to_mlx(kernel_cache, monkeypatch):
+    """Where our NVRTC build fails, the body goes to ``mx.fast.cuda_kernel``, placeholders
+    standing in for the inputs left out, and stays there."""
+    monkeypatch.setattr(cubin, "available", lambda: True)
+
+    def broken(*args):
+        raise RuntimeError("NVRTC could not compile k: error")
+
+    monkeypatch.setattr(cubin, "nvrtc_compile", broken)
+    made, launched = [], []
+
+    def cuda_kernel(name, input_names, output_names, source, header=""):
+        made.append(name)
+
+        def run(**kw):
+            launched.append(kw)
+            return [
+                mx.zeros(s, dtype=d)
+                for s, d in zip(kw["output_shapes"], kw["output_dtypes"], strict=True)
+            ]
+
+        return run
+
+    monkeypatch.setattr(mx.fast, "cuda_kernel", cuda_kernel)
+    kernel = cubin.CudaKernel("k", ["a", "opt"], ["out"], "out[0] = a[0];", "", {"opt": "T"})
+    a = mx.zeros((4,), dtype=mx.float16)
+    call = dict(
+        template=[("T", mx.float16)],
+        grid=(32, 1, 1),
+        threadgroup=(32, 1, 1),
+        output_shapes=[(1,)],
+        output_dtypes=[mx.float16],
+    )
+    kernel(inputs=[a, None], **call)
+    kernel(inputs=[a, None], **call)
+    assert made == ["k"] and len(launched) == 2
+    opt = launched[0]["inputs"][1]
+    assert opt.shape == (1,) and opt.dtype == mx.float16  # the placeholder, in T

@@ -113,7 +113,8 @@ def cache_dir() -> Path | None:
 
 def available() -> bool:
     """Whether kernels can be compiled here and kept between processes."""
-    return cache_dir() is not None and _nvrtc() is not None and architecture() is not None
+    lib = None if cache_dir() is None else _nvrtc()
+    return lib is not None and hasattr(lib, "nvrtcGetCUBIN") and architecture() is not None
 
 
 def _include_options() -> list[str]:
@@ -169,9 +170,14 @@ def cubin(source: str, name: str, compile_fn: Callable | None = None) -> bytes:
         return _cubins[key]
     folder = cache_dir()
     path = None if folder is None else folder / f"{name}-{key[:32]}.cubin"
+    data = b""
     if path is not None and path.is_file():
-        data = path.read_bytes()
-    else:
+        try:
+            data = path.read_bytes()
+        except OSError:
+            pass  # unreadable: compile it again
+    if not data:
+        logger.info("mlx_paged: compiling CUDA kernel %s (kept in %s).", name, folder)
         data = (compile_fn or nvrtc_compile)(source, name, options)
         if path is not None:
             try:
@@ -269,17 +275,13 @@ class CudaKernel:
         output_shapes: Sequence[Sequence[int]],
         output_dtypes: Sequence[mx.Dtype],
     ) -> list[mx.array]:
-        if not available():
+        if self._fallback is not None or not available():
             types = dict(template)
             inputs = [
                 placeholder(self._dtype(n, types)) if x is None else x
                 for n, x in zip(self.input_names, inputs, strict=True)
             ]
-            if self._fallback is None:
-                self._fallback = mx.fast.cuda_kernel(
-                    self.name, self.input_names, self.output_names, self.body, header=self.header
-                )
-            return self._fallback(
+            return self._mlx_kernel()(
                 inputs=inputs,
                 template=template,
                 grid=grid,
@@ -305,7 +307,20 @@ class CudaKernel:
                 template,
                 {n: CTYPES.get(t, t) for n, t in self.absent.items()},
             )
-            self._built[key] = (name, cubin(source, name), shaped)
+            try:
+                self._built[key] = (name, cubin(source, name), shaped)
+            except (RuntimeError, OSError, AttributeError) as e:
+                # Our build failed where MLX's may not: hand this kernel to MLX from now on.
+                logger.warning("mlx_paged: %s; using mx.fast.cuda_kernel instead.", e)
+                self._mlx_kernel()
+                return self(
+                    inputs=inputs,
+                    template=template,
+                    grid=grid,
+                    threadgroup=threadgroup,
+                    output_shapes=output_shapes,
+                    output_dtypes=output_dtypes,
+                )
         name, data, shaped = self._built[key]
         return mx.fast.precompiled_cuda_kernel(
             name=name,
@@ -318,6 +333,14 @@ class CudaKernel:
             threadgroup=threadgroup,
             ensure_row_contiguous=True,
         )
+
+    def _mlx_kernel(self):
+        """The ``mx.fast.cuda_kernel`` object for this body (MLX compiles it in each process)."""
+        if self._fallback is None:
+            self._fallback = mx.fast.cuda_kernel(
+                self.name, self.input_names, self.output_names, self.body, header=self.header
+            )
+        return self._fallback
 
     def _dtype(self, name: str, template: dict) -> mx.Dtype:
         t = self.absent[name]
