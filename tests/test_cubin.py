@@ -235,7 +235,8 @@ def test_a_call_launches_the_cached_cubin_with_only_the_inputs_it_reads(kernel_c
         first["compiled_source"]
         == f"cubin of {first['name']} for --gpu-architecture=sm_90".encode()
     )
-    assert first["ensure_row_contiguous"] and first["grid"] == (32, 1, 1)
+    assert first["ensure_row_contiguous"] and first["grid"] == first["threadgroup"] == (32, 1, 1)
+    assert first["output_shapes"] == [(1,)] and first["output_dtypes"] == [mx.float16]
 
 
 def test_an_empty_cache_file_is_compiled_again(kernel_cache):

@@ -275,23 +275,39 @@ class CudaKernel:
         output_shapes: Sequence[Sequence[int]],
         output_dtypes: Sequence[mx.Dtype],
     ) -> list[mx.array]:
-        if self._fallback is not None or not available():
+        shape = dict(grid=grid, threadgroup=threadgroup, output_shapes=output_shapes)
+        shape["output_dtypes"] = output_dtypes
+        built = None
+        if self._fallback is None and available():
+            built = self._build(inputs, template, output_dtypes)
+        if built is None:
             types = dict(template)
             inputs = [
                 placeholder(self._dtype(n, types)) if x is None else x
                 for n, x in zip(self.input_names, inputs, strict=True)
             ]
-            return self._mlx_kernel()(
-                inputs=inputs,
-                template=template,
-                grid=grid,
-                threadgroup=threadgroup,
-                output_shapes=output_shapes,
-                output_dtypes=output_dtypes,
-            )
-        present = [x is not None for x in inputs]
-        key = (tuple(template), *(x.dtype if x is not None else None for x in inputs))
-        key += (*(x.ndim for x in inputs if x is not None), *output_dtypes)
+            return self._mlx_kernel()(inputs=inputs, template=template, **shape)
+        name, data, shaped = built
+        return mx.fast.precompiled_cuda_kernel(
+            name=name,
+            compiled_source=data,
+            inputs=[x for x in inputs if x is not None],
+            scalars=[d for i in shaped for d in inputs[i].shape],
+            ensure_row_contiguous=True,
+            **shape,
+        )
+
+    def _build(
+        self,
+        inputs: Sequence[mx.array | None],
+        template: Sequence[TemplateArg],
+        output_dtypes: Sequence[mx.Dtype],
+    ) -> tuple[str, bytes, list[int]] | None:
+        """``(name, cubin, shaped inputs)`` of this template set, or ``None`` if it cannot be
+        built here (then MLX builds this body from now on)."""
+        dtypes = [None if x is None else x.dtype for x in inputs]
+        ndims = [0 if x is None else x.ndim for x in inputs]
+        key = (tuple(template), *dtypes, *ndims, *output_dtypes)
         if key not in self._built:
             digest = hashlib.sha256(repr(key).encode()).hexdigest()[:16]
             name = f"mlx_paged_{self.name}_{digest}"
@@ -300,8 +316,8 @@ class CudaKernel:
                 self.header,
                 self.body,
                 self.input_names,
-                [x.dtype if p else None for x, p in zip(inputs, present, strict=True)],
-                [x.ndim if p else 0 for x, p in zip(inputs, present, strict=True)],
+                dtypes,
+                ndims,
                 self.output_names,
                 output_dtypes,
                 template,
@@ -310,29 +326,11 @@ class CudaKernel:
             try:
                 self._built[key] = (name, cubin(source, name), shaped)
             except (RuntimeError, OSError, AttributeError) as e:
-                # Our build failed where MLX's may not: hand this kernel to MLX from now on.
+                # Our build failed where MLX's may not: hand the body to MLX from now on.
                 logger.warning("mlx_paged: %s; using mx.fast.cuda_kernel instead.", e)
                 self._mlx_kernel()
-                return self(
-                    inputs=inputs,
-                    template=template,
-                    grid=grid,
-                    threadgroup=threadgroup,
-                    output_shapes=output_shapes,
-                    output_dtypes=output_dtypes,
-                )
-        name, data, shaped = self._built[key]
-        return mx.fast.precompiled_cuda_kernel(
-            name=name,
-            compiled_source=data,
-            inputs=[x for x, p in zip(inputs, present, strict=True) if p],
-            output_shapes=output_shapes,
-            output_dtypes=output_dtypes,
-            scalars=[d for i in shaped for d in inputs[i].shape],
-            grid=grid,
-            threadgroup=threadgroup,
-            ensure_row_contiguous=True,
-        )
+                return None
+        return self._built[key]
 
     def _mlx_kernel(self):
         """The ``mx.fast.cuda_kernel`` object for this body (MLX compiles it in each process)."""
