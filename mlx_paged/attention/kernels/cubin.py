@@ -5,12 +5,13 @@ keeps the PTX of its own kernels on disk, not of custom ones. On the H100 host
 the first decode variant and the block read took 2.3 s and 1.6 s (self-checks
 included), paid by the first request a fresh server sees. ``CudaKernel`` builds
 the same body with NVRTC itself (through ctypes, on the library MLX already
-loaded), keeps the cubin under
-``$MLX_PAGED_KERNEL_CACHE`` (else ``<cache root>/cuda-kernels``) keyed by a
-hash of the source, the GPU architecture and the NVRTC version, and launches it
-with ``mx.fast.precompiled_cuda_kernel``. Where NVRTC, the driver or a writable
-folder cannot be found, or ``MLX_PAGED_KERNEL_CACHE=off``, it launches through
-``mx.fast.cuda_kernel`` as before.
+loaded), keeps the cubin under ``$MLX_PAGED_KERNEL_CACHE`` (else
+``<cache root>/cuda-kernels``) keyed by a hash of the source, the GPU
+architecture and the NVRTC version, and launches it with
+``mx.fast.precompiled_cuda_kernel``. With ``MLX_PAGED_KERNEL_CACHE=off``, where
+NVRTC or the driver cannot be found, or where a build fails, it launches
+through ``mx.fast.cuda_kernel`` as before; a folder it cannot write keeps the
+cubins for this process only.
 """
 
 from __future__ import annotations
