@@ -114,8 +114,16 @@ def cache_dir() -> Path | None:
 
 
 def available() -> bool:
-    """Whether kernels can be compiled here and kept between processes."""
-    lib = None if cache_dir() is None else _nvrtc()
+    """Whether kernels can be compiled here and kept between processes.
+
+    Asked on every launch a block read makes, so only the setting is read each time.
+    """
+    return os.environ.get("MLX_PAGED_KERNEL_CACHE") != "off" and _compiler_ready()
+
+
+@cache
+def _compiler_ready() -> bool:
+    lib = _nvrtc()
     return lib is not None and hasattr(lib, "nvrtcGetCUBIN") and architecture() is not None
 
 
