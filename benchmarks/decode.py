@@ -164,6 +164,8 @@ def main() -> None:
     )
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
+    if args.breakdown and not args.interleave:
+        parser.error("--breakdown needs --interleave ROUNDS")
     global KV_HEADS
     dtype = getattr(mx, args.dtype)
     layers = args.layers or {"llama-1b": 16, "smollm2": 30}[args.shape]
