@@ -2,6 +2,7 @@
 
 from .pool import BlockPool, PagedCacheStats, PoolExhaustedError, check_block_size
 from .prefix_index import PrefixIndex, PrefixMatch
+from .states import StateSlots, StateStats
 from .table import HOLE, BlockTable, BlockTables, LayerKind
 from .tiers import COLD, TieredBlockPool, TierStats, is_cold
 
@@ -16,6 +17,8 @@ __all__ = [
     "PoolExhaustedError",
     "PrefixIndex",
     "PrefixMatch",
+    "StateSlots",
+    "StateStats",
     "TierStats",
     "TieredBlockPool",
     "check_block_size",

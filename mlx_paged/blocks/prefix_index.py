@@ -9,15 +9,22 @@ back while a sequence runs, so their entries may be ``None``.
 Every block the index holds is parked in its pool (one reference). When a pool
 evicts a cached block it tells the index, which forgets it; a full-attention
 block takes its whole subtree with it, since no prefix through it can be
-rebuilt. Pure Python: no MLX here.
+rebuilt.
+
+For a model with recurrent layers (``states``), a node may also hold a
+snapshot of the recurrent state at its end (``StateSlots``). A prefix can be
+adopted only up to a node that holds one, since the state cannot be rebuilt
+from blocks; snapshots leave with their node, and a snapshot the state pool
+evicts leaves its node. Pure Python: no MLX here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from .pool import BlockPool
+from .states import StateSlots
 
 
 @dataclass(eq=False)
@@ -26,6 +33,7 @@ class _Node:
     blocks: list[int | None]  # block id per group
     parent: _Node | None
     children: dict[tuple[int, ...], _Node] = field(default_factory=dict)
+    snapshot: int | None = None  # recurrent state at this node's end (``StateSlots`` id)
 
 
 @dataclass(frozen=True)
@@ -35,11 +43,14 @@ class PrefixMatch:
     ``blocks[g]`` holds group ``g``'s block ids for logical blocks
     ``firsts[g] ..`` up to the one holding token ``length - 1``. The last block
     may be partially filled or shared: a writer must copy it first.
+    ``snapshot`` is the recurrent state at ``length`` (models with recurrent
+    layers only).
     """
 
     length: int
     blocks: list[list[int]]
     firsts: list[int]
+    snapshot: int | None = None
 
 
 class PrefixIndex:
@@ -50,9 +61,16 @@ class PrefixIndex:
             index installs itself as each pool's ``on_evict`` hook.
         windows: Per group, the sliding window in tokens, or ``None`` for full
             attention.
+        states: The recurrent-state snapshots of a hybrid model, or ``None``.
+            The index installs itself as their ``on_evict`` hook.
     """
 
-    def __init__(self, pools: Sequence[BlockPool], windows: Sequence[int | None]):
+    def __init__(
+        self,
+        pools: Sequence[BlockPool],
+        windows: Sequence[int | None],
+        states: StateSlots | None = None,
+    ):
         if len(pools) != len(windows) or not pools:
             raise ValueError("give one window (or None) per pool, and at least one pool.")
         sizes = {p.block_size for p in pools}
@@ -63,6 +81,10 @@ class PrefixIndex:
         self.windows = list(windows)
         self._root = _Node((), [None] * len(pools), None)
         self._owner: list[dict[int, _Node]] = [{} for _ in pools]
+        self.states = states
+        self._snapshot_owner: dict[int, _Node] = {}
+        if states is not None:
+            states.on_evict = self._forget_snapshot
         for g, pool in enumerate(pools):
             pool.on_evict = lambda block_id, g=g: self._forget(g, block_id)
             if hasattr(pool, "on_rename"):  # a tiered pool re-points blocks it migrates
@@ -78,17 +100,25 @@ class PrefixIndex:
         """
         path, length = self._walk(tokens)
         bs = self.block_size
-        # Try the full match, then shorter block-aligned lengths, until every
-        # group holds the blocks a continuation would read.
-        candidates = [length] + list(range((length - 1) // bs * bs, 0, -bs))
-        for m in candidates:
+        if self.states is None:
+            # Try the full match, then shorter block-aligned lengths.
+            candidates = [(m, None) for m in [length, *range((length - 1) // bs * bs, 0, -bs)]]
+        else:  # only where a node ends with the recurrent state
+            ends = [(i * bs + len(node.key), node) for i, node in enumerate(path)]
+            candidates = [
+                (m, node.snapshot)
+                for m, node in reversed(ends)
+                if m <= length and node.snapshot is not None
+            ]
+        # The longest candidate at which every group holds the blocks a continuation reads.
+        for m, snapshot in candidates:
             if m <= 0:
                 break
             hi = -(-m // bs)
             firsts = [self._first_needed(g, m) for g in range(len(self.pools))]
             blocks = [[path[i].blocks[g] for i in range(firsts[g], hi)] for g in range(len(firsts))]
             if all(b is not None for group in blocks for b in group):
-                return PrefixMatch(length=m, blocks=blocks, firsts=firsts)
+                return PrefixMatch(length=m, blocks=blocks, firsts=firsts, snapshot=snapshot)
         return None
 
     def insert(
@@ -143,6 +173,27 @@ class PrefixIndex:
         self._prune(node)  # a last node that got no block leads nowhere
         return parked
 
+    def add_snapshot(self, tokens: Sequence[int], length: int, take: Callable[[], int]) -> bool:
+        """Give the node ending at ``length`` the snapshot ``take()`` makes; return whether it
+        took one.
+
+        Nothing is taken when no indexed node ends exactly there or the node already
+        has a snapshot (it holds the same state).
+        """
+        if self.states is None:
+            raise ValueError("this index keeps no recurrent states.")
+        node = self._node_at(tokens, length)
+        if node is None or node.snapshot is not None:
+            return False
+        node.snapshot = take()
+        self._snapshot_owner[node.snapshot] = node
+        return True
+
+    @property
+    def snapshots(self) -> list[int]:
+        """Snapshot ids the index holds."""
+        return list(self._snapshot_owner)
+
     @property
     def num_blocks(self) -> int:
         """Blocks the index holds, over all groups."""
@@ -157,6 +208,8 @@ class PrefixIndex:
             )
             for b, node in owner.items():
                 assert node.blocks[g] == b, f"group {g}: block {b} owned by a node that lost it"
+        for sid, node in self._snapshot_owner.items():
+            assert node.snapshot == sid, f"snapshot {sid} owned by a node that lost it"
         stack = [self._root]
         while stack:
             node = stack.pop()
@@ -186,6 +239,22 @@ class PrefixIndex:
         if best is not None:
             path.append(best)
         return path, pos + best_len
+
+    def _node_at(self, tokens: Sequence[int], length: int) -> _Node | None:
+        """The indexed node whose tokens end exactly at ``length``, or ``None``."""
+        bs, node = self.block_size, self._root
+        for lo in range(0, length, bs):
+            node = node.children.get(tuple(tokens[lo : min(lo + bs, length)]))
+            if node is None:
+                return None
+        return node if node is not self._root else None
+
+    def _forget_snapshot(self, snapshot: int) -> None:
+        """State hook: a snapshot is being evicted."""
+        node = self._snapshot_owner.pop(snapshot, None)
+        if node is not None:
+            node.snapshot = None
+            self._prune(node)
 
     def _first_needed(self, group: int, length: int) -> int:
         """First logical block a continuation after ``length`` tokens reads in a group."""
@@ -221,6 +290,10 @@ class PrefixIndex:
                 del self._owner[g][b]
                 node.blocks[g] = None
                 self.pools[g].unpark(b)
+        if node.snapshot is not None:
+            del self._snapshot_owner[node.snapshot]
+            self.states.drop(node.snapshot)
+            node.snapshot = None
         parent = node.parent
         if parent is not None and parent.children.get(node.key) is node:
             del parent.children[node.key]
@@ -228,7 +301,12 @@ class PrefixIndex:
 
     def _prune(self, node: _Node) -> None:
         """Remove a node that holds no block and leads nowhere."""
-        if node is not self._root and not node.children and all(b is None for b in node.blocks):
+        if (
+            node is not self._root
+            and not node.children
+            and node.snapshot is None
+            and all(b is None for b in node.blocks)
+        ):
             self._remove(node)
 
 

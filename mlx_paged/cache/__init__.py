@@ -10,6 +10,7 @@ from .layout import (
     uninstall_paged_cache,
 )
 from .paged import PagedKVCache
+from .states import StepStateCache
 
 __all__ = [
     "DecodeBatch",
@@ -17,6 +18,7 @@ __all__ = [
     "PagedKVCache",
     "PagedLayout",
     "StepPagedKVCache",
+    "StepStateCache",
     "install_paged_cache",
     "make_paged_cache",
     "make_pools",

@@ -174,15 +174,21 @@ class PagedLayout:
 
     ``template`` is what ``model.make_cache()`` (or mlx-lm's default) returns;
     ``counts`` says how many paged layers each kind (full attention, or one
-    sliding window) has; ``native`` counts caches kept as they are;
-    ``direct_kv`` is ``attention_reads_kv_directly(model)``.
+    sliding window) has; ``entries`` gives, per recurrent cache kept as it is
+    (``ArraysCache``), in order, its number of state entries; ``direct_kv`` is
+    ``attention_reads_kv_directly(model)``.
     """
 
     template: list
     family: str
     counts: Counter[LayerKind]
-    native: int
+    entries: list[int]
     direct_kv: bool = False
+
+    @property
+    def native(self) -> int:
+        """Caches kept as they are (recurrent state)."""
+        return len(self.entries)
 
     @classmethod
     def of(cls, model: nn.Module, max_kv_size: int | None = None) -> PagedLayout:
@@ -191,33 +197,38 @@ class PagedLayout:
         family = model_type(model)
         template = default_caches(model, max_kv_size)
         counts: Counter[LayerKind] = Counter()
-        native = 0
+        entries: list[int] = []
 
-        def count(kind: LayerKind | None) -> None:
-            nonlocal native
+        def count(kind: LayerKind | None, cache: object) -> None:
             if kind is None:
-                native += 1
+                entries.append(len(cache.cache))
             else:
                 counts[kind] += 1
 
         _walk(template, family, count)
-        return cls(template, family, counts, native, attention_reads_kv_directly(model))
+        return cls(template, family, counts, entries, attention_reads_kv_directly(model))
 
     def bind(
         self,
         pools: dict[LayerKind, KVPool],
         tables: dict[LayerKind, Any],
         factory: Callable[..., Any] = PagedKVCache,
+        states: Callable[[int], Any] | None = None,
     ) -> list[Any]:
         """A cache list shaped like ``template``: paged layers made by
-        ``factory(pool, table, layer, window)``, native caches fresh.
+        ``factory(pool, table, layer, window)``; the ``i``-th recurrent cache is
+        ``states(i)``, or a fresh copy of the template's without ``states``.
 
         Layers that keep their first tokens are ``PagedSinkKVCache``, and only a
         one-sequence ``PagedKVCache`` factory can make them.
         """
         next_layer: Counter[LayerKind] = Counter()
+        next_state = iter(range(len(self.entries)))
 
-        def paged(kind: LayerKind) -> Any:
+        def paged(kind: LayerKind | None, cache: object) -> Any:
+            if kind is None:
+                i = next(next_state)
+                return copy.deepcopy(cache) if states is None else states(i)
             layer = next_layer[kind]
             next_layer[kind] += 1
             if kind.keep:
@@ -229,20 +240,16 @@ class PagedLayout:
                 return PagedSinkKVCache(pools[kind], tables[kind], layer, kind.window, kind.keep)
             return factory(pools[kind], tables[kind], layer, kind.window)
 
-        return _walk(self.template, self.family, paged, native=copy.deepcopy)
+        return _walk(self.template, self.family, paged)
 
 
-def _walk(caches: list, family: str, visit, native=None) -> list:
-    """Replace each pageable cache with ``visit(kind)``, recursing into CacheList.
-
-    Native caches become ``native(cache)``; without ``native`` they are passed
-    to ``visit`` as ``None``.
-    """
+def _walk(caches: list, family: str, visit) -> list:
+    """Replace each cache with ``visit(kind, cache)``, recursing into CacheList; ``kind``
+    is ``None`` for a cache kept native (recurrent state)."""
     out = []
     for c in caches:
         if isinstance(c, CacheList):
-            out.append(CacheList(*_walk(list(c.caches), family, visit, native)))
+            out.append(CacheList(*_walk(list(c.caches), family, visit)))
             continue
-        kind = classify(c, family)
-        out.append(native(c) if kind is None and native is not None else visit(kind))
+        out.append(visit(classify(c, family), c))
     return out

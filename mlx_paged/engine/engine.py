@@ -10,6 +10,10 @@ sampling). Each ``step()``:
    own offset and length, reading K/V where it lies in the blocks;
 3. samples per request; finished requests park their blocks in the prefix
    index for the next request with the same prefix.
+
+Hybrid models (recurrent ``ArraysCache`` layers beside attention, or recurrent
+layers only) keep each running request's state in a slot of a ``StatePool`` and
+reuse prefixes through snapshots of that state (see ``Scheduler``).
 """
 
 from __future__ import annotations
@@ -21,20 +25,25 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..attention import route_attention
-from ..blocks import check_block_size
+from ..blocks import LayerKind, check_block_size
 from ..cache import PagedLayout, make_pools
-from ..storage import check_kv_dtype, check_kv_quant
+from ..storage import KVPool, StatePool, check_kv_dtype, check_kv_quant
 from .request import EngineStats, Event, LogitsProcessor, Prefill, Request, Sampled, Sampler
 from .runner import ModelRunner
 from .scheduler import Scheduler
+
+#: Tokens between recurrent-state snapshots of a long prefill (BENCHMARKS.md: snapshot
+#: interval).
+DEFAULT_SNAPSHOT_INTERVAL = 512
 
 
 class PagedEngine:
     """Runs many requests at once over one paged KV cache.
 
     Args:
-        model: An mlx-lm model whose caches are all pageable (full attention
-            and/or sliding window; not SSM/recurrent layers).
+        model: An mlx-lm model: attention layers (full, sliding window, MLA,
+            sinks) are paged; recurrent layers (``ArraysCache``) keep their state
+            in slots, one per running request.
         block_size: Token slots per block.
         num_blocks: Blocks per layer group, or ``None`` to grow on demand.
         max_batch_size: Most sequences decoding at once.
@@ -51,6 +60,13 @@ class PagedEngine:
             from there. ``num_blocks`` then counts full-precision blocks.
         cold_blocks: Capacity of the cold tier in blocks, or ``None`` to grow it
             on demand.
+        state_snapshot_interval: For models with recurrent layers: a long
+            prefill snapshots the recurrent state every this many tokens (a
+            multiple of ``block_size``), so a later request sharing the prefix
+            recomputes less than this many of its tokens. ``None``: the multiple
+            of ``block_size`` nearest ``DEFAULT_SNAPSHOT_INTERVAL``.
+        num_state_snapshots: Most recurrent-state snapshots kept (least recently
+            used evicted first); ``None``: ``2 * max_batch_size``.
     """
 
     def __init__(
@@ -66,6 +82,8 @@ class PagedEngine:
         kv_group_size: int = 64,
         hot_tokens: int = 256,
         cold_blocks: int | None = None,
+        state_snapshot_interval: int | None = None,
+        num_state_snapshots: int | None = None,
     ):
         check_block_size(block_size)
         check_kv_dtype(kv_dtype)
@@ -80,15 +98,44 @@ class PagedEngine:
         for name, v in sizes.items():
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"{name} must be a positive int, got {v!r}.")
-        layout = PagedLayout.of(model)
-        if layout.native:
+        if state_snapshot_interval is None:
+            state_snapshot_interval = block_size * max(1, DEFAULT_SNAPSHOT_INTERVAL // block_size)
+        if (
+            isinstance(state_snapshot_interval, bool)
+            or not isinstance(state_snapshot_interval, int)
+            or state_snapshot_interval <= 0
+            or state_snapshot_interval % block_size
+        ):
             raise ValueError(
-                f"{layout.family}: PagedEngine needs every cache to be paged, but this model "
-                f"has {layout.native} recurrent/SSM caches; use make_paged_cache per request."
+                f"state_snapshot_interval must be a positive multiple of block_size "
+                f"({block_size}), got {state_snapshot_interval!r}."
             )
+        if num_state_snapshots is None:
+            num_state_snapshots = 2 * max_batch_size
+        if (
+            isinstance(num_state_snapshots, bool)
+            or not isinstance(num_state_snapshots, int)
+            or num_state_snapshots <= 0
+        ):
+            raise ValueError(
+                f"num_state_snapshots must be a positive int or None, got {num_state_snapshots!r}."
+            )
+        layout = PagedLayout.of(model)
         pools = make_pools(layout, block_size, num_blocks, kv_dtype, quant, cold_blocks)
-        self.scheduler = Scheduler(pools, max_batch_size, prefill_step_size, prefill_budget)
-        self.runner = ModelRunner(model, layout, pools)
+        if not pools:  # recurrent layers only: blocks index tokens and hold no K/V
+            pools = {LayerKind(): KVPool(1, block_size, num_blocks)}
+        states = None
+        if layout.entries:
+            states = StatePool(layout.entries, max_batch_size, num_state_snapshots)
+        self.scheduler = Scheduler(
+            pools,
+            max_batch_size,
+            prefill_step_size,
+            prefill_budget,
+            states,
+            state_snapshot_interval,
+        )
+        self.runner = ModelRunner(model, layout, pools, states)
         self.vocab_size = vocab_size(model)
         self._next_uid = 0
         route_attention()

@@ -51,6 +51,12 @@ class EngineStats(PagedCacheStats):
     cold_blocks: int = 0  # quantized blocks held, of the full-attention group
     cold_bytes: int = 0
     migrations: int = 0  # blocks moved to the cold tier so far
+    # Recurrent state (hybrid models): slots held by running requests, all slots' bytes,
+    # and the snapshots the prefix index holds.
+    state_slots_used: int = 0
+    state_bytes: int = 0
+    state_snapshots: int = 0
+    state_snapshot_bytes: int = 0
 
 
 @dataclass(eq=False)
@@ -58,7 +64,8 @@ class Request:
     """One request's data; only the scheduler moves it between queues.
 
     ``tables`` holds the request's block table per layer group while it is
-    running, and ``None`` while it waits.
+    running, and ``None`` while it waits; so does ``slot``, its recurrent-state
+    slot (hybrid models).
     """
 
     uid: int
@@ -70,6 +77,7 @@ class Request:
     logprobs: int | None = None  # top log-probs per token to report; None: none
     generated: list[int] = field(default_factory=list)
     tables: dict[LayerKind, BlockTable] | None = None
+    slot: int | None = None
     prefix_hit: int = 0  # prompt tokens served from the prefix index at first admission
 
     @property

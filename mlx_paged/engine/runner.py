@@ -2,8 +2,10 @@
 
 It owns every MLX call of the engine. Given requests whose block tables the
 scheduler has reserved, it binds them to paged caches (one sequence through
-``PagedKVCache``, a batch through ``DecodeBatch``), runs the model, evaluates
-the writes and samples tokens; it never changes which blocks a table holds.
+``PagedKVCache``, a batch through ``DecodeBatch``; a hybrid model's recurrent
+layers through ``StepStateCache`` over the requests' state slots), runs the
+model, evaluates the writes and samples tokens; it never changes which blocks a
+table holds.
 """
 
 from __future__ import annotations
@@ -12,8 +14,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..blocks import LayerKind
-from ..cache import DecodeBatch, PagedKVCache, PagedLayout, StepPagedKVCache
-from ..storage import KVPool
+from ..cache import DecodeBatch, PagedKVCache, PagedLayout, StepPagedKVCache, StepStateCache
+from ..storage import KVPool, StatePool
 from .request import Request, Sampled
 
 
@@ -24,12 +26,20 @@ class ModelRunner:
         model: An mlx-lm model.
         layout: Which of the model's caches are paged, in which group.
         pools: Per layer group, the K/V storage.
+        states: The recurrent-state slots of a hybrid model, or ``None``.
     """
 
-    def __init__(self, model: nn.Module, layout: PagedLayout, pools: dict[LayerKind, KVPool]):
+    def __init__(
+        self,
+        model: nn.Module,
+        layout: PagedLayout,
+        pools: dict[LayerKind, KVPool],
+        states: StatePool | None = None,
+    ):
         self.model = model
         self.layout = layout
         self.pools = pools
+        self.states = states
 
     def prefill(self, req: Request, n: int, logits: bool = False) -> mx.array | None:
         """Run ``req``'s next ``n`` tokens through its own caches.
@@ -37,6 +47,10 @@ class ModelRunner:
         Returns the last position's logits ``(1, V)`` if asked, else ``None`` (left
         unevaluated, so the head over the chunk is not computed).
         """
+        if self.states is not None:  # recurrent layers read and write state slots
+            for kind, pool in self.pools.items():  # as a PagedKVCache write would
+                pool.reserve(req.tables[kind], req.written, req.written + n)
+            return self.forward([req], n, logits)
         start = req.written
         caches = self.layout.bind(self.pools, req.tables, PagedKVCache)
         out = self.model(mx.array(req.tokens[start : start + n])[None], cache=caches)
@@ -51,7 +65,8 @@ class ModelRunner:
         """
         inputs = [r.tokens[r.written : r.written + n] for r in reqs]
         out, caches = self._batched(reqs, inputs)
-        mx.eval(out if logits else [], [c.state for c in caches])
+        states = self.states.evaluated() if self.states is not None else []
+        mx.eval(out if logits else [], [c.state for c in caches], states)
         return out if logits else None
 
     def migrate(self, reqs: list[Request]) -> int:
@@ -74,10 +89,16 @@ class ModelRunner:
             kind: DecodeBatch(self.pools[kind], [r.tables[kind] for r in reqs], kind.window, n)
             for kind in self.pools
         }
-        caches = self.layout.bind(self.pools, batches, StepPagedKVCache)
+        views: list[StepStateCache] = []
+        if self.states is not None:
+            slots = mx.array([r.slot for r in reqs], dtype=mx.int32)
+            views = [StepStateCache(self.states, i, slots) for i in range(self.states.num_layers)]
+        caches = self.layout.bind(self.pools, batches, StepPagedKVCache, views.__getitem__)
         out = self.model(mx.array(inputs), cache=caches)[:, -1, :]  # (B, V)
         for batch in batches.values():
             batch.finish()
+        for view in views:
+            view.finish()
         return out, caches
 
     def sample(self, reqs: list[Request], logits: mx.array) -> list[Sampled]:

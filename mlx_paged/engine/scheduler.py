@@ -15,6 +15,13 @@ Decode: every running request gets a private block for its next token; when
 the pool runs short, the newest running request is preempted: its blocks are
 parked, it goes back to the head of the queue, and it resumes later from the
 cached prefix (usually all of it).
+
+Recurrent state (hybrid models, ``states``): each running request holds a state
+slot. A prefix is adopted only up to an index node holding a snapshot of the
+state there, copied into the request's slot. Snapshots are taken where the
+state exists: after prefill forwards ending at a multiple of
+``snapshot_interval`` or at the end of the prompt's last full block (prefill
+steps are cut there), and where a sequence stops (finish, abort, preemption).
 """
 
 from __future__ import annotations
@@ -22,7 +29,15 @@ from __future__ import annotations
 from collections import Counter, deque
 from collections.abc import Iterator
 
-from ..blocks import BlockPool, BlockTable, BlockTables, LayerKind, PrefixIndex, TieredBlockPool
+from ..blocks import (
+    BlockPool,
+    BlockTable,
+    BlockTables,
+    LayerKind,
+    PrefixIndex,
+    StateSlots,
+    TieredBlockPool,
+)
 from .request import EngineStats, Event, Prefill, Request
 
 #: The scheduler's counters, reported in ``EngineStats``.
@@ -47,6 +62,9 @@ class Scheduler:
         prefill_step_size: Most tokens per prefill forward.
         prefill_budget: Most prompt tokens admitted per step (``None``: no limit); the
             rest wait, and running requests decode between. Each step admits one at least.
+        states: The recurrent-state slots and snapshots of a hybrid model, or ``None``.
+        snapshot_interval: Tokens between the snapshots a long prefill takes (a
+            multiple of the block size; with ``states``).
     """
 
     def __init__(
@@ -55,6 +73,8 @@ class Scheduler:
         max_batch_size: int,
         prefill_step_size: int,
         prefill_budget: int | None = None,
+        states: StateSlots | None = None,
+        snapshot_interval: int | None = None,
     ):
         self.groups = groups
         self.kinds = list(groups)
@@ -62,8 +82,15 @@ class Scheduler:
         self.max_batch_size = max_batch_size
         self.prefill_step_size = prefill_step_size
         self.prefill_budget = prefill_budget
+        if states is not None:
+            assert snapshot_interval and snapshot_interval % self.block_size == 0, (
+                f"snapshot_interval {snapshot_interval} is not a multiple of the block size"
+            )
+            assert states.num_slots >= max_batch_size, "fewer state slots than max_batch_size"
+        self.states = states
+        self.snapshot_interval = snapshot_interval
         self.index = PrefixIndex(
-            [groups[k].blocks for k in self.kinds], [k.window for k in self.kinds]
+            [groups[k].blocks for k in self.kinds], [k.window for k in self.kinds], states
         )
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -92,7 +119,7 @@ class Scheduler:
         an ``alone`` prefill before asking for the next one, so the requests
         admitted after it can adopt its blocks; the batched ones come last.
         """
-        batched: dict[tuple[int, bool], list[Request]] = {}  # (tokens, fresh) -> requests
+        batched: dict[tuple[tuple[int, ...], bool], list[Request]] = {}  # (steps, fresh)
         bs = self.block_size
         heads = Counter(tuple(r.prompt[:bs]) for r in self.waiting)
         spent, budget = 0, self.prefill_budget or float("inf")
@@ -111,27 +138,30 @@ class Scheduler:
             head = tuple(req.prompt[:bs])
             heads[head] -= 1
             shared = start < bs <= n and heads[head] > 0
+            steps = _prefill_steps(start, start + n, self.prefill_step_size, self._cuts(req))
             if n > self.prefill_step_size or shared:
-                steps = _prefill_steps(n, self.prefill_step_size)
                 yield Prefill([req], steps, alone=True)
             elif n > 0:
                 # Take the blocks now, so the next admission sees them gone.
                 for kind, group in self.groups.items():
                     group.reserve(req.tables[kind], start, start + n)
-                batched.setdefault((n, not req.generated), []).append(req)
+                batched.setdefault((tuple(steps), not req.generated), []).append(req)
             self._note_peak()
         assert self.running or not self.waiting, "an idle pool cannot take the next request"
-        for (n, _), reqs in batched.items():
-            per_forward = max(1, self.prefill_step_size // n)
+        for (steps, _), reqs in batched.items():
+            per_forward = max(1, self.prefill_step_size // max(steps))
             for i in range(0, len(reqs), per_forward):
-                yield Prefill(reqs[i : i + per_forward], [n], alone=False)
+                yield Prefill(reqs[i : i + per_forward], list(steps), alone=False)
 
     def index_written(self, req: Request) -> None:
-        """Index the full blocks ``req`` has written, so running requests can share them.
+        """Index the full blocks ``req`` has written, so running requests can share them,
+        and the recurrent state where a snapshot is due.
 
         Sliding-window blocks indexed now stay cached after the window passes them.
         """
         self.index.insert(req.tokens, self._table_spans(req), length=req.written, partial=False)
+        if self.states is not None and req.written in self._cuts(req):
+            self._snapshot(req)
 
     def schedule_decode(self) -> list[Request]:
         """Ready every running request for one decode token; return them in batch order.
@@ -190,8 +220,17 @@ class Scheduler:
         return len(req.tokens) - 1 if req.generated else len(req.tokens)
 
     def stats(self) -> EngineStats:
-        """Pool counts summed over layer groups, plus the counters."""
+        """Pool counts summed over layer groups, the recurrent state's, plus the counters."""
         groups = [g.blocks.stats() for g in self.groups.values()]
+        state = {}
+        if self.states is not None:
+            st = self.states.stats()
+            state = {
+                "state_slots_used": st.slots_used,
+                "state_bytes": st.slot_bytes,
+                "state_snapshots": st.snapshots,
+                "state_snapshot_bytes": st.snapshot_bytes,
+            }
         return EngineStats(
             total_blocks=sum(s.total_blocks for s in groups),
             live_blocks=sum(s.live_blocks for s in groups),
@@ -202,6 +241,7 @@ class Scheduler:
             running=len(self.running),
             waiting=len(self.waiting),
             **_cold_totals([g.blocks for g in self.groups.values()]),
+            **state,
             **self.counters,
         )
 
@@ -210,8 +250,11 @@ class Scheduler:
         for kind, group in self.groups.items():
             group.blocks.check_invariants(tables=[r.tables[kind].blocks for r in self.running])
         self.index.check_invariants()
+        if self.states is not None:
+            self.states.check_invariants([r.slot for r in self.running], self.index.snapshots)
         assert len(self.running) <= self.max_batch_size, "batch over max_batch_size"
         assert all(r.tables is None for r in self.waiting), "a waiting request holds blocks"
+        assert all(r.slot is None for r in self.waiting), "a waiting request holds a state slot"
 
     # ---- internals --------------------------------------------------------
 
@@ -239,6 +282,9 @@ class Scheduler:
                 self.groups[kind].release(table)
             return False
         req.tables = tables
+        if self.states is not None:
+            req.slot = self.states.take_slot(match.snapshot if match else None)
+            assert req.slot is not None, "no state slot free under max_batch_size"
         self.counters["prefix_hit_tokens"] += hit
         if not req.generated:
             req.prefix_hit = hit
@@ -274,12 +320,30 @@ class Scheduler:
         self.counters["preemptions"] += 1
 
     def _detach(self, req: Request) -> None:
-        """Park a sequence's blocks in the prefix index and drop its tables."""
+        """Park a sequence's blocks (and its recurrent state) in the prefix index; drop its
+        tables and state slot."""
         self.index.insert(req.tokens, self._table_spans(req), length=req.written)
+        if self.states is not None:
+            if req.written:
+                self._snapshot(req)
+            self.states.free_slot(req.slot)
+            req.slot = None
         for kind, table in req.tables.items():
             self.groups[kind].release(table)
         req.tables = None
         self.running.remove(req)
+
+    def _snapshot(self, req: Request) -> None:
+        """Keep ``req``'s recurrent state at ``written`` on the index node ending there."""
+        self.index.add_snapshot(req.tokens, req.written, lambda: self.states.snapshot(req.slot))
+
+    def _cuts(self, req: Request) -> set[int]:
+        """Positions where a prefill of ``req`` stops to snapshot the recurrent state: every
+        ``snapshot_interval`` tokens and the end of the last full block before decoding."""
+        if self.states is None:
+            return set()
+        target, step = self.kv_target(req), self.snapshot_interval
+        return {*range(step, target + 1, step), target // self.block_size * self.block_size}
 
     def _table_spans(self, req: Request) -> list[tuple[int, list[int]]]:
         return [(req.tables[k].first, req.tables[k].blocks) for k in self.kinds]
@@ -289,14 +353,21 @@ class Scheduler:
         self.counters["peak_live_blocks"] = max(self.counters["peak_live_blocks"], live)
 
 
-def _prefill_steps(n: int, chunk: int) -> list[int]:
-    """Forwards for ``n`` tokens, at most ``chunk`` each.
+def _prefill_steps(start: int, end: int, chunk: int, cuts: set[int]) -> list[int]:
+    """Forwards for tokens ``[start, end)``, at most ``chunk`` each, also ending at every
+    position in ``cuts``.
 
     A new request's first token comes from its last forward's last position. Running
     that token in a forward of its own costs a pass through the model (host-bound on
     a GPU: a few ms), more than the head over the rest of the chunk (run 101).
     """
-    return [min(chunk, n - lo) for lo in range(0, n, chunk)]
+    stops = sorted({*(c for c in cuts if start < c < end), end})
+    steps, pos = [], start
+    for stop in stops:
+        while pos < stop:
+            steps.append(min(chunk, stop - pos))
+            pos += steps[-1]
+    return steps
 
 
 def _cold_totals(pools: list[BlockPool]) -> dict[str, int]:

@@ -51,6 +51,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default=None, help="K/V storage dtype.")
     p.add_argument(
+        "--state-snapshot-interval",
+        type=int,
+        default=None,
+        help="Hybrid models: snapshot the recurrent state every N prompt tokens "
+        "(a multiple of --block-size; default: the multiple nearest 512).",
+    )
+    p.add_argument(
+        "--num-state-snapshots",
+        type=int,
+        default=None,
+        help="Hybrid models: most recurrent-state snapshots kept (default: 2x --max-batch-size).",
+    )
+    p.add_argument(
         "--kv-bits",
         type=int,
         choices=(4, 8),
@@ -108,7 +121,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     positive = ("block_size", "max_batch_size", "prefill_step_size", "max_tokens", "max_queue")
     if args.hot_tokens < 0:
         parser.error(f"--hot-tokens must be 0 or more, got {args.hot_tokens}.")
-    for name in (*positive, "num_blocks"):
+    for name in (*positive, "num_blocks", "state_snapshot_interval", "num_state_snapshots"):
         v = getattr(args, name)
         if v is not None and v <= 0:
             parser.error(f"--{name.replace('_', '-')} must be a positive integer, got {v}.")
@@ -123,6 +136,12 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error("--chat-template-args must be a JSON object.")
     if not 0 < args.port < 65536:
         parser.error(f"--port must be in 1..65535, got {args.port}.")
+    interval = args.state_snapshot_interval
+    if interval is not None and interval % args.block_size:
+        parser.error(
+            f"--state-snapshot-interval must be a multiple of --block-size ({args.block_size}), "
+            f"got {interval}."
+        )
 
 
 def loader(args: argparse.Namespace):
@@ -151,6 +170,8 @@ def loader(args: argparse.Namespace):
             kv_bits=args.kv_bits,
             kv_group_size=args.kv_group_size,
             hot_tokens=args.hot_tokens,
+            state_snapshot_interval=args.state_snapshot_interval,
+            num_state_snapshots=args.num_state_snapshots,
         )
         return engine, tokenizer
 

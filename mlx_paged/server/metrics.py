@@ -28,6 +28,19 @@ class EngineCollector:
             "kv_cache_bytes": ("Bytes of the pool's K/V arrays, both tiers.", s.bytes),
             "kv_blocks_cold": ("Quantized KV blocks held (--kv-bits).", s.cold_blocks),
             "kv_cold_bytes": ("Bytes of the quantized KV blocks held.", s.cold_bytes),
+            "state_snapshots": (
+                "Recurrent-state snapshots the prefix index holds (hybrid models).",
+                s.state_snapshots,
+            ),
+            "state_snapshot_bytes": (
+                "Bytes of the recurrent-state snapshots held.",
+                s.state_snapshot_bytes,
+            ),
+            "state_slots_active": (
+                "Recurrent-state slots held by running requests.",
+                s.state_slots_used,
+            ),
+            "state_bytes": ("Bytes of the running requests' recurrent-state slots.", s.state_bytes),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(f"mlx_paged_{name}", doc, value=value)

@@ -4,6 +4,7 @@ from .cold import ColdStore, TierPlan
 from .kv_pool import KVPool, Reader
 from .quant import KVQuant, check_kv_dtype, check_kv_quant
 from .read import take_blocks, take_slots
+from .states import StatePool
 from .transfer import copy_table
 
 __all__ = [
@@ -11,6 +12,7 @@ __all__ = [
     "KVPool",
     "KVQuant",
     "Reader",
+    "StatePool",
     "TierPlan",
     "check_kv_dtype",
     "check_kv_quant",

@@ -1,0 +1,32 @@
+"""A recurrent layer's state for one batched step, in mlx-lm's ``ArraysCache`` protocol."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx_lm.models.cache import ArraysCache
+
+from ..storage import StatePool
+
+
+class StepStateCache(ArraysCache):
+    """One recurrent layer's state for the requests of a step, read from their slots.
+
+    The model reads and replaces the entries (``cache[0]``, ``cache[1]``, ...) as
+    with mlx-lm's own ``ArraysCache``; ``finish`` stores what it left in the
+    requests' slots. Every request of a step has the same number of new tokens,
+    so there is no padding (``lengths`` and ``left_padding`` stay ``None``).
+
+    Args:
+        pool: The state arrays.
+        layer: Which recurrent layer of the pool.
+        slots: ``(B,)`` int32 slot of each request, in batch order.
+    """
+
+    def __init__(self, pool: StatePool, layer: int, slots: mx.array):
+        super().__init__(len(pool.arrays[layer]))
+        self.pool, self.layer, self.slots = pool, layer, slots
+        self.cache = pool.read(layer, slots)
+
+    def finish(self) -> None:
+        """Write the step's new state back to the slots (after the forward)."""
+        self.pool.write(self.layer, self.slots, self.cache)

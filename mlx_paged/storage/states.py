@@ -1,0 +1,97 @@
+"""Recurrent-state arrays: one slot per running request, and snapshots at prefix ends.
+
+``StatePool`` holds, for each recurrent layer of a hybrid model (mlx-lm's
+``ArraysCache``), one array per state entry (conv state, SSM state, ...) shaped
+``[num_slots, *entry_shape]``, created at the entry's first write. A batched
+forward gathers the rows of its requests' slots and scatters the new state back,
+so requests join and leave without any state moving. A snapshot is a copy of
+one slot's rows in every layer. Bookkeeping (ids, LRU) is ``StateSlots``'.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from ..blocks import StateSlots
+
+#: One sequence's state: per recurrent layer, per entry, ``(1, *entry_shape)`` or ``None``.
+State = list[list[mx.array | None]]
+
+
+class StatePool(StateSlots):
+    """Per-layer state arrays over ``StateSlots``' slot and snapshot ids.
+
+    Args:
+        entries: Per recurrent layer, its ``ArraysCache`` size (state entries).
+        num_slots: Requests that can run at once.
+        num_snapshots: Most snapshots held at once.
+    """
+
+    def __init__(self, entries: list[int], num_slots: int, num_snapshots: int):
+        super().__init__(num_slots, num_snapshots)
+        self.arrays: list[list[mx.array | None]] = [[None] * n for n in entries]
+        self._snapshots: dict[int, State] = {}
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.arrays)
+
+    # ---- a forward's reads and writes ------------------------------------
+
+    def read(self, layer: int, slots: mx.array) -> list[mx.array | None]:
+        """``(B, *entry_shape)`` state of one layer for the requests in ``slots`` (``None``
+        for an entry nothing has written yet: every sequence still starts from zeros)."""
+        return [None if a is None else a[slots] for a in self.arrays[layer]]
+
+    def write(self, layer: int, slots: mx.array, entries: list[mx.array | None]) -> None:
+        """Store ``(B, *entry_shape)`` new state of one layer in ``slots``' rows."""
+        held = self.arrays[layer]
+        if len(entries) != len(held):
+            raise ValueError(f"layer {layer} has {len(held)} state entries, got {len(entries)}.")
+        for e, new in enumerate(entries):
+            if new is None:
+                continue
+            if held[e] is None:
+                held[e] = mx.zeros((self.num_slots, *new.shape[1:]), dtype=new.dtype)
+                self.bytes_per_state += held[e].nbytes // self.num_slots
+            elif held[e].shape[1:] != new.shape[1:] or held[e].dtype != new.dtype:
+                raise ValueError(
+                    f"layer {layer} state {e}: expected {held[e].shape[1:]} {held[e].dtype}, "
+                    f"got {new.shape[1:]} {new.dtype}."
+                )
+            held[e][slots] = new
+
+    def evaluated(self) -> list[mx.array]:
+        """Every allocated state array (to evaluate with a forward's writes)."""
+        return [a for layer in self.arrays for a in layer if a is not None]
+
+    def snapshot_state(self, snapshot: int) -> State:
+        """A snapshot's arrays (read-only: tests compare them with a dense cache)."""
+        return self._snapshots[snapshot]
+
+    # ---- StateSlots hooks -------------------------------------------------
+
+    def _clear(self, slot: int) -> None:
+        for layer in self.arrays:
+            for a in layer:
+                if a is not None:
+                    a[slot] = 0
+
+    def _copy_in(self, snapshot: int, slot: int) -> None:
+        for layer, saved in zip(self.arrays, self._snapshots[snapshot], strict=True):
+            for e, (a, s) in enumerate(zip(layer, saved, strict=True)):
+                if a is not None:
+                    a[slot] = 0 if s is None else s[0]
+                elif s is not None:  # cannot happen: a snapshot is taken from written arrays
+                    raise AssertionError(f"snapshot {snapshot} holds entry {e} the pool lacks")
+
+    def _copy_out(self, slot: int, snapshot: int) -> None:
+        # A gather makes a copy (a slice could share the pool's buffer and stop it
+        # being updated in place); evaluate it now so it holds no graph.
+        at = mx.array([slot], dtype=mx.int32)
+        state = [[None if a is None else a[at] for a in layer] for layer in self.arrays]
+        mx.eval([a for layer in state for a in layer if a is not None])
+        self._snapshots[snapshot] = state
+
+    def _free(self, snapshot: int) -> None:
+        del self._snapshots[snapshot]

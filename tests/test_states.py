@@ -1,0 +1,187 @@
+"""StateSlots and the prefix index's recurrent-state snapshots: exact ids, LRU, ownership."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from mlx_paged.blocks import BlockPool, PrefixIndex, StateSlots
+
+BS = 4
+
+
+class Recording(StateSlots):
+    """StateSlots whose storage hooks record what they were asked to copy."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.log: list[tuple] = []
+        self.values: dict[int, object] = {}  # slot -> the "state" it holds
+        self.saved: dict[int, object] = {}  # snapshot -> the state copied out
+
+    def _clear(self, slot):
+        self.log.append(("clear", slot))
+        self.values[slot] = None
+
+    def _copy_in(self, snapshot, slot):
+        self.log.append(("in", snapshot, slot))
+        self.values[slot] = self.saved[snapshot]
+
+    def _copy_out(self, slot, snapshot):
+        self.log.append(("out", slot, snapshot))
+        self.saved[snapshot] = self.values[slot]
+
+    def _free(self, snapshot):
+        self.log.append(("free", snapshot))
+        del self.saved[snapshot]
+
+
+def make(num_blocks=16, slots=4, snapshots=8):
+    pool = BlockPool(num_blocks, BS)
+    states = Recording(slots, snapshots)
+    return pool, states, PrefixIndex([pool], [None], states)
+
+
+def park(pool, index, tokens, length=None):
+    """A sequence that wrote ``length`` tokens detaches: its blocks are parked."""
+    length = len(tokens) if length is None else length
+    table = pool.allocate(-(-length // BS))
+    index.insert(tokens, [(0, table)], length=length)
+    pool.release_all(table)
+    return table
+
+
+def test_slots_are_taken_lowest_first_and_cleared_or_restored():
+    states = Recording(3, 4)
+    assert [states.take_slot() for _ in range(3)] == [0, 1, 2]
+    assert states.take_slot() is None, "all slots taken: back-pressure, not an error"
+    states.values[1] = "A"
+    sid = states.snapshot(1)
+    assert sid == 0 and states.saved == {0: "A"}
+    states.free_slot(1)
+    assert states.take_slot(sid) == 1 and states.values[1] == "A"
+    assert states.log[-1] == ("in", 0, 1)
+    states.free_slot(0)
+    assert states.take_slot() == 0 and states.log[-1] == ("clear", 0)
+    st_ = states.stats()
+    assert (st_.slots, st_.slots_used, st_.snapshots) == (3, 3, 1)
+    states.check_invariants([0, 1, 2], [0])
+
+
+def test_bad_slot_and_snapshot_ids_are_value_errors():
+    states = Recording(2, 2)
+    with pytest.raises(ValueError, match="not taken"):
+        states.free_slot(0)
+    with pytest.raises(ValueError, match="not taken"):
+        states.snapshot(5)
+    with pytest.raises(ValueError, match="not held"):
+        states.take_slot(7)
+    with pytest.raises(ValueError, match="positive int"):
+        StateSlots(0, 4)
+    with pytest.raises(ValueError, match="positive int"):
+        StateSlots(4, True)
+
+
+def test_match_adopts_only_where_a_snapshot_ends():
+    pool, states, index = make()
+    tokens = list(range(10))  # nodes end at 4, 8 and 10
+    park(pool, index, tokens)
+    assert index.match(tokens + [99]) is None, "blocks without a state cannot be adopted"
+    slot = states.take_slot()
+    states.values[slot] = "at 8"
+    assert index.add_snapshot(tokens, 8, lambda: states.snapshot(slot))
+    assert not index.add_snapshot(tokens, 8, lambda: states.snapshot(slot)), "one per node"
+    assert not index.add_snapshot(tokens, 6, lambda: states.snapshot(slot)), "no node ends at 6"
+    m = index.match(tokens + [99])
+    assert (m.length, m.blocks, m.snapshot) == (8, [[0, 1]], 0)
+    states.values[slot] = "at 10"
+    assert index.add_snapshot(tokens, 10, lambda: states.snapshot(slot))
+    m = index.match(tokens + [99])
+    assert (m.length, m.blocks, m.snapshot) == (10, [[0, 1, 2]], 1)
+    # A prompt diverging inside the partial tail falls back to the snapshot at 8.
+    assert index.match([*range(9), 77]).length == 8
+    assert index.match([0, 1, 2, 3, 4, 5]) is None, "nothing ends at a snapshot up to 6"
+    index.check_invariants()
+    states.check_invariants([slot], index.snapshots)
+
+
+def test_snapshots_leave_with_their_blocks():
+    pool, states, index = make(num_blocks=3)
+    slot = states.take_slot()
+    park(pool, index, list(range(8)))
+    index.add_snapshot(list(range(8)), 8, lambda: states.snapshot(slot))
+    index.add_snapshot(list(range(8)), 4, lambda: states.snapshot(slot))
+    assert sorted(index.snapshots) == [0, 1] and pool.num_cached == 2
+    pool.allocate(3)  # evicts both cached blocks: the first takes its subtree
+    assert index.snapshots == [] and states.ids() == []
+    assert ("free", 0) in states.log and ("free", 1) in states.log
+    index.check_invariants()
+    states.check_invariants([slot], index.snapshots)
+
+
+def test_the_least_recently_used_snapshot_is_evicted_at_the_cap():
+    pool, states, index = make(snapshots=2)
+    slot = states.take_slot()
+    for first in (0, 10, 20):
+        tokens = [first, first + 1, first + 2, first + 3]
+        park(pool, index, tokens)
+        index.add_snapshot(tokens, 4, lambda: states.snapshot(slot))
+        if first == 10:
+            other = states.take_slot(0)  # adopting snapshot 0 makes it more recent than 1
+            states.free_slot(other)
+    assert sorted(index.snapshots) == [0, 2], "snapshot 1 was least recently used"
+    assert index.match([10, 11, 12, 13, 99]) is None
+    assert pool.num_cached == 3, "its blocks stay cached"
+    index.check_invariants()
+    states.check_invariants([slot], index.snapshots)
+
+
+class SnapshotMachine(RuleBasedStateMachine):
+    """Random parks, snapshots, adoptions and evictions keep index and states in step."""
+
+    def __init__(self):
+        super().__init__()
+        self.pool, self.states, self.index = make(num_blocks=12, slots=3, snapshots=4)
+        self.held: list[int] = []
+
+    @rule(data=st.data(), n=st.integers(1, 12))
+    def park_with_snapshot(self, data, n):
+        if not self.pool.can_allocate(-(-n // BS)):
+            return
+        tokens = data.draw(st.lists(st.integers(0, 2), min_size=n, max_size=n))
+        park(self.pool, self.index, tokens)
+        if self.held:
+            at = data.draw(st.integers(1, n))
+            slot = self.held[0]
+            self.index.add_snapshot(tokens, at, lambda: self.states.snapshot(slot))
+
+    @precondition(lambda self: len(self.held) < 3)
+    @rule(tokens=st.lists(st.integers(0, 2), min_size=1, max_size=12))
+    def adopt(self, tokens):
+        m = self.index.match(tokens)
+        if m is not None:
+            assert m.snapshot in self.states.ids()
+            assert self.index._node_at(tokens, m.length).snapshot == m.snapshot
+        self.held.append(self.states.take_slot(m.snapshot if m else None))
+
+    @precondition(lambda self: self.held)
+    @rule()
+    def finish(self):
+        self.states.free_slot(self.held.pop())
+
+    @rule(n=st.integers(1, 4))
+    def pressure(self, n):
+        taken = self.pool.allocate(min(n, self.pool.num_available))
+        self.pool.release_all(taken)
+
+    @invariant()
+    def consistent(self):
+        self.index.check_invariants()
+        self.pool.check_invariants()
+        self.states.check_invariants(self.held, self.index.snapshots)
+
+
+TestSnapshotMachine = SnapshotMachine.TestCase
+TestSnapshotMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
