@@ -239,18 +239,18 @@ def test_bad_engine_arguments(kwargs, match):
         PagedEngine(model_of("llama"), **kwargs)
 
 
-def test_recurrent_layers_are_refused():
-    from mlx_lm.models.cache import ArraysCache, KVCache
+def test_unpageable_layouts_are_refused_by_model_type_and_cache_class():
+    from mlx_lm.models.cache import ArraysCache, ChunkedKVCache
 
-    class Hybrid:
-        model_type = "hybrid_test"
+    class Chunked:
+        model_type = "chunked_test"
         layers = [None, None]
 
         def make_cache(self):
-            return [ArraysCache(2), KVCache()]
+            return [ArraysCache(2), ChunkedKVCache(8)]
 
-    with pytest.raises(ValueError, match="hybrid_test.*recurrent"):
-        PagedEngine(Hybrid())
+    with pytest.raises(ValueError, match="chunked_test: ChunkedKVCache"):
+        PagedEngine(Chunked())
 
 
 # ---- property test --------------------------------------------------------

@@ -18,7 +18,7 @@ from mlx_lm.models.cache import (
     trim_prompt_cache,
 )
 from mlx_lm.tokenizer_utils import TokenizerWrapper
-from tiny_models import FAMILIES, VOCAB, tiny_model
+from tiny_models import FAMILIES, HYBRIDS, VOCAB, tiny_model
 
 from mlx_paged import PagedKVCache, make_paged_cache
 from mlx_paged.attention import path_counts
@@ -31,7 +31,7 @@ TOL = 1e-4
 # differently once it wraps: sums then differ in the last bits.
 ROTATING = {"ministral3", "gemma3_text", "gpt_oss"}
 # Families with recurrent layers, whose native ArraysCache is not trimmable.
-RECURRENT = {"lfm2"}
+RECURRENT = set(HYBRIDS)
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -134,9 +134,13 @@ def test_deepcopy_fork_matches_dense_fork(family_model):
         worst = max(worst, max_diff(feed(model, dense, a), feed(model, paged, a)))
         worst = max(worst, max_diff(feed(model, dense_fork, b), feed(model, paged_fork, b)))
     check(family, worst)
+
     # Forks share the prefix blocks instead of copying them.
-    full = [c for c in paged if isinstance(c, PagedKVCache) and c.window is None]
-    orig, fork = full[0].table.blocks, paged_fork[paged.index(full[0])].table.blocks
+    def full(caches):  # full-attention layers, looking into CacheList (falcon_h1)
+        flat = [x for c in caches for x in getattr(c, "caches", [c])]
+        return [c for c in flat if isinstance(c, PagedKVCache) and c.window is None]
+
+    orig, fork = full(paged)[0].table.blocks, full(paged_fork)[0].table.blocks
     shared = PROMPT_LEN // BLOCK
     assert orig[:shared] == fork[:shared]
     assert orig[shared] != fork[shared]  # the partial tail was copied on write

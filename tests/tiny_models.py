@@ -108,9 +108,169 @@ CONFIGS: dict[str, dict] = {
         block_auto_adjust_ff_dim=False,
         layer_types=["conv", "full_attention", "conv", "full_attention"],
     ),
+    # Gated-delta layers (ArraysCache) alternate with gated attention (KVCache).
+    # qwen3_5 wraps a text model; a config without text_config is taken as that.
+    "qwen3_5": dict(
+        _COMMON,
+        model_type="qwen3_5",
+        head_dim=16,
+        max_position_embeddings=512,
+        linear_num_value_heads=4,
+        linear_num_key_heads=2,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+        full_attention_interval=2,
+        rope_parameters={"type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+    ),
+    "qwen3_next": dict(
+        _COMMON,
+        model_type="qwen3_next",
+        head_dim=16,
+        max_position_embeddings=512,
+        linear_num_value_heads=4,
+        linear_num_key_heads=2,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+        full_attention_interval=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        shared_expert_intermediate_size=32,
+        mlp_only_layers=[],
+        moe_intermediate_size=32,
+        rope_theta=10000.0,
+        partial_rotary_factor=0.5,
+        norm_topk_prob=True,
+    ),
+    # Mamba2 layers (ArraysCache) and attention layers (KVCache). A small dt cap (here and
+    # in nemotron_h, mamba2) keeps the SSM state alive past a 16-token chunk.
+    "granitemoehybrid": dict(
+        _COMMON,
+        model_type="granitemoehybrid",
+        max_position_embeddings=512,
+        attention_bias=False,
+        embedding_multiplier=1.0,
+        attention_multiplier=0.25,
+        logits_scaling=1.0,
+        residual_multiplier=1.0,
+        layer_types=["mamba", "attention", "mamba", "attention"],
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        shared_intermediate_size=32,
+        mamba_n_heads=4,
+        mamba_d_head=16,
+        mamba_proj_bias=False,
+        mamba_d_state=16,
+        mamba_d_conv=4,
+        mamba_n_groups=1,
+        mamba_conv_bias=True,
+        time_step_limit=(0.0, 0.1),
+    ),
+    # The MLP block ("-") has no cache, so the cache list is shorter than the layers.
+    "nemotron_h": dict(
+        _COMMON,
+        model_type="nemotron_h",
+        max_position_embeddings=512,
+        attention_bias=False,
+        head_dim=16,
+        hybrid_override_pattern=["M", "*", "-", "M", "*"],
+        mamba_num_heads=4,
+        mamba_head_dim=16,
+        mamba_proj_bias=False,
+        ssm_state_size=16,
+        conv_kernel=4,
+        n_groups=2,
+        mlp_bias=False,
+        layer_norm_epsilon=1e-5,
+        use_bias=False,
+        use_conv_bias=True,
+        time_step_limit=(0.0, 0.1),
+    ),
+    # Every layer runs Mamba2 and attention side by side: CacheList(ArraysCache, KVCache).
+    "falcon_h1": dict(
+        _COMMON,
+        model_type="falcon_h1",
+        head_dim=16,
+        max_position_embeddings=512,
+        rope_theta=10000.0,
+        embedding_multiplier=1.0,
+        lm_head_multiplier=1.0,
+        mamba_d_conv=4,
+        mamba_d_head=16,
+        mamba_d_ssm=64,
+        mamba_d_state=16,
+        mamba_n_groups=1,
+        mamba_n_heads=4,
+        mamba_rms_norm=True,
+    ),
+    # Mamba layers at even indices, attention at odd ones (with MoE).
+    "jamba": dict(
+        _COMMON,
+        model_type="jamba",
+        max_position_embeddings=512,
+        attn_layer_offset=1,
+        attn_layer_period=2,
+        expert_layer_offset=1,
+        expert_layer_period=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        mamba_d_conv=4,
+        mamba_d_state=8,
+        mamba_expand=2,
+    ),
+    # Pure recurrent: every layer keeps an ArraysCache.
+    "mamba2": dict(
+        _COMMON,
+        model_type="mamba2",
+        num_heads=4,
+        head_dim=16,
+        intermediate_size=128,
+        state_size=16,
+        layer_norm_epsilon=1e-5,
+        conv_kernel=4,
+        n_groups=1,
+        use_bias=False,
+        use_conv_bias=True,
+        tie_word_embeddings=False,
+        time_step_limit=(0.0, 0.1),
+        time_step_rank="auto",
+    ),
+    "mamba": dict(
+        _COMMON,
+        model_type="mamba",
+        intermediate_size=128,
+        state_size=8,
+        conv_kernel=4,
+        use_bias=False,
+        use_conv_bias=True,
+        time_step_rank="auto",
+    ),
+    # Its zero-initialised parameters are filled at random (see tiny_model).
+    "rwkv7": dict(
+        _COMMON,
+        model_type="rwkv7",
+        intermediate_size=128,
+        norm_eps=1e-5,
+        head_dim=16,
+        a_low_rank_dim=16,
+        v_low_rank_dim=16,
+        gate_low_rank_dim=16,
+        decay_low_rank_dim=16,
+    ),
 }
 
-FAMILIES = list(CONFIGS)
+#: Families with recurrent (ArraysCache) layers beside attention.
+HYBRIDS = ["lfm2", "qwen3_5", "qwen3_next", "granitemoehybrid", "nemotron_h", "falcon_h1", "jamba"]
+#: Families with recurrent layers only: nothing of theirs is paged outside PagedEngine.
+RECURRENT_ONLY = ["mamba2", "mamba", "rwkv7"]
+#: Families whose attention layers make_paged_cache pages (parity tests).
+FAMILIES = [f for f in CONFIGS if f not in RECURRENT_ONLY]
+
+# mlx-lm zero-inits rwkv7's token-shift mixes, k_k/k_a/r_k and g_norm, so its time mixing
+# adds nothing and the cache never reaches the logits; these get random values instead.
+_FILL_ZEROS = {"rwkv7"}
 
 
 def tiny_model(family: str, seed: int = 0, **config: object) -> nn.Module:
@@ -121,5 +281,12 @@ def tiny_model(family: str, seed: int = 0, **config: object) -> nn.Module:
     model = module.Model(args)
     # Random init gives tiny logits; scale weights so tokens differ clearly.
     model.update(tree_map(lambda p: p * 2.0, model.parameters()))
+    if family in _FILL_ZEROS:
+        model.update(
+            tree_map(
+                lambda p: p if mx.any(p).item() else mx.random.uniform(shape=p.shape),
+                model.parameters(),
+            )
+        )
     mx.eval(model.parameters())
     return model
