@@ -170,7 +170,7 @@ def test_a_snapshot_holds_the_dense_state_at_its_position(family):
     run(engine, [prompt], max_tokens=1)
     match = engine.scheduler.index.match(prompt[: 2 * INTERVAL] + [0])
     assert match.length == 2 * INTERVAL
-    saved = engine.scheduler.states.snapshot_state(match.snapshot)
+    saved = engine.runner.states.snapshot_state(match.snapshot)
 
     model = model_of(family)
     dense = make_prompt_cache(model)
@@ -193,4 +193,4 @@ def test_bad_snapshot_settings_are_value_errors():
     with pytest.raises(ValueError, match="num_state_snapshots"):
         engine_of("lfm2", num_state_snapshots=0)
     engine = PagedEngine(model_of("lfm2"), block_size=24)
-    assert engine.scheduler.snapshot_interval == 504, "the default is a multiple of block_size"
+    assert engine.scheduler.recurrent.interval == 504, "the default is a multiple of block_size"

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from mlx_paged.blocks import BlockPool, PrefixIndex, StateSlots
+from mlx_paged.blocks.prefix_index import _node_at
 
 BS = 4
 
@@ -163,7 +164,7 @@ class SnapshotMachine(RuleBasedStateMachine):
         m = self.index.match(tokens)
         if m is not None:
             assert m.snapshot in self.states.ids()
-            assert self.index._node_at(tokens, m.length).snapshot == m.snapshot
+            assert _node_at(self.index._root, tokens, m.length, BS).snapshot == m.snapshot
         self.held.append(self.states.take_slot(m.snapshot if m else None))
 
     @precondition(lambda self: self.held)

@@ -182,7 +182,7 @@ class PrefixIndex:
         """
         if self.states is None:
             raise ValueError("this index keeps no recurrent states.")
-        node = self._node_at(tokens, length)
+        node = _node_at(self._root, tokens, length, self.block_size)
         if node is None or node.snapshot is not None:
             return False
         node.snapshot = take()
@@ -239,15 +239,6 @@ class PrefixIndex:
         if best is not None:
             path.append(best)
         return path, pos + best_len
-
-    def _node_at(self, tokens: Sequence[int], length: int) -> _Node | None:
-        """The indexed node whose tokens end exactly at ``length``, or ``None``."""
-        bs, node = self.block_size, self._root
-        for lo in range(0, length, bs):
-            node = node.children.get(tuple(tokens[lo : min(lo + bs, length)]))
-            if node is None:
-                return None
-        return node if node is not self._root else None
 
     def _forget_snapshot(self, snapshot: int) -> None:
         """State hook: a snapshot is being evicted."""
@@ -308,6 +299,16 @@ class PrefixIndex:
             and all(b is None for b in node.blocks)
         ):
             self._remove(node)
+
+
+def _node_at(root: _Node, tokens: Sequence[int], length: int, bs: int) -> _Node | None:
+    """The node under ``root`` whose tokens end exactly at ``length``, or ``None``."""
+    node = root
+    for lo in range(0, length, bs):
+        node = node.children.get(tuple(tokens[lo : min(lo + bs, length)]))
+        if node is None:
+            return None
+    return node if node is not root else None
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

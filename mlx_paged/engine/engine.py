@@ -88,16 +88,13 @@ class PagedEngine:
         check_block_size(block_size)
         check_kv_dtype(kv_dtype)
         quant = check_kv_quant(kv_bits, kv_group_size, hot_tokens)
-        if cold_blocks is not None and (
-            isinstance(cold_blocks, bool) or not isinstance(cold_blocks, int) or cold_blocks <= 0
-        ):
-            raise ValueError(f"cold_blocks must be a positive int or None, got {cold_blocks!r}.")
         sizes = {"max_batch_size": max_batch_size, "prefill_step_size": prefill_step_size}
-        if prefill_budget is not None:
-            sizes["prefill_budget"] = prefill_budget
-        for name, v in sizes.items():
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                raise ValueError(f"{name} must be a positive int, got {v!r}.")
+        optional = {
+            "prefill_budget": prefill_budget,
+            "cold_blocks": cold_blocks,
+            "num_state_snapshots": num_state_snapshots,
+        }
+        check_positive(sizes, optional)
         if state_snapshot_interval is None:
             state_snapshot_interval = block_size * max(1, DEFAULT_SNAPSHOT_INTERVAL // block_size)
         if (
@@ -110,23 +107,14 @@ class PagedEngine:
                 f"state_snapshot_interval must be a positive multiple of block_size "
                 f"({block_size}), got {state_snapshot_interval!r}."
             )
-        if num_state_snapshots is None:
-            num_state_snapshots = 2 * max_batch_size
-        if (
-            isinstance(num_state_snapshots, bool)
-            or not isinstance(num_state_snapshots, int)
-            or num_state_snapshots <= 0
-        ):
-            raise ValueError(
-                f"num_state_snapshots must be a positive int or None, got {num_state_snapshots!r}."
-            )
         layout = PagedLayout.of(model)
         pools = make_pools(layout, block_size, num_blocks, kv_dtype, quant, cold_blocks)
         if not pools:  # recurrent layers only: blocks index tokens and hold no K/V
             pools = {LayerKind(): KVPool(1, block_size, num_blocks)}
         states = None
         if layout.entries:
-            states = StatePool(layout.entries, max_batch_size, num_state_snapshots)
+            snapshots = num_state_snapshots or 2 * max_batch_size
+            states = StatePool(layout.entries, max_batch_size, snapshots)
         self.scheduler = Scheduler(
             pools,
             max_batch_size,
@@ -295,6 +283,17 @@ class PagedEngine:
             else:
                 events.append(self.scheduler.emit(r, s.token, s.logprob, s.top_logprobs))
         return events
+
+
+def check_positive(sizes: dict[str, object], optional: dict[str, object]) -> None:
+    """Raise ValueError unless every value in ``sizes`` is a positive int, and every one in
+    ``optional`` is one or ``None``."""
+    for name, v in {**sizes, **optional}.items():
+        if v is None and name in optional:
+            continue
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            none = " or None" if name in optional else ""
+            raise ValueError(f"{name} must be a positive int{none}, got {v!r}.")
 
 
 def vocab_size(model: nn.Module) -> int | None:

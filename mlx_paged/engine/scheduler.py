@@ -18,10 +18,8 @@ cached prefix (usually all of it).
 
 Recurrent state (hybrid models, ``states``): each running request holds a state
 slot. A prefix is adopted only up to an index node holding a snapshot of the
-state there, copied into the request's slot. Snapshots are taken where the
-state exists: after prefill forwards ending at a multiple of
-``snapshot_interval`` or at the end of the prompt's last full block (prefill
-steps are cut there), and where a sequence stops (finish, abort, preemption).
+state there, copied into the request's slot (``RecurrentStates`` says where
+snapshots are due; prefill forwards end there).
 """
 
 from __future__ import annotations
@@ -35,9 +33,11 @@ from ..blocks import (
     BlockTables,
     LayerKind,
     PrefixIndex,
+    PrefixMatch,
     StateSlots,
     TieredBlockPool,
 )
+from .recurrent import RecurrentStates
 from .request import EngineStats, Event, Prefill, Request
 
 #: The scheduler's counters, reported in ``EngineStats``.
@@ -82,16 +82,13 @@ class Scheduler:
         self.max_batch_size = max_batch_size
         self.prefill_step_size = prefill_step_size
         self.prefill_budget = prefill_budget
-        if states is not None:
-            assert snapshot_interval and snapshot_interval % self.block_size == 0, (
-                f"snapshot_interval {snapshot_interval} is not a multiple of the block size"
-            )
-            assert states.num_slots >= max_batch_size, "fewer state slots than max_batch_size"
-        self.states = states
-        self.snapshot_interval = snapshot_interval
         self.index = PrefixIndex(
             [groups[k].blocks for k in self.kinds], [k.window for k in self.kinds], states
         )
+        self.recurrent = None
+        if states is not None:
+            assert states.num_slots >= max_batch_size, "fewer state slots than max_batch_size"
+            self.recurrent = RecurrentStates(states, self.index, snapshot_interval)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.counters = dict.fromkeys(COUNTERS, 0)
@@ -138,7 +135,8 @@ class Scheduler:
             head = tuple(req.prompt[:bs])
             heads[head] -= 1
             shared = start < bs <= n and heads[head] > 0
-            steps = _prefill_steps(start, start + n, self.prefill_step_size, self._cuts(req))
+            cuts = self.recurrent.cuts(start + n) if self.recurrent else set()
+            steps = _prefill_steps(start, start + n, self.prefill_step_size, cuts)
             if n > self.prefill_step_size or shared:
                 yield Prefill([req], steps, alone=True)
             elif n > 0:
@@ -160,8 +158,8 @@ class Scheduler:
         Sliding-window blocks indexed now stay cached after the window passes them.
         """
         self.index.insert(req.tokens, self._table_spans(req), length=req.written, partial=False)
-        if self.states is not None and req.written in self._cuts(req):
-            self._snapshot(req)
+        if self.recurrent:
+            self.recurrent.wrote(req, self.kv_target(req))
 
     def schedule_decode(self) -> list[Request]:
         """Ready every running request for one decode token; return them in batch order.
@@ -175,7 +173,7 @@ class Scheduler:
                 for r in self.running:
                     t = r.tables[kind]
                     group.drop_before(t, max(0, t.lengths[0] - kind.window + 1))
-        while not self._decode_fits():
+        while not _decode_fits(self.groups, self.running):
             assert len(self.running) > 1, "one request alone outgrew the pool"
             self._preempt(self.running[-1])
         for r in self.running:
@@ -221,27 +219,12 @@ class Scheduler:
 
     def stats(self) -> EngineStats:
         """Pool counts summed over layer groups, the recurrent state's, plus the counters."""
-        groups = [g.blocks.stats() for g in self.groups.values()]
-        state = {}
-        if self.states is not None:
-            st = self.states.stats()
-            state = {
-                "state_slots_used": st.slots_used,
-                "state_bytes": st.slot_bytes,
-                "state_snapshots": st.snapshots,
-                "state_snapshot_bytes": st.snapshot_bytes,
-            }
         return EngineStats(
-            total_blocks=sum(s.total_blocks for s in groups),
-            live_blocks=sum(s.live_blocks for s in groups),
-            cached_blocks=sum(s.cached_blocks for s in groups),
-            free_blocks=sum(s.free_blocks for s in groups),
             block_size=self.block_size,
-            bytes=sum(s.bytes for s in groups),
             running=len(self.running),
             waiting=len(self.waiting),
-            **_cold_totals([g.blocks for g in self.groups.values()]),
-            **state,
+            **_pool_totals([g.blocks for g in self.groups.values()]),
+            **(self.recurrent.stats() if self.recurrent else {}),
             **self.counters,
         )
 
@@ -250,8 +233,8 @@ class Scheduler:
         for kind, group in self.groups.items():
             group.blocks.check_invariants(tables=[r.tables[kind].blocks for r in self.running])
         self.index.check_invariants()
-        if self.states is not None:
-            self.states.check_invariants([r.slot for r in self.running], self.index.snapshots)
+        if self.recurrent:
+            self.recurrent.check_invariants(self.running)
         assert len(self.running) <= self.max_batch_size, "batch over max_batch_size"
         assert all(r.tables is None for r in self.waiting), "a waiting request holds blocks"
         assert all(r.slot is None for r in self.waiting), "a waiting request holds a state slot"
@@ -264,16 +247,7 @@ class Scheduler:
         target = self.kv_target(req)
         match = self.index.match(tokens[: len(tokens) - 1]) if use_cache else None
         hit = match.length if match else 0
-        tables = {}
-        for g, (kind, group) in enumerate(self.groups.items()):
-            table = group.new_table()
-            if match:
-                for b in match.blocks[g]:
-                    group.blocks.retain(b)
-                table.blocks.extend(match.blocks[g])
-                table.first = match.firsts[g]
-            table.lengths[:] = [hit] * group.num_layers
-            tables[kind] = table
+        tables = _adopted_tables(self.groups, match)
         # Leave each running sequence (and this one) a block to decode into.
         headroom = len(self.running) + 1
         need = {k: self._blocks_to_write(k, tables[k], hit, target) for k in self.kinds}
@@ -282,9 +256,8 @@ class Scheduler:
                 self.groups[kind].release(table)
             return False
         req.tables = tables
-        if self.states is not None:
-            req.slot = self.states.take_slot(match.snapshot if match else None)
-            assert req.slot is not None, "no state slot free under max_batch_size"
+        if self.recurrent:
+            self.recurrent.attach(req, match)
         self.counters["prefix_hit_tokens"] += hit
         if not req.generated:
             req.prefix_hit = hit
@@ -302,17 +275,6 @@ class Scheduler:
             return min(span, self.groups[kind].hot_span(chunk) or span)
         return min(span, -(-(kind.window + chunk) // self.block_size) + 1)
 
-    def _decode_fits(self) -> bool:
-        """Whether every group can give each running request its next token's block."""
-        for kind, group in self.groups.items():
-            need = 0
-            for r in self.running:
-                t = r.tables[kind]
-                need += group.blocks_needed(t, t.lengths[0], t.lengths[0] + 1)
-            if not group.blocks.can_allocate(need):
-                return False
-        return True
-
     def _preempt(self, req: Request) -> None:
         """Park a running request's blocks and requeue it first; it resumes from the cache."""
         self._detach(req)
@@ -323,27 +285,12 @@ class Scheduler:
         """Park a sequence's blocks (and its recurrent state) in the prefix index; drop its
         tables and state slot."""
         self.index.insert(req.tokens, self._table_spans(req), length=req.written)
-        if self.states is not None:
-            if req.written:
-                self._snapshot(req)
-            self.states.free_slot(req.slot)
-            req.slot = None
+        if self.recurrent:
+            self.recurrent.detach(req)
         for kind, table in req.tables.items():
             self.groups[kind].release(table)
         req.tables = None
         self.running.remove(req)
-
-    def _snapshot(self, req: Request) -> None:
-        """Keep ``req``'s recurrent state at ``written`` on the index node ending there."""
-        self.index.add_snapshot(req.tokens, req.written, lambda: self.states.snapshot(req.slot))
-
-    def _cuts(self, req: Request) -> set[int]:
-        """Positions where a prefill of ``req`` stops to snapshot the recurrent state: every
-        ``snapshot_interval`` tokens and the end of the last full block before decoding."""
-        if self.states is None:
-            return set()
-        target, step = self.kv_target(req), self.snapshot_interval
-        return {*range(step, target + 1, step), target // self.block_size * self.block_size}
 
     def _table_spans(self, req: Request) -> list[tuple[int, list[int]]]:
         return [(req.tables[k].first, req.tables[k].blocks) for k in self.kinds]
@@ -351,6 +298,36 @@ class Scheduler:
     def _note_peak(self) -> None:
         live = sum(g.blocks.stats().live_blocks for g in self.groups.values())
         self.counters["peak_live_blocks"] = max(self.counters["peak_live_blocks"], live)
+
+
+def _adopted_tables(
+    groups: dict[LayerKind, BlockTables], match: PrefixMatch | None
+) -> dict[LayerKind, BlockTable]:
+    """Per group, a new table holding references to ``match``'s blocks (empty without one)."""
+    hit = match.length if match else 0
+    tables = {}
+    for g, (kind, group) in enumerate(groups.items()):
+        table = group.new_table()
+        if match:
+            for b in match.blocks[g]:
+                group.blocks.retain(b)
+            table.blocks.extend(match.blocks[g])
+            table.first = match.firsts[g]
+        table.lengths[:] = [hit] * group.num_layers
+        tables[kind] = table
+    return tables
+
+
+def _decode_fits(groups: dict[LayerKind, BlockTables], running: list[Request]) -> bool:
+    """Whether every group can give each running request its next token's block."""
+    for kind, group in groups.items():
+        need = 0
+        for r in running:
+            t = r.tables[kind]
+            need += group.blocks_needed(t, t.lengths[0], t.lengths[0] + 1)
+        if not group.blocks.can_allocate(need):
+            return False
+    return True
 
 
 def _prefill_steps(start: int, end: int, chunk: int, cuts: set[int]) -> list[int]:
@@ -370,10 +347,17 @@ def _prefill_steps(start: int, end: int, chunk: int, cuts: set[int]) -> list[int
     return steps
 
 
-def _cold_totals(pools: list[BlockPool]) -> dict[str, int]:
-    """Cold-tier blocks, bytes and migrations summed over the pools that have a tier."""
+def _pool_totals(pools: list[BlockPool]) -> dict[str, int]:
+    """Block counts and bytes, and the cold tier's blocks, bytes and migrations, summed
+    over the pools."""
+    groups = [p.stats() for p in pools]
     tiers = [p.tier_stats() for p in pools if isinstance(p, TieredBlockPool)]
     return {
+        "total_blocks": sum(s.total_blocks for s in groups),
+        "live_blocks": sum(s.live_blocks for s in groups),
+        "cached_blocks": sum(s.cached_blocks for s in groups),
+        "free_blocks": sum(s.free_blocks for s in groups),
+        "bytes": sum(s.bytes for s in groups),
         "cold_blocks": sum(t.cold_blocks for t in tiers),
         "cold_bytes": sum(t.cold_bytes for t in tiers),
         "migrations": sum(t.migrations for t in tiers),

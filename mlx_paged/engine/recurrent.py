@@ -1,0 +1,70 @@
+"""The scheduler's side of a hybrid model's recurrent state: slots and due snapshots.
+
+Pure Python over ids, like the scheduler: ``StateSlots`` (whose storage subclass
+copies the arrays) hands out slots and snapshot ids; the ``PrefixIndex`` holds
+each snapshot on the node ending where it was taken.
+"""
+
+from __future__ import annotations
+
+from ..blocks import PrefixIndex, PrefixMatch, StateSlots
+from .request import Request
+
+
+class RecurrentStates:
+    """Gives running requests state slots and keeps snapshots where the state exists.
+
+    Snapshots are due after a prefill forward ending at a multiple of ``interval``
+    or at the end of the last full block before decoding (``cuts``: the scheduler
+    ends prefill forwards there), and where a sequence stops (``detach``).
+
+    Args:
+        slots: Slot and snapshot ids (the engine's ``StatePool``).
+        index: The prefix index that holds the snapshots.
+        interval: Tokens between snapshots of a long prefill (a multiple of the
+            block size).
+    """
+
+    def __init__(self, slots: StateSlots, index: PrefixIndex, interval: int):
+        if interval <= 0 or interval % index.block_size:
+            raise ValueError(f"interval {interval} is not a multiple of {index.block_size}.")
+        self.slots, self.index, self.interval = slots, index, interval
+
+    def cuts(self, target: int) -> set[int]:
+        """Positions where a prefill up to ``target`` tokens stops to take a snapshot."""
+        bs = self.index.block_size
+        return {*range(self.interval, target + 1, self.interval), target // bs * bs}
+
+    def attach(self, req: Request, match: PrefixMatch | None) -> None:
+        """Give an admitted request a slot holding the state at its adopted prefix."""
+        req.slot = self.slots.take_slot(match.snapshot if match else None)
+        assert req.slot is not None, "no state slot free under max_batch_size"
+
+    def wrote(self, req: Request, target: int) -> None:
+        """After a prefill forward: snapshot the state if ``req`` stopped at a cut."""
+        if req.written in self.cuts(target):
+            self._snapshot(req)
+
+    def detach(self, req: Request) -> None:
+        """A sequence stops: keep its state at ``written`` and free its slot."""
+        if req.written:
+            self._snapshot(req)
+        self.slots.free_slot(req.slot)
+        req.slot = None
+
+    def stats(self) -> dict[str, int]:
+        """The state counters of ``EngineStats``."""
+        s = self.slots.stats()
+        return {
+            "state_slots_used": s.slots_used,
+            "state_bytes": s.slot_bytes,
+            "state_snapshots": s.snapshots,
+            "state_snapshot_bytes": s.snapshot_bytes,
+        }
+
+    def check_invariants(self, running: list[Request]) -> None:
+        """Assert that running requests hold exactly the taken slots, the index every snapshot."""
+        self.slots.check_invariants([r.slot for r in running], self.index.snapshots)
+
+    def _snapshot(self, req: Request) -> None:
+        self.index.add_snapshot(req.tokens, req.written, lambda: self.slots.snapshot(req.slot))
