@@ -62,6 +62,10 @@ METRICS = (
     "mlx_paged_kv_blocks_cold",
     "mlx_paged_kv_cold_bytes",
     "mlx_paged_kv_migrations_total",
+    "mlx_paged_state_snapshots",
+    "mlx_paged_state_snapshot_bytes",
+    "mlx_paged_state_slots_active",
+    "mlx_paged_state_bytes",
 )
 
 

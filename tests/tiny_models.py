@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import importlib
+import json
+import shutil
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_map
+from mlx.utils import tree_flatten, tree_map
 
 VOCAB = 128
 
@@ -290,3 +293,17 @@ def tiny_model(family: str, seed: int = 0, **config: object) -> nn.Module:
         )
     mx.eval(model.parameters())
     return model
+
+
+def save_tiny_model(family: str, path: Path, tokenizer_dir: Path, **config: object) -> Path:
+    """Write ``tiny_model(family, **config)`` as an mlx-lm model directory (config, weights
+    and the tokenizer files of ``tokenizer_dir``) that ``mlx_lm.load`` and the servers read."""
+    model = tiny_model(family, **config)
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = {**CONFIGS[family], **config}
+    (path / "config.json").write_text(json.dumps(cfg))
+    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    for f in tokenizer_dir.iterdir():
+        if f.name.startswith(("tokenizer", "chat_template", "special_tokens")):
+            shutil.copy(f, path / f.name)
+    return path
