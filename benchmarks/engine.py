@@ -24,6 +24,8 @@ Usage:
     python benchmarks/engine.py --layers 2 --hidden 256 --n 4 --system 128 --gen 8   # quick look
     python benchmarks/engine.py --dtype float16 --n 64 --mixed 0 --first-batch --cases paged
         # a fresh process's first batch (one case per process)
+    python benchmarks/engine.py --dtype float16 --shape qwen3_5 --hidden 1536 --layers 24 \
+        --vocab 151936 --n 64 --mixed 0 --cases batchgen+prefix-warm paged-warm   # hybrid
 """
 
 from __future__ import annotations
@@ -47,8 +49,41 @@ from mlx_paged import PagedEngine
 from mlx_paged.attention import path_counts
 from mlx_paged.attention.kernels import compiled_variants
 
+#: ``--shape qwen3_5``: a Qwen3.5-shaped hybrid of about 1B parameters at the defaults
+#: (hidden 1536, 24 layers): three of every four layers GatedDeltaNet, the fourth full
+#: attention with 2 KV heads of 256.
+QWEN3_5 = dict(
+    model_type="qwen3_5",
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=256,
+    linear_num_value_heads=16,
+    linear_num_key_heads=16,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_conv_kernel_dim=4,
+    full_attention_interval=4,
+    tie_word_embeddings=True,
+    rms_norm_eps=1e-6,
+    rope_parameters={"type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
+)
 
-def build_model(args) -> llama.Model:
+
+def build_model(args):
+    if args.shape == "qwen3_5":
+        from mlx_lm.models import qwen3_5
+
+        config = dict(
+            QWEN3_5,
+            hidden_size=args.hidden,
+            num_hidden_layers=args.layers,
+            intermediate_size=args.hidden * 3,
+            vocab_size=args.vocab,
+        )
+        model = qwen3_5.Model(qwen3_5.ModelArgs.from_dict(config))
+        model.set_dtype(getattr(mx, args.dtype))
+        mx.eval(model.parameters())
+        return model
     heads = max(1, args.hidden // 64)
     model = llama.Model(
         llama.ModelArgs(
@@ -192,6 +227,7 @@ def run_paged(model, prompts, arrivals, gen, args, prefix=None) -> tuple[Recorde
         max_batch_size=args.batch,
         prefill_step_size=args.prefill_step_size,
         prefill_budget=args.prefill_budget,
+        state_snapshot_interval=args.state_snapshot_interval,
     )
     if prefix:
         engine.generate([prefix], max_tokens=1)
@@ -255,6 +291,12 @@ def measure(name: str, fn: Callable, results: list) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    parser.add_argument(
+        "--shape",
+        default="llama",
+        choices=["llama", "qwen3_5"],
+        help="llama, or a Qwen3.5-shaped hybrid (GatedDeltaNet + attention)",
+    )
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--vocab", type=int, default=128256)
@@ -269,6 +311,9 @@ def main() -> None:
     )
     parser.add_argument(
         "--prefill-budget", type=int, default=None, help="the engine's prompt tokens per step"
+    )
+    parser.add_argument(
+        "--state-snapshot-interval", type=int, default=None, help="hybrid models (engine default)"
     )
     parser.add_argument("--mixed", type=int, default=32, help="requests in the mixed run (0: skip)")
     parser.add_argument("--mixed-max", type=int, default=4096)
@@ -293,7 +338,7 @@ def main() -> None:
     model = build_model(args)
     weights_gb = sum(v.nbytes for _, v in tree_flatten(model.parameters())) / 1e9
     print(
-        f"device={mx.default_device()} dtype={args.dtype} layers={args.layers} "
+        f"device={mx.default_device()} shape={args.shape} dtype={args.dtype} layers={args.layers} "
         f"hidden={args.hidden} weights={weights_gb:.2f} GB block_size={args.block_size}",
         flush=True,
     )

@@ -50,7 +50,7 @@ class ModelRunner:
         if self.states is not None:  # recurrent layers read and write state slots
             for kind, pool in self.pools.items():  # as a PagedKVCache write would
                 pool.reserve(req.tables[kind], req.written, req.written + n)
-            return self.forward([req], n, logits)
+            return self._forward([req], n, logits)
         start = req.written
         caches = self.layout.bind(self.pools, req.tables, PagedKVCache)
         out = self.model(mx.array(req.tokens[start : start + n])[None], cache=caches)
@@ -63,6 +63,9 @@ class ModelRunner:
 
         Returns the last position's logits ``(B, V)`` if asked, else ``None``.
         """
+        return self._forward(reqs, n, logits)
+
+    def _forward(self, reqs: list[Request], n: int, logits: bool) -> mx.array | None:
         inputs = [r.tokens[r.written : r.written + n] for r in reqs]
         out, caches = self._batched(reqs, inputs)
         states = self.states.evaluated() if self.states is not None else []
