@@ -129,7 +129,9 @@ def test_preemption_in_a_small_pool_keeps_tokens(family):
 def test_abort_frees_the_slot_and_leaves_the_others_alone(family):
     rng = random.Random(5)
     prompts = [toks(rng, n) for n in (11, 30, 6)]
-    engine = engine_of(family)
+    # Three slots for three requests: decode reads and writes the whole state arrays
+    # (slots 0, 1, 2 in order); once the middle one leaves, it gathers slots 0 and 2.
+    engine = engine_of(family, max_batch_size=3)
     uids = [engine.add_request(p, MAX_TOKENS) for p in prompts]
     out = {u: [] for u in uids}
     for _ in range(3):

@@ -19,14 +19,14 @@ class StepStateCache(ArraysCache):
     Args:
         pool: The state arrays.
         layer: Which recurrent layer of the pool.
-        slots: ``(B,)`` int32 slot of each request, in batch order.
+        rows: The requests' slots, in batch order, as ``StatePool.rows`` gives them.
     """
 
-    def __init__(self, pool: StatePool, layer: int, slots: mx.array):
+    def __init__(self, pool: StatePool, layer: int, rows: mx.array | int):
         super().__init__(len(pool.arrays[layer]))
-        self.pool, self.layer, self.slots = pool, layer, slots
-        self.cache = pool.read(layer, slots)
+        self.pool, self.layer, self.rows = pool, layer, rows
+        self.cache = pool.read(layer, rows)
 
     def finish(self) -> None:
         """Write the step's new state back to the slots (after the forward)."""
-        self.pool.write(self.layer, self.slots, self.cache)
+        self.pool.write(self.layer, self.rows, self.cache)

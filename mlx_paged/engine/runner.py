@@ -94,8 +94,8 @@ class ModelRunner:
         }
         views: list[StepStateCache] = []
         if self.states is not None:
-            slots = mx.array([r.slot for r in reqs], dtype=mx.int32)
-            views = [StepStateCache(self.states, i, slots) for i in range(self.states.num_layers)]
+            rows = self.states.rows([r.slot for r in reqs])
+            views = [StepStateCache(self.states, i, rows) for i in range(self.states.num_layers)]
         caches = self.layout.bind(self.pools, batches, StepPagedKVCache, views.__getitem__)
         out = self.model(mx.array(inputs), cache=caches)[:, -1, :]  # (B, V)
         for batch in batches.values():

@@ -181,6 +181,8 @@ class Scheduler:
                 t = r.tables[kind]
                 group.reserve(t, t.lengths[0], t.lengths[0] + 1)
         self._note_peak()  # the most blocks a step holds: all running, each with its next slot
+        if self.recurrent:  # in slot order, so that state is read and written in place
+            return sorted(self.running, key=lambda r: r.slot)
         return list(self.running)
 
     def emit(

@@ -38,13 +38,24 @@ class StatePool(StateSlots):
 
     # ---- a forward's reads and writes ------------------------------------
 
-    def read(self, layer: int, slots: mx.array) -> list[mx.array | None]:
-        """``(B, *entry_shape)`` state of one layer for the requests in ``slots`` (``None``
-        for an entry nothing has written yet: every sequence still starts from zeros)."""
-        return [None if a is None else a[slots] for a in self.arrays[layer]]
+    def rows(self, slots: list[int]) -> mx.array | int:
+        """How a step addresses its requests' slots: ``B`` when they are slots ``0 .. B-1``
+        in order (read as a slice, written without a scatter; all of them: the arrays
+        themselves), else a ``(B,)`` int32 index array (a gather and a scatter per entry)."""
+        if slots == list(range(len(slots))):
+            return len(slots)
+        return mx.array(slots, dtype=mx.int32)
 
-    def write(self, layer: int, slots: mx.array, entries: list[mx.array | None]) -> None:
-        """Store ``(B, *entry_shape)`` new state of one layer in ``slots``' rows."""
+    def read(self, layer: int, rows: mx.array | int) -> list[mx.array | None]:
+        """``(B, *entry_shape)`` state of one layer for ``rows`` (``None`` for an entry
+        nothing has written yet: every sequence still starts from zeros)."""
+        if isinstance(rows, int):
+            whole = rows == self.num_slots
+            return [a if a is None or whole else a[:rows] for a in self.arrays[layer]]
+        return [None if a is None else a[rows] for a in self.arrays[layer]]
+
+    def write(self, layer: int, rows: mx.array | int, entries: list[mx.array | None]) -> None:
+        """Store ``(B, *entry_shape)`` new state of one layer in ``rows``."""
         held = self.arrays[layer]
         if len(entries) != len(held):
             raise ValueError(f"layer {layer} has {len(held)} state entries, got {len(entries)}.")
@@ -59,7 +70,12 @@ class StatePool(StateSlots):
                     f"layer {layer} state {e}: expected {held[e].shape[1:]} {held[e].dtype}, "
                     f"got {new.shape[1:]} {new.dtype}."
                 )
-            held[e][slots] = new
+            if isinstance(rows, int) and rows == self.num_slots:
+                held[e] = new  # every slot, in order: the new state is the array
+            elif isinstance(rows, int):
+                held[e][:rows] = new
+            else:
+                held[e][rows] = new
 
     def evaluated(self) -> list[mx.array]:
         """Every allocated state array (to evaluate with a forward's writes)."""
