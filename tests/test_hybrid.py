@@ -83,17 +83,19 @@ def test_mixed_batch_equals_dense(family):
 def test_shared_prefix_adopts_the_last_snapshot_at_or_below_it(family):
     rng = random.Random(2)
     shared = toks(rng, 2 * INTERVAL + 13)  # 45: snapshots at 16 and 32 lie inside it
-    first, second = shared + toks(rng, 10), shared + toks(rng, 6)
+    prompts = [shared + toks(rng, n) for n in (10, 6, 8)]
     engine = engine_of(family)
-    uids = [engine.add_request(p, MAX_TOKENS) for p in (first, second)]
+    uids = [engine.add_request(p, MAX_TOKENS) for p in prompts]
     reqs = [engine.request(u) for u in uids]
     out = {u: [] for u in uids}
     for e in engine.stream():
         out[e.uid].append(e.token)
         engine.check_invariants()
-    assert [r.prefix_hit for r in reqs] == [0, 2 * INTERVAL]
-    assert [out[u] for u in uids] == [solo(family, tuple(first)), solo(family, tuple(second))]
-    assert engine.stats().prefilled_tokens == len(first) + len(second) - 2 * INTERVAL
+    # The second adopts the snapshot at 32 and, finding the first's blocks up to 40 (the
+    # last whole block of the shared prefix), snapshots there too: the third adopts 40.
+    assert [r.prefix_hit for r in reqs] == [0, 2 * INTERVAL, 40]
+    assert [out[u] for u in uids] == [solo(family, tuple(p)) for p in prompts]
+    assert engine.stats().prefilled_tokens == sum(map(len, prompts)) - 2 * INTERVAL - 40
     assert_idle(engine)
 
 

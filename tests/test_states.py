@@ -106,6 +106,10 @@ def test_match_adopts_only_where_a_snapshot_ends():
     assert index.match([0, 1, 2, 3, 4, 5]) is None, "nothing ends at a snapshot up to 6"
     index.check_invariants()
     states.check_invariants([slot], index.snapshots)
+    # Where prompts stop sharing whole blocks, snapshots aside: a cut worth snapshotting.
+    assert index.full_blocks_matched(tokens + [99]) == 8
+    assert index.full_blocks_matched([0, 1, 2, 3, 4, 5]) == 4
+    assert index.full_blocks_matched([9, 9, 9, 9]) == 0
 
 
 def test_snapshots_leave_with_their_blocks():

@@ -174,12 +174,8 @@ class PrefixIndex:
         return parked
 
     def add_snapshot(self, tokens: Sequence[int], length: int, take: Callable[[], int]) -> bool:
-        """Give the node ending at ``length`` the snapshot ``take()`` makes; return whether it
-        took one.
-
-        Nothing is taken when no indexed node ends exactly there or the node already
-        has a snapshot (it holds the same state).
-        """
+        """Give the node ending at ``length`` the snapshot ``take()`` makes, unless no node
+        ends exactly there or it has one already; return whether it took one."""
         if self.states is None:
             raise ValueError("this index keeps no recurrent states.")
         node = _node_at(self._root, tokens, length, self.block_size)
@@ -188,6 +184,10 @@ class PrefixIndex:
         node.snapshot = take()
         self._snapshot_owner[node.snapshot] = node
         return True
+
+    def full_blocks_matched(self, tokens: Sequence[int]) -> int:
+        """Tokens of ``tokens`` whole indexed blocks cover from the start (snapshots aside)."""
+        return self._walk(tokens)[1] // self.block_size * self.block_size
 
     @property
     def snapshots(self) -> list[int]:

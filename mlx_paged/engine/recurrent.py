@@ -14,9 +14,11 @@ from .request import Request
 class RecurrentStates:
     """Gives running requests state slots and keeps snapshots where the state exists.
 
-    Snapshots are due after a prefill forward ending at a multiple of ``interval``
-    or at the end of the last full block before decoding (``cuts``: the scheduler
-    ends prefill forwards there), and where a sequence stops (``detach``).
+    Snapshots are due after a prefill forward ending at a multiple of ``interval``,
+    at the end of the last full block before decoding, or where the prompt stops
+    sharing cached blocks with earlier ones (a shared prefix, say a system prompt,
+    whose end no snapshot marks yet); the scheduler ends prefill forwards at these
+    ``Request.cuts``. Snapshots are also taken where a sequence stops (``detach``).
 
     Args:
         slots: Slot and snapshot ids (the engine's ``StatePool``).
@@ -30,19 +32,20 @@ class RecurrentStates:
             raise ValueError(f"interval {interval} is not a multiple of {index.block_size}.")
         self.slots, self.index, self.interval = slots, index, interval
 
-    def cuts(self, target: int) -> set[int]:
-        """Positions where a prefill up to ``target`` tokens stops to take a snapshot."""
-        bs = self.index.block_size
-        return {*range(self.interval, target + 1, self.interval), target // bs * bs}
-
-    def attach(self, req: Request, match: PrefixMatch | None) -> None:
-        """Give an admitted request a slot holding the state at its adopted prefix."""
+    def attach(self, req: Request, match: PrefixMatch | None, target: int) -> None:
+        """Give an admitted request a slot holding the state at its adopted prefix, and the
+        positions up to ``target`` where its prefill stops to take snapshots."""
         req.slot = self.slots.take_slot(match.snapshot if match else None)
         assert req.slot is not None, "no state slot free under max_batch_size"
+        bs, hit = self.index.block_size, match.length if match else 0
+        cuts = {*range(self.interval, target + 1, self.interval), target // bs * bs}
+        shared = self.index.full_blocks_matched(req.tokens[:target])
+        req.cuts = frozenset(c for c in (*cuts, shared) if hit < c <= target)
+        req.extends_shared = hit < shared
 
-    def wrote(self, req: Request, target: int) -> None:
+    def wrote(self, req: Request) -> None:
         """After a prefill forward: snapshot the state if ``req`` stopped at a cut."""
-        if req.written in self.cuts(target):
+        if req.written in req.cuts:
             self._snapshot(req)
 
     def detach(self, req: Request) -> None:
@@ -50,7 +53,7 @@ class RecurrentStates:
         if req.written:
             self._snapshot(req)
         self.slots.free_slot(req.slot)
-        req.slot = None
+        req.slot, req.cuts, req.extends_shared = None, frozenset(), False
 
     def stats(self) -> dict[str, int]:
         """The state counters of ``EngineStats``."""

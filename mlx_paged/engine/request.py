@@ -78,6 +78,10 @@ class Request:
     generated: list[int] = field(default_factory=list)
     tables: dict[LayerKind, BlockTable] | None = None
     slot: int | None = None
+    # Recurrent state: where its prefill stops for snapshots, and whether it shares cached
+    # blocks beyond the snapshot it adopted (it snapshots their end for requests behind it).
+    cuts: frozenset[int] = frozenset()
+    extends_shared: bool = False
     prefix_hit: int = 0  # prompt tokens served from the prefix index at first admission
 
     @property

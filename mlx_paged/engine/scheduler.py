@@ -8,7 +8,7 @@ block's K/V when copy-on-write re-points a table) and owns the ``PrefixIndex``.
 Admission: a request adopts the longest cached prefix of its tokens (no K/V
 copied) and prefills only the rest. A long rest, or one that a request behind
 it could share, is prefilled alone at once, chunk by chunk; short ones are
-grouped by length and prefilled together. Full blocks are indexed as soon as
+grouped by their prefill steps and prefilled together. Full blocks are indexed as soon as
 they are written, so concurrent requests share them.
 
 Decode: every running request gets a private block for its next token; when
@@ -134,9 +134,9 @@ class Scheduler:
             self.counters["prefilled_tokens"] += n
             head = tuple(req.prompt[:bs])
             heads[head] -= 1
-            shared = start < bs <= n and heads[head] > 0
-            cuts = self.recurrent.cuts(start + n) if self.recurrent else set()
-            steps = _prefill_steps(start, start + n, self.prefill_step_size, cuts)
+            # Requests behind it could adopt its blocks, or its state where they diverge.
+            shared = heads[head] > 0 and (start < bs <= n or req.extends_shared)
+            steps = _prefill_steps(start, start + n, self.prefill_step_size, req.cuts)
             if n > self.prefill_step_size or shared:
                 yield Prefill([req], steps, alone=True)
             elif n > 0:
@@ -159,7 +159,7 @@ class Scheduler:
         """
         self.index.insert(req.tokens, self._table_spans(req), length=req.written, partial=False)
         if self.recurrent:
-            self.recurrent.wrote(req, self.kv_target(req))
+            self.recurrent.wrote(req)
 
     def schedule_decode(self) -> list[Request]:
         """Ready every running request for one decode token; return them in batch order.
@@ -259,7 +259,7 @@ class Scheduler:
             return False
         req.tables = tables
         if self.recurrent:
-            self.recurrent.attach(req, match)
+            self.recurrent.attach(req, match, target)
         self.counters["prefix_hit_tokens"] += hit
         if not req.generated:
             req.prefix_hit = hit
@@ -332,7 +332,7 @@ def _decode_fits(groups: dict[LayerKind, BlockTables], running: list[Request]) -
     return True
 
 
-def _prefill_steps(start: int, end: int, chunk: int, cuts: set[int]) -> list[int]:
+def _prefill_steps(start: int, end: int, chunk: int, cuts: frozenset[int]) -> list[int]:
     """Forwards for tokens ``[start, end)``, at most ``chunk`` each, also ending at every
     position in ``cuts``.
 
