@@ -108,6 +108,20 @@ def build_parser() -> argparse.ArgumentParser:
         default=64,
         help="Most sequences decoding at once with --prompts-file.",
     )
+    g.add_argument(
+        "--state-snapshot-interval",
+        type=int,
+        default=None,
+        help="Hybrid models with --prompts-file: snapshot the recurrent state every N prompt "
+        "tokens (a multiple of --block-size; default: the multiple nearest 512).",
+    )
+    g.add_argument(
+        "--num-state-snapshots",
+        type=int,
+        default=None,
+        help="Hybrid models with --prompts-file: most recurrent-state snapshots kept "
+        "(default: 2x --max-batch-size).",
+    )
     return parser
 
 
@@ -118,6 +132,11 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
             parser.error(f"--{name.replace('_', '-')} must be a positive integer.")
     if args.num_blocks is not None and args.num_blocks <= 0:
         parser.error("--num-blocks must be a positive integer (or leave it out to grow).")
+    if args.num_state_snapshots is not None and args.num_state_snapshots <= 0:
+        parser.error("--num-state-snapshots must be a positive integer.")
+    interval = args.state_snapshot_interval
+    if interval is not None and (interval <= 0 or interval % args.block_size):
+        parser.error("--state-snapshot-interval must be a positive multiple of --block-size.")
     if args.num_blocks is not None and args.kv_memory is not None:
         parser.error("give --num-blocks or --kv-memory, not both.")
     if args.kv_memory is not None:
@@ -263,6 +282,8 @@ def run_many(
         kv_bits=args.kv_bits,
         kv_group_size=args.kv_group_size,
         hot_tokens=args.hot_tokens,
+        state_snapshot_interval=args.state_snapshot_interval,
+        num_state_snapshots=args.num_state_snapshots,
     )
     sampler = None if args.temp == 0 else _sampler(args, tokenizer)
     stops = set(tokenizer.eos_token_ids)

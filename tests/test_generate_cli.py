@@ -30,6 +30,8 @@ needs_embedded = pytest.mark.skipif(
         (["--chat-template-config", "[1]"], "must be a JSON object"),
         (["--kv-dtype", "int8"], "invalid choice"),
         (["--prompts-file", "/no/such/file"], "no such file"),
+        (["--state-snapshot-interval", "24"], "a positive multiple of --block-size"),
+        (["--num-state-snapshots", "0"], "--num-state-snapshots must be a positive"),
     ],
 )
 def test_bad_flags_are_argparse_errors(argv, message, capsys):

@@ -771,6 +771,8 @@ def test_kv_bits_quantizes_old_blocks_and_reports_them(tmp_path):
         (["--num-blocks", "8", "--kv-memory", "1GB"], "not allowed with argument"),
         (["--block-size", "0"], "--block-size must be a positive integer"),
         (["--max-queue", "-1"], "--max-queue must be a positive integer"),
+        (["--state-snapshot-interval", "24"], "a multiple of --block-size"),
+        (["--num-state-snapshots", "0"], "--num-state-snapshots must be a positive"),
         (["--port", "70000"], "--port must be in 1..65535"),
         (["--chat-template-args", "[1]"], "must be a JSON object"),
         (["--kv-dtype", "int8"], "invalid choice"),
