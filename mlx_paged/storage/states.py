@@ -10,6 +10,8 @@ one slot's rows in every layer. Bookkeeping (ids, LRU) is ``StateSlots``'.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import mlx.core as mx
 
 from ..blocks import StateSlots
@@ -80,6 +82,12 @@ class StatePool(StateSlots):
     def evaluated(self) -> list[mx.array]:
         """Every allocated state array (to evaluate with a forward's writes)."""
         return [a for layer in self.arrays for a in layer if a is not None]
+
+    def check_invariants(self, slots: Iterable[int], snapshots: Iterable[int]) -> None:
+        """``StateSlots``' checks, and that arrays are held for exactly the snapshots held."""
+        super().check_invariants(slots, snapshots)
+        held = sorted(self._snapshots)
+        assert held == sorted(self.ids()), f"arrays for snapshots {held}, ids {self.ids()}"
 
     def snapshot_state(self, snapshot: int) -> State:
         """A snapshot's arrays (read-only: tests compare them with a dense cache)."""
