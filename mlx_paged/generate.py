@@ -244,13 +244,17 @@ def run_single(
     if not args.verbose:
         print(response)
     elif caches is not None:
+        paged = [x for c in caches for x in getattr(c, "caches", [c]) if hasattr(x, "pool")]
+        if not paged:
+            print("KV cache: none paged (the model has recurrent layers only)")
+            return
         pools = paged_pools(caches)
         fp = kv_footprint(pools, args.block_size)
         tiers = [p.tier_stats() for p in pools]
         held = sum(t.hot_blocks for t in tiers)
         cold = sum(t.cold_blocks for t in tiers)
         nbytes = sum(t.hot_bytes + t.cold_bytes for t in tiers)
-        seq_tokens = max(c.offset for c in caches if hasattr(c, "pool"))
+        seq_tokens = max(c.offset for c in paged)
         quantized = f" + {cold} {args.kv_bits}-bit" if args.kv_bits else ""
         print(
             f"KV cache: paged, {held}{quantized} blocks of {args.block_size} for {seq_tokens} "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -110,3 +111,27 @@ def test_prompts_file_runs_through_the_engine(tmp_path, capsys):
     assert " Paris" in out and " Rome" in out
     assert "Requests: 2, prompt tokens: 10, prefix-hit tokens: " in out
     assert "KV memory: " in out and "one dense mlx-lm cache per request" in out
+
+
+@needs_embedded
+@pytest.mark.parametrize("family", ["falcon_h1", "mamba2"])
+def test_hybrid_and_recurrent_models_run_from_a_directory(family, tmp_path, capsys):
+    from tiny_models import save_tiny_model
+
+    from mlx_paged.embedded import embedded_model_path
+
+    tokenizer = Path(embedded_model_path(progress=False))
+    model = save_tiny_model(family, tmp_path / family, tokenizer, vocab_size=49152)
+    f = tmp_path / "prompts.txt"
+    f.write_text("Hello there\nWhat is two plus two?\n")
+    main(["--model", str(model), "--prompt", "Hi", "--max-tokens", "3", "--verbose", "True"])
+    main(["--model", str(model), "--prompts-file", str(f), "--max-tokens", "3"])
+    out = capsys.readouterr().out
+    if family == "mamba2":  # recurrent layers only: nothing to page, nothing for --kv-memory
+        assert "KV cache: none paged" in out
+        with pytest.raises(SystemExit):
+            main(["--model", str(model), "--prompt", "Hi", "--kv-memory", "1GB"])
+        assert "no attention layers" in capsys.readouterr().err
+    else:
+        assert "KV cache: paged, " in out
+    assert "Requests: 2, prompt tokens: " in out

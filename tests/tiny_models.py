@@ -227,7 +227,7 @@ CONFIGS: dict[str, dict] = {
     "mamba2": dict(
         _COMMON,
         model_type="mamba2",
-        num_heads=4,
+        num_heads=8,  # x head_dim = hidden x expand (2), as transformers' config check wants
         head_dim=16,
         intermediate_size=128,
         state_size=16,

@@ -82,7 +82,12 @@ def probe_footprint(model: nn.Module, block_size: int, kv_dtype: mx.Dtype | None
 
 def blocks_for_memory(nbytes: int, footprint: KVFootprint) -> int:
     """How many blocks (per pool) fit in ``nbytes``; raises ValueError if not even one."""
-    n = nbytes // max(footprint.bytes_per_block, 1)
+    if footprint.bytes_per_block == 0:
+        raise ValueError(
+            "this model has no attention layers, so nothing is paged and --kv-memory does not "
+            "apply; leave it out."
+        )
+    n = nbytes // footprint.bytes_per_block
     if n < 1:
         raise ValueError(
             f"--kv-memory of {nbytes} bytes holds no block; one block takes "
