@@ -185,11 +185,6 @@ class PagedLayout:
     entries: list[int]
     direct_kv: bool = False
 
-    @property
-    def native(self) -> int:
-        """Caches kept as they are (recurrent state)."""
-        return len(self.entries)
-
     @classmethod
     def of(cls, model: nn.Module, max_kv_size: int | None = None) -> PagedLayout:
         """Classify ``model``'s caches (``default_caches``); raises ValueError for layouts
