@@ -198,3 +198,23 @@ def test_bad_snapshot_settings_are_value_errors():
         engine_of("lfm2", num_state_snapshots=0)
     engine = PagedEngine(model_of("lfm2"), block_size=24)
     assert engine.scheduler.recurrent.interval == 504, "the default is a multiple of block_size"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not mx.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("family", ["qwen3_5", "falcon_h1", "mamba2"])
+def test_engine_on_the_gpu_equals_dense_on_the_gpu(family):
+    """The state slots and the CUDA paged kernels together, against mlx-lm's caches on the
+    same GPU (conftest turns TF32 off)."""
+    rng = random.Random(8)
+    system = toks(rng, 21)
+    prompts = [system + toks(rng, 5), system + toks(rng, 14), toks(rng, 40), system]
+    model = model_of(family)
+    got = run(engine_of(family, max_batch_size=3), prompts)
+    gpu = mx.new_stream(mx.gpu)
+    for prompt, tokens in zip(prompts, got, strict=True):
+        cache = make_prompt_cache(model)
+        solo = generate_step(
+            mx.array(prompt), model, prompt_cache=cache, max_tokens=MAX_TOKENS, stream=gpu
+        )
+        assert tokens == [tok for tok, _ in solo]
