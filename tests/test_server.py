@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import mlx.core as mx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -313,6 +314,60 @@ def test_sampling_filters_that_keep_one_token_are_greedy(server, story, option):
     assert story.choices[0].text.startswith(out.choices[0].text) and out.choices[0].text
 
 
+def test_logit_bias_forces_a_token(server, tokenizer):
+    forced = tokenizer.encode(" ocean", add_special_tokens=False)[-1]
+    out = server.client().completions.create(
+        model=MODEL,
+        prompt=STORY,
+        max_tokens=4,
+        temperature=0,
+        logit_bias={str(forced): 100},
+    )
+    assert out.choices[0].text.split() == ["ocean"] * 4
+
+
+def test_penalties_are_mlx_lms_own(server, tokenizer):
+    """repetition, presence and frequency penalties give the tokens mlx-lm's own logits
+    processors give on the same model (float32, greedy)."""
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.sample_utils import make_logits_processors
+
+    from mlx_paged.embedded import load_model
+
+    penalties = dict(repetition_penalty=1.5, presence_penalty=0.8, frequency_penalty=0.6)
+    sizes = dict(repetition_context_size=8, presence_context_size=10, frequency_context_size=12)
+    out = server.client().completions.create(
+        model=MODEL, prompt=STORY, max_tokens=16, temperature=0, extra_body=penalties | sizes
+    )
+    plain = server.client().completions.create(
+        model=MODEL, prompt=STORY, max_tokens=16, temperature=0
+    )
+    model, _ = load_model(dtype="float32")
+    prompt = mx.array(tokenizer.encode(STORY))
+    processors = make_logits_processors(**penalties, **sizes)
+    steps = generate_step(
+        prompt,
+        model,
+        prompt_cache=make_prompt_cache(model),
+        max_tokens=16,
+        logits_processors=processors,
+    )
+    want = [t for t, _ in steps]
+    assert out.choices[0].text.strip() == tokenizer.decode(want).strip()
+    assert out.choices[0].text != plain.choices[0].text, "the penalties changed nothing"
+
+
+def test_xtc_removes_every_likely_token_but_the_least():
+    from mlx_paged.server.run import make_request_sampler
+
+    logprobs = mx.log(mx.array([[0.5, 0.3, 0.2]]))  # all three above the threshold
+    sampler = make_request_sampler(1.0, 1.0, 0, 0.0, seed=7, xtc=(1.0, 0.1, []))
+    assert {sampler(logprobs).item() for _ in range(20)} == {2}  # above 0.1, the least likely
+    keep_first = make_request_sampler(1.0, 1.0, 0, 0.0, seed=7, xtc=(1.0, 0.1, [0]))
+    assert {keep_first(logprobs).item() for _ in range(40)} == {0, 2}  # 0 is exempt
+
+
 def pick_stop(text: str) -> tuple[str, str]:
     """A 3-character stop string from the first half of ``text`` and the text before it."""
     for start in range(len(text) // 4, len(text) // 2):
@@ -561,6 +616,13 @@ BAD_REQUESTS = [
     ("chat", {"messages": POEM, "temperature": -1}, 400, "temperature"),
     ("chat", {"messages": POEM, "top_logprobs": 2}, 400, "logprobs"),
     ("chat", {"messages": POEM, "model": "no-such-model"}, 404, "does not exist"),
+    ("completions", {"prompt": STORY, "logit_bias": {"x": 1}}, 400, "logit_bias"),
+    ("completions", {"prompt": STORY, "logit_bias": {"-3": 1}}, 400, "logit_bias"),
+    ("completions", {"prompt": STORY, "logit_bias": {str(VOCAB): 5}}, 400, "logit_bias"),
+    ("chat", {"messages": POEM, "logit_bias": [1, 2]}, 400, "logit_bias"),
+    ("chat", {"messages": POEM, "repetition_penalty": -1}, 400, "repetition_penalty"),
+    ("chat", {"messages": POEM, "presence_context_size": -1}, 400, "presence_context_size"),
+    ("chat", {"messages": POEM, "xtc_probability": 1.5}, 400, "xtc_probability"),
 ]
 
 

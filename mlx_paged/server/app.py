@@ -28,6 +28,8 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> FastAPI:
     """The server's FastAPI app over a started ``worker`` (the caller stops it)."""
     app = FastAPI(title="mlx_paged.server")
     tokenizer = worker.tokenizer
+    # What XTC never removes, as in mlx_lm.server: the newline and the end tokens.
+    xtc_special = tokenizer.encode("\n") + list(tokenizer.eos_token_ids)
     registry = metrics_registry(lambda: worker.stats, lambda: worker.queued)
     app.state.accepting = True
 
@@ -105,7 +107,7 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> FastAPI:
                 "retry later.",
                 "rate_limit_exceeded",
             )
-        run = Run(worker, tokens, body, max_tokens, logprobs)
+        run = Run(worker, tokens, body, max_tokens, logprobs, xtc_special)
         await run.start()
         if body.stream:
             return StreamingResponse(

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import mlx.core as mx
 from fastapi import Request
-from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, apply_xtc
 
 from .config import APIError
 from .schemas import SamplingParams
@@ -22,12 +22,19 @@ from .worker import EngineWorker, Job, Output
 
 
 def make_request_sampler(
-    temperature: float, top_p: float, top_k: int, min_p: float, seed: int | None
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    min_p: float,
+    seed: int | None,
+    xtc: tuple[float, float, list[int]] | None = None,
 ) -> Callable[[mx.array], mx.array] | None:
     """A sampler over log-probs ``(1, V)`` with its own random stream when ``seed`` is given.
 
-    ``None`` (greedy) at temperature 0. MLX work happens only when the engine
-    thread calls it.
+    ``None`` (greedy) at temperature 0. The filters apply in mlx-lm's
+    ``make_sampler`` order: top-p, min-p, XTC (``xtc``: probability, threshold
+    and the token ids it never removes), top-k. MLX work happens only when the
+    engine thread calls it.
     """
     if temperature == 0:
         return None
@@ -35,12 +42,14 @@ def make_request_sampler(
 
     def sample(logprobs: mx.array) -> mx.array:
         x = logprobs
-        if top_k > 0:
-            x = apply_top_k(x, top_k)
         if top_p < 1.0:
             x = apply_top_p(x, top_p)
         if min_p > 0.0:
             x = apply_min_p(x, min_p)
+        if xtc is not None and xtc[0] > 0.0:
+            x = apply_xtc(x, *xtc)
+        if top_k > 0:
+            x = apply_top_k(x, top_k)
         if seed is None:
             return mx.random.categorical(x * (1.0 / temperature))
         if not key:
@@ -61,6 +70,7 @@ class Run:
         body: SamplingParams,
         max_tokens: int,
         logprobs: int | None,
+        xtc_special_tokens: list[int] | None = None,
     ):
         self.worker = worker
         self.id = f"{uuid.uuid4().hex[:24]}"
@@ -71,14 +81,16 @@ class Run:
         self.jobs = []
         for i in range(body.n):
             seed = None if body.seed is None else body.seed + i
+            xtc = (body.xtc_probability, body.xtc_threshold, list(xtc_special_tokens or []))
             sampler = make_request_sampler(
-                body.temperature, body.top_p, body.top_k, body.min_p, seed
+                body.temperature, body.top_p, body.top_k, body.min_p, seed, xtc
             )
 
             def deliver(out: Output, i: int = i) -> None:
                 loop.call_soon_threadsafe(self.queue.put_nowait, (i, out))
 
             job = Job(list(tokens), max_tokens, deliver, sampler, logprobs=logprobs)
+            job.logits = body.logits_settings()
             job.stop = tuple(body.stop or ())
             self.jobs.append(job)
         self.text = [""] * body.n

@@ -27,6 +27,41 @@ class SamplingParams(BaseModel):
     n: int = Field(default=1, ge=1, le=16)
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # mlx_lm.server's logits processors and XTC sampling, under its names and defaults.
+    logit_bias: dict[StrictInt, float] | None = None
+    repetition_penalty: float = Field(default=0.0, ge=0.0)
+    repetition_context_size: int = Field(default=20, ge=0)
+    presence_penalty: float = 0.0
+    presence_context_size: int = Field(default=20, ge=0)
+    frequency_penalty: float = 0.0
+    frequency_context_size: int = Field(default=20, ge=0)
+    xtc_probability: float = Field(default=0.0, ge=0.0, le=1.0)
+    xtc_threshold: float = Field(default=0.1, ge=0.0, le=1.0)
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _bias(cls, v: object) -> object:
+        if not isinstance(v, dict):
+            return v
+        try:  # JSON keys are strings: "50256": -100
+            bias = {int(k): float(x) for k, x in v.items()}
+        except (TypeError, ValueError):
+            raise ValueError('logit_bias maps token ids to numbers, e.g. {"50256": -100}') from None
+        if any(t < 0 for t in bias):
+            raise ValueError("logit_bias keys are token ids: ints >= 0")
+        return bias
+
+    def logits_settings(self) -> dict[str, Any]:
+        """``mlx_lm.sample_utils.make_logits_processors``' arguments."""
+        return {
+            "logit_bias": self.logit_bias,
+            "repetition_penalty": self.repetition_penalty,
+            "repetition_context_size": self.repetition_context_size,
+            "presence_penalty": self.presence_penalty,
+            "presence_context_size": self.presence_context_size,
+            "frequency_penalty": self.frequency_penalty,
+            "frequency_context_size": self.frequency_context_size,
+        }
 
     @field_validator("stop")
     @classmethod

@@ -15,9 +15,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from mlx_lm.sample_utils import make_logits_processors
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from ..engine import EngineStats, Event, PagedEngine
+from ..engine.engine import check_tokens
 from ..engine.request import Request
 
 logger = logging.getLogger("mlx_paged.server")
@@ -50,7 +52,9 @@ class Job:
     max_tokens: int
     deliver: Callable[[Output], None]
     sampler: Any = None
-    logits_processors: list = field(default_factory=list)
+    # ``make_logits_processors``' arguments: the processors are made on the engine thread,
+    # after their token ids are checked against the vocabulary.
+    logits: dict[str, Any] = field(default_factory=dict)
     logprobs: int | None = None
     stop: tuple[str, ...] = ()
     uid: int | None = None
@@ -219,11 +223,17 @@ class EngineWorker:
 
     def _add(self, job: Job) -> None:
         try:
+            bias = job.logits.get("logit_bias")
+            if bias:  # MLX does not bounds-check the scatter that applies it
+                try:
+                    check_tokens(list(bias), self.engine.vocab_size)
+                except ValueError as e:
+                    raise ValueError(f"logit_bias: {e}") from None
             job.uid = self.engine.add_request(
                 job.tokens,
                 job.max_tokens,
                 sampler=job.sampler,
-                logits_processors=job.logits_processors,
+                logits_processors=make_logits_processors(**job.logits),
                 stop_tokens=self.stop_tokens,
                 logprobs=job.logprobs,
             )
