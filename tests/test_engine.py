@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-from functools import cache
 
 import mlx.core as mx
 import pytest
@@ -11,8 +10,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from mlx_lm.generate import generate_step
-from mlx_lm.models.cache import make_prompt_cache
-from tiny_models import VOCAB, tiny_model
+from tiny_models import VOCAB, model_of
+from tiny_models import solo as dense_solo
 
 from mlx_paged import PagedEngine, attention
 from mlx_paged.attention import routing
@@ -24,19 +23,9 @@ MAX_TOKENS = 10
 FAMILIES = ["llama", "qwen3", "gemma3_text"]  # gemma3_text: sliding-window layers
 
 
-@cache
-def model_of(family: str):
-    return tiny_model(family)
-
-
-@cache
 def solo(family: str, prompt: tuple[int, ...], max_tokens: int = MAX_TOKENS) -> list[int]:
-    """Greedy tokens of one request alone, on mlx-lm's own cache."""
-    model = model_of(family)
-    steps = generate_step(
-        mx.array(prompt), model, prompt_cache=make_prompt_cache(model), max_tokens=max_tokens
-    )
-    return [tok for tok, _ in steps]
+    """Greedy tokens of one request alone, on mlx-lm's own caches."""
+    return dense_solo(family, prompt, max_tokens)
 
 
 def mixed_prompts(seed: int = 0) -> list[list[int]]:

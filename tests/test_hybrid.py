@@ -7,13 +7,13 @@ holds it in slots and reuses prefixes through snapshots of it.
 from __future__ import annotations
 
 import random
-from functools import cache
 
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import ArraysCache, make_prompt_cache
-from tiny_models import HYBRIDS, RECURRENT_ONLY, VOCAB, tiny_model
+from tiny_models import HYBRIDS, RECURRENT_ONLY, VOCAB, model_of
+from tiny_models import solo as dense_solo
 
 from mlx_paged import PagedEngine
 
@@ -23,19 +23,9 @@ MAX_TOKENS = 8
 FAMILIES = HYBRIDS + RECURRENT_ONLY
 
 
-@cache
-def model_of(family: str):
-    return tiny_model(family)
-
-
-@cache
 def solo(family: str, prompt: tuple[int, ...], max_tokens: int = MAX_TOKENS) -> list[int]:
-    """Greedy tokens of one request alone, with mlx-lm's own caches."""
-    model = model_of(family)
-    steps = generate_step(
-        mx.array(prompt), model, prompt_cache=make_prompt_cache(model), max_tokens=max_tokens
-    )
-    return [tok for tok, _ in steps]
+    """Greedy tokens of one request alone, on mlx-lm's own caches."""
+    return dense_solo(family, prompt, max_tokens)
 
 
 def toks(rng: random.Random, n: int) -> list[int]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import json
 import shutil
+from functools import cache
 from pathlib import Path
 
 import mlx.core as mx
@@ -307,3 +308,22 @@ def save_tiny_model(family: str, path: Path, tokenizer_dir: Path, **config: obje
         if f.name.startswith(("tokenizer", "chat_template", "special_tokens")):
             shutil.copy(f, path / f.name)
     return path
+
+
+@cache
+def model_of(family: str) -> nn.Module:
+    """``tiny_model(family)``, built once per test process."""
+    return tiny_model(family)
+
+
+@cache
+def solo(family: str, prompt: tuple[int, ...], max_tokens: int) -> list[int]:
+    """Greedy tokens of one request alone, on mlx-lm's own caches of ``model_of(family)``."""
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model = model_of(family)
+    steps = generate_step(
+        mx.array(prompt), model, prompt_cache=make_prompt_cache(model), max_tokens=max_tokens
+    )
+    return [tok for tok, _ in steps]
