@@ -47,7 +47,9 @@ class ModelRunner:
         Returns the last position's logits ``(1, V)`` if asked, else ``None`` (left
         unevaluated, so the head over the chunk is not computed).
         """
-        if self.states is not None:  # recurrent layers read and write state slots
+        # Recurrent layers read and write state slots; a model with no paged layer writes
+        # no K/V, so only the batched step records its tokens.
+        if self.states is not None or not self.layout.counts:
             for kind, pool in self.pools.items():  # as a PagedKVCache write would
                 pool.reserve(req.tables[kind], req.written, req.written + n)
             return self._forward([req], n, logits)

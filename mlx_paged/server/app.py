@@ -85,10 +85,15 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> FastAPI:
         if isinstance(tokens, dict):  # some tokenizers return a BatchEncoding
             tokens = tokens["input_ids"]
         top = (body.top_logprobs or 0) if body.logprobs else None
-        return await _serve(request, body, list(tokens), "chat.completion", top)
+        return await _serve(request, body, list(tokens), "chat.completion", top, reasoning=True)
 
     async def _serve(
-        request: Request, body: SamplingParams, tokens: list[int], kind: str, logprobs: int | None
+        request: Request,
+        body: SamplingParams,
+        tokens: list[int],
+        kind: str,
+        logprobs: int | None,
+        reasoning: bool = False,
     ) -> Response:
         if body.model is not None and body.model != config.model_id:
             raise APIError(
@@ -107,7 +112,7 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> FastAPI:
                 "retry later.",
                 "rate_limit_exceeded",
             )
-        run = Run(worker, tokens, body, max_tokens, logprobs, xtc_special)
+        run = Run(worker, tokens, body, max_tokens, logprobs, xtc_special, reasoning)
         await run.start()
         if body.stream:
             return StreamingResponse(

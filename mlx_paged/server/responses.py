@@ -70,7 +70,10 @@ def response_body(
         if kind == "chat.completion":
             if want_logprobs:
                 lp = _chat_logprobs(tokenizer, run.tokens[i], run.logprobs[i])
-            choice = {"index": i, "message": {"role": "assistant", "content": run.text[i]}}
+            message = {"role": "assistant", "content": run.text[i]}
+            if run.reasoning[i]:
+                message["reasoning_content"] = run.reasoning[i]
+            choice = {"index": i, "message": message}
         else:
             if want_logprobs:
                 lp = _completion_logprobs(tokenizer, run.tokens[i], run.logprobs[i])
@@ -145,11 +148,14 @@ async def stream_chunks(
                 )
             finish = _finish_reason(out.finish_reason)
             if chat:
-                choice = {"index": i, "delta": {"content": out.text} if out.text else {}}
+                delta = {"content": out.text} if out.text else {}
+                if out.reasoning:
+                    delta["reasoning_content"] = out.reasoning
+                choice = {"index": i, "delta": delta}
             else:
                 choice = {"index": i, "text": out.text}
             choice.update(logprobs=lp, finish_reason=finish)
-            if out.text or finish is not None or lp is not None:
+            if out.text or out.reasoning or finish is not None or lp is not None:
                 yield _sse(base, [choice])
         if body.stream_options is not None and body.stream_options.include_usage:
             yield _sse(base, [], usage=run.usage())

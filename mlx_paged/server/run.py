@@ -71,6 +71,7 @@ class Run:
         max_tokens: int,
         logprobs: int | None,
         xtc_special_tokens: list[int] | None = None,
+        split_reasoning: bool = False,
     ):
         self.worker = worker
         self.id = f"{uuid.uuid4().hex[:24]}"
@@ -91,9 +92,11 @@ class Run:
 
             job = Job(list(tokens), max_tokens, deliver, sampler, logprobs=logprobs)
             job.logits = body.logits_settings()
+            job.split_reasoning = split_reasoning
             job.stop = tuple(body.stop or ())
             self.jobs.append(job)
         self.text = [""] * body.n
+        self.reasoning = [""] * body.n
         self.tokens: list[list[int]] = [[] for _ in range(body.n)]
         self.logprobs: list[list] = [[] for _ in range(body.n)]
         self.finish: list[str | None] = [None] * body.n
@@ -134,6 +137,7 @@ class Run:
             self.error = out.error
             return
         self.text[i] += out.text
+        self.reasoning[i] += out.reasoning
         self.tokens[i] += out.tokens
         self.logprobs[i] += out.logprobs
         if out.finish_reason is not None:

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from mlx_lm.generate import TextStateMachine
 from mlx_lm.sample_utils import make_logits_processors
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
@@ -42,6 +43,7 @@ class Output:
     error: str | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    reasoning: str = ""  # a thinking model's reasoning text (chat jobs that asked for it)
 
 
 @dataclass(eq=False)
@@ -60,6 +62,10 @@ class Job:
     uid: int | None = None
     request: Request | None = None
     text: TextStream | None = None
+    # Chat jobs on a thinking model: reasoning text goes apart (mlx-lm's TextStateMachine
+    # state while the job runs).
+    split_reasoning: bool = False
+    thinking: Any = None
 
 
 class TextStream:
@@ -101,6 +107,28 @@ def _prefix_overlap(text: str, stops: tuple[str, ...]) -> int:
                 best = n
                 break
     return best
+
+
+def thinking_machine(tokenizer: TokenizerWrapper) -> TextStateMachine | None:
+    """mlx-lm's text state machine for a thinking model's reasoning markers, or ``None``
+    when the tokenizer has none. Tool-call markers are left in the text."""
+    if not tokenizer.has_thinking:
+        return None
+    return TextStateMachine(
+        {
+            "normal": [(tokenizer.think_start, "reasoning")],
+            "reasoning": [(tokenizer.think_end, "normal")],
+        }
+    )
+
+
+def initial_state(tokenizer: TokenizerWrapper, prompt: list[int]) -> str:
+    """``"reasoning"`` when the prompt leaves the model inside a thinking block (a chat
+    template that opens it), as mlx_lm.server decides."""
+    state = "normal"
+    if tokenizer.rfind_think_start(prompt) > tokenizer.rfind_think_end(prompt):
+        state = "reasoning"
+    return tokenizer.response_initial_state or state
 
 
 class EngineWorker:
@@ -167,6 +195,7 @@ class EngineWorker:
         try:
             self.engine, self.tokenizer = self._load()
             self.stop_tokens = frozenset(self.tokenizer.eos_token_ids)
+            self.thinking = thinking_machine(self.tokenizer)
             self.stats = self.engine.stats()
         except BaseException as e:  # reported by start()
             self.load_error = e
@@ -242,6 +271,8 @@ class EngineWorker:
             return
         job.request = self.engine.request(job.uid)
         job.text = TextStream(self.tokenizer, job.stop)
+        if job.split_reasoning and self.thinking is not None:
+            job.thinking = self.thinking.make_state(initial_state(self.tokenizer, job.tokens))
         self._jobs[job.uid] = job
         job.deliver(Output(accepted=True, prompt_tokens=len(job.tokens)))
 
@@ -265,7 +296,8 @@ class EngineWorker:
             tokens = () if eos else (event.token,)
             self._finish(job, event.finish_reason, text, tokens, logprobs if tokens else ())
         else:
-            job.deliver(Output(text, (event.token,), logprobs))
+            text, reasoning = self._split(job, text)
+            job.deliver(Output(text, (event.token,), logprobs, reasoning=reasoning))
 
     def _finish(
         self,
@@ -281,7 +313,25 @@ class EngineWorker:
         if flush and reason != "abort":
             text += job.text.finish()
         cached = job.request.prefix_hit if job.request is not None else 0
-        job.deliver(Output(text, tokens, logprobs, reason, cached_tokens=cached))
+        text, reasoning = self._split(job, text, final=True)
+        job.deliver(
+            Output(text, tokens, logprobs, reason, reasoning=reasoning, cached_tokens=cached)
+        )
+
+    @staticmethod
+    def _split(job: Job, text: str, final: bool = False) -> tuple[str, str]:
+        """``text`` as (content, reasoning): all content unless the job splits reasoning off.
+
+        The state machine holds back text that may begin a marker; ``final`` lets it go.
+        """
+        if job.thinking is None:
+            return text, ""
+        job.thinking, segments = TextStateMachine.split(job.thinking, text)
+        if final:
+            job.thinking, rest, state = TextStateMachine.flush(job.thinking)
+            segments.append((state, rest))
+        reasoning = "".join(t for state, t in segments if state == "reasoning")
+        return "".join(t for state, t in segments if state != "reasoning"), reasoning
 
     def _fail_all(self, message: str, reason: str | None = None) -> None:
         for uid, job in list(self._jobs.items()):
