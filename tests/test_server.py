@@ -44,6 +44,8 @@ CONTEXT = 8192  # its max_position_embeddings
 BLOCK = 16  # the server's default --block-size
 STORY = "Once upon a time"
 POEM = [{"role": "user", "content": "Write a short poem about the sea."}]
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
+BAD_CALL = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}
 # Every metric the server exports (counters with their _total suffix).
 METRICS = (
     "mlx_paged_requests_running",
@@ -623,6 +625,15 @@ BAD_REQUESTS = [
     ("chat", {"messages": POEM, "repetition_penalty": -1}, 400, "repetition_penalty"),
     ("chat", {"messages": POEM, "presence_context_size": -1}, 400, "presence_context_size"),
     ("chat", {"messages": POEM, "xtc_probability": 1.5}, 400, "xtc_probability"),
+    # SmolLM2's chat template has no tool-call format, so mlx-lm gives it no tool parser.
+    ("chat", {"messages": POEM, "tools": [TOOL]}, 400, "no tool calling"),
+    ("chat", {"messages": POEM, "tool_choice": "required"}, 400, "needs tools"),
+    (
+        "chat",
+        {"messages": [{"role": "assistant", "tool_calls": [BAD_CALL]}]},
+        400,
+        "arguments are not JSON",
+    ),
 ]
 
 

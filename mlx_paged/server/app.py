@@ -75,17 +75,42 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request) -> Response:
-        messages = [m.text() for m in body.messages]
+        try:
+            messages = [m.text() for m in body.messages]
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from e
+        if body.forced_tool:
+            raise APIError(
+                400,
+                "tool_choice 'required' or a named function needs constrained decoding, which "
+                "this server does not do yet; use 'auto'.",
+                param="tool_choice",
+            )
+        tools = body.template_tools()
+        if tools and not tokenizer.has_tool_calling:
+            raise APIError(
+                400,
+                "this model's tokenizer has no tool calling (mlx-lm found no tool-call format "
+                "in its chat template); send the request without tools.",
+                param="tools",
+            )
+        extra = {"tools": tools} if tools else {}
         try:
             tokens = tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True, **config.chat_template_args
+                messages,
+                add_generation_prompt=True,
+                tokenize=True,
+                **extra,
+                **config.chat_template_args,
             )
         except Exception as e:  # a template that rejects these messages
             raise APIError(400, f"the chat template rejected the messages: {e}") from e
         if isinstance(tokens, dict):  # some tokenizers return a BatchEncoding
             tokens = tokens["input_ids"]
         top = (body.top_logprobs or 0) if body.logprobs else None
-        return await _serve(request, body, list(tokens), "chat.completion", top, reasoning=True)
+        return await _serve(
+            request, body, list(tokens), "chat.completion", top, reasoning=True, tools=tools
+        )
 
     async def _serve(
         request: Request,
@@ -94,6 +119,7 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> FastAPI:
         kind: str,
         logprobs: int | None,
         reasoning: bool = False,
+        tools: list[dict] | None = None,
     ) -> Response:
         if body.model is not None and body.model != config.model_id:
             raise APIError(
@@ -112,7 +138,7 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> FastAPI:
                 "retry later.",
                 "rate_limit_exceeded",
             )
-        run = Run(worker, tokens, body, max_tokens, logprobs, xtc_special, reasoning)
+        run = Run(worker, tokens, body, max_tokens, logprobs, xtc_special, reasoning, tools)
         await run.start()
         if body.stream:
             return StreamingResponse(

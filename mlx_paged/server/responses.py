@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -66,13 +67,17 @@ def response_body(
 ) -> dict:
     choices = []
     for i in range(len(run.jobs)):
-        lp = None
+        lp, calls = None, []
         if kind == "chat.completion":
             if want_logprobs:
                 lp = _chat_logprobs(tokenizer, run.tokens[i], run.logprobs[i])
-            message = {"role": "assistant", "content": run.text[i]}
+            calls, unparsed = parse_tool_calls(tokenizer, run.tool_calls[i], run.tools)
+            message = {"role": "assistant", "content": run.text[i] + unparsed}
             if run.reasoning[i]:
                 message["reasoning_content"] = run.reasoning[i]
+            if calls:
+                message["tool_calls"] = calls
+                message["content"] = message["content"] or None
             choice = {"index": i, "message": message}
         else:
             if want_logprobs:
@@ -82,7 +87,10 @@ def response_body(
                 prompt = body.prompt
                 text = (prompt if isinstance(prompt, str) else tokenizer.decode(prompt)) + text
             choice = {"index": i, "text": text}
-        choice.update(logprobs=lp, finish_reason=_finish_reason(run.finish[i]))
+        reason = _finish_reason(run.finish[i])
+        if reason == "stop" and calls:
+            reason = "tool_calls"
+        choice.update(logprobs=lp, finish_reason=reason)
         choices.append(choice)
     return {
         "id": ("chatcmpl-" if kind == "chat.completion" else "cmpl-") + run.id,
@@ -92,6 +100,35 @@ def response_body(
         "choices": choices,
         "usage": run.usage(),
     }
+
+
+def parse_tool_calls(
+    tokenizer: TokenizerWrapper, texts: list[str], tools: list[dict] | None
+) -> tuple[list[dict], str]:
+    """OpenAI ``tool_calls`` from the raw texts of generated calls, parsed by the tokenizer's
+    own mlx-lm parser; a text that does not parse comes back as text, markers included."""
+    calls, unparsed = [], ""
+    for text in texts:
+        try:
+            parsed = tokenizer.tool_parser(text, tools)
+            parsed = parsed if isinstance(parsed, list) else [parsed]
+            found = [
+                {
+                    "id": call.get("id") or f"call_{uuid.uuid4().hex[:24]}",
+                    "type": "function",
+                    "function": {
+                        "name": call["name"],
+                        "arguments": json.dumps(call.get("arguments", {}), ensure_ascii=False),
+                    },
+                }
+                for call in parsed
+            ]
+        except Exception:  # the model's text, in any shape: never a 500
+            end = tokenizer.tool_call_end or ""
+            unparsed += f"{tokenizer.tool_call_start}{text}{end}"
+            continue
+        calls += found
+    return calls, unparsed
 
 
 def _finish_reason(reason: str | None) -> str | None:
@@ -116,6 +153,7 @@ async def stream_chunks(
         "model": config.model_id,
     }
     want_logprobs = run.jobs[0].logprobs is not None
+    calls_made = [0] * len(run.jobs)
     deadline = None if config.request_timeout is None else time.monotonic() + config.request_timeout
     try:
         if chat:
@@ -148,14 +186,23 @@ async def stream_chunks(
                 )
             finish = _finish_reason(out.finish_reason)
             if chat:
-                delta = {"content": out.text} if out.text else {}
+                calls, unparsed = parse_tool_calls(tokenizer, list(out.tool_calls), run.tools)
+                text = out.text + unparsed
+                delta = {"content": text} if text else {}
                 if out.reasoning:
                     delta["reasoning_content"] = out.reasoning
+                if calls:
+                    for k, call in enumerate(calls, start=calls_made[i]):
+                        call["index"] = k
+                    delta["tool_calls"] = calls
+                    calls_made[i] += len(calls)
+                if finish == "stop" and calls_made[i]:
+                    finish = "tool_calls"
                 choice = {"index": i, "delta": delta}
             else:
                 choice = {"index": i, "text": out.text}
             choice.update(logprobs=lp, finish_reason=finish)
-            if out.text or out.reasoning or finish is not None or lp is not None:
+            if choice.get("delta") or out.text or finish is not None or lp is not None:
                 yield _sse(base, [choice])
         if body.stream_options is not None and body.stream_options.include_usage:
             yield _sse(base, [], usage=run.usage())

@@ -72,6 +72,7 @@ class Run:
         logprobs: int | None,
         xtc_special_tokens: list[int] | None = None,
         split_reasoning: bool = False,
+        tools: list[dict] | None = None,
     ):
         self.worker = worker
         self.id = f"{uuid.uuid4().hex[:24]}"
@@ -93,10 +94,13 @@ class Run:
             job = Job(list(tokens), max_tokens, deliver, sampler, logprobs=logprobs)
             job.logits = body.logits_settings()
             job.split_reasoning = split_reasoning
+            job.tools = tools
             job.stop = tuple(body.stop or ())
             self.jobs.append(job)
         self.text = [""] * body.n
         self.reasoning = [""] * body.n
+        self.tools = tools
+        self.tool_calls: list[list[str]] = [[] for _ in range(body.n)]  # raw texts
         self.tokens: list[list[int]] = [[] for _ in range(body.n)]
         self.logprobs: list[list] = [[] for _ in range(body.n)]
         self.finish: list[str | None] = [None] * body.n
@@ -138,6 +142,7 @@ class Run:
             return
         self.text[i] += out.text
         self.reasoning[i] += out.reasoning
+        self.tool_calls[i] += out.tool_calls
         self.tokens[i] += out.tokens
         self.logprobs[i] += out.logprobs
         if out.finish_reason is not None:

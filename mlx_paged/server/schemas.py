@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
@@ -100,7 +101,41 @@ class ChatMessage(BaseModel):
             content = "".join(p.get("text", "") for p in content if p.get("type") == "text")
         out = self.model_dump(exclude_none=True)
         out["content"] = content or ""
+        for call in out.get("tool_calls") or []:
+            # Templates read a call's arguments as an object; OpenAI sends a JSON string.
+            function = call.get("function") if isinstance(call, dict) else None
+            if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+                try:
+                    function["arguments"] = json.loads(function["arguments"])
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"a tool call's arguments are not JSON: {e}") from None
         return out
+
+
+class Function(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(BaseModel):
+    """One entry of ``tools``: ``{"type": "function", "function": {...}}``."""
+
+    type: Literal["function"] = "function"
+    function: Function
+
+
+class FunctionName(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """``tool_choice`` naming one function."""
+
+    type: Literal["function"] = "function"
+    function: FunctionName
 
 
 class ChatRequest(SamplingParams):
@@ -110,6 +145,8 @@ class ChatRequest(SamplingParams):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
 
     @model_validator(mode="after")
     def _limits(self) -> ChatRequest:
@@ -117,4 +154,25 @@ class ChatRequest(SamplingParams):
             self.max_tokens = self.max_completion_tokens
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice):
+            names = [t.function.name for t in self.tools or []]
+            if choice.function.name not in names:
+                raise ValueError(
+                    f"tool_choice names {choice.function.name!r}, which is not among the "
+                    f"tools ({', '.join(names) or 'none given'})"
+                )
+        elif choice == "required" and not self.tools:
+            raise ValueError("tool_choice 'required' needs tools")
         return self
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools the chat template shows the model (none under tool_choice 'none')."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
+
+    @property
+    def forced_tool(self) -> bool:
+        """Whether tool_choice demands a call ('required' or a named function)."""
+        return self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)

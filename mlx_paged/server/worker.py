@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlx_lm.generate import TextStateMachine
+from mlx_lm.generate import TextStateMachine, make_text_state_machine
 from mlx_lm.sample_utils import make_logits_processors
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
@@ -44,6 +44,7 @@ class Output:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     reasoning: str = ""  # a thinking model's reasoning text (chat jobs that asked for it)
+    tool_calls: tuple[str, ...] = ()  # raw texts of the tool calls completed (jobs with tools)
 
 
 @dataclass(eq=False)
@@ -66,6 +67,9 @@ class Job:
     # state while the job runs).
     split_reasoning: bool = False
     thinking: Any = None
+    # Chat jobs with tools: calls are cut out of the text by the tokenizer's markers.
+    tools: list[dict] | None = None
+    tool_text: str = ""  # the call being generated
 
 
 class TextStream:
@@ -126,7 +130,9 @@ def initial_state(tokenizer: TokenizerWrapper, prompt: list[int]) -> str:
     """``"reasoning"`` when the prompt leaves the model inside a thinking block (a chat
     template that opens it), as mlx_lm.server decides."""
     state = "normal"
-    if tokenizer.rfind_think_start(prompt) > tokenizer.rfind_think_end(prompt):
+    if tokenizer.has_thinking and tokenizer.rfind_think_start(prompt) > tokenizer.rfind_think_end(
+        prompt
+    ):
         state = "reasoning"
     return tokenizer.response_initial_state or state
 
@@ -196,6 +202,9 @@ class EngineWorker:
             self.engine, self.tokenizer = self._load()
             self.stop_tokens = frozenset(self.tokenizer.eos_token_ids)
             self.thinking = thinking_machine(self.tokenizer)
+            self.agent = None  # reasoning and tool-call markers, as mlx_lm.server splits them
+            if self.tokenizer.has_tool_calling:
+                self.agent = make_text_state_machine(self.tokenizer)
             self.stats = self.engine.stats()
         except BaseException as e:  # reported by start()
             self.load_error = e
@@ -258,6 +267,9 @@ class EngineWorker:
                     check_tokens(list(bias), self.engine.vocab_size)
                 except ValueError as e:
                     raise ValueError(f"logit_bias: {e}") from None
+            machine = self.agent if job.tools else self.thinking if job.split_reasoning else None
+            if machine is not None:
+                job.thinking = machine.make_state(initial_state(self.tokenizer, job.tokens))
             job.uid = self.engine.add_request(
                 job.tokens,
                 job.max_tokens,
@@ -269,10 +281,12 @@ class EngineWorker:
         except ValueError as e:
             job.deliver(Output(error=str(e)))
             return
+        except Exception as e:  # this request's setup failed: end it, keep the thread alive
+            logger.exception("mlx_paged: a request could not be added")
+            job.deliver(Output(error=f"{type(e).__name__}: {e}"))
+            return
         job.request = self.engine.request(job.uid)
         job.text = TextStream(self.tokenizer, job.stop)
-        if job.split_reasoning and self.thinking is not None:
-            job.thinking = self.thinking.make_state(initial_state(self.tokenizer, job.tokens))
         self._jobs[job.uid] = job
         job.deliver(Output(accepted=True, prompt_tokens=len(job.tokens)))
 
@@ -296,8 +310,9 @@ class EngineWorker:
             tokens = () if eos else (event.token,)
             self._finish(job, event.finish_reason, text, tokens, logprobs if tokens else ())
         else:
-            text, reasoning = self._split(job, text)
-            job.deliver(Output(text, (event.token,), logprobs, reasoning=reasoning))
+            text, reasoning, calls = self._split(job, text)
+            out = Output(text, (event.token,), logprobs, reasoning=reasoning, tool_calls=calls)
+            job.deliver(out)
 
     def _finish(
         self,
@@ -313,25 +328,50 @@ class EngineWorker:
         if flush and reason != "abort":
             text += job.text.finish()
         cached = job.request.prefix_hit if job.request is not None else 0
-        text, reasoning = self._split(job, text, final=True)
+        text, reasoning, calls = self._split(job, text, final=reason)
         job.deliver(
-            Output(text, tokens, logprobs, reason, reasoning=reasoning, cached_tokens=cached)
+            Output(
+                text,
+                tokens,
+                logprobs,
+                reason,
+                cached_tokens=cached,
+                reasoning=reasoning,
+                tool_calls=calls,
+            )
         )
 
-    @staticmethod
-    def _split(job: Job, text: str, final: bool = False) -> tuple[str, str]:
-        """``text`` as (content, reasoning): all content unless the job splits reasoning off.
+    def _split(self, job: Job, text: str, final: str | None = None) -> tuple[str, str, tuple]:
+        """``text`` as (content, reasoning, completed tool calls' raw texts): all content
+        unless the job splits reasoning or tool calls off.
 
-        The state machine holds back text that may begin a marker; ``final`` lets it go.
+        The state machine holds back text that may begin a marker; at the end (``final``,
+        the finish reason) it lets it go. A call still open then is complete when the
+        model stopped (formats without an end marker end there), and raw text when it
+        was cut off.
         """
         if job.thinking is None:
-            return text, ""
+            return text, "", ()
         job.thinking, segments = TextStateMachine.split(job.thinking, text)
-        if final:
+        if final is not None:
             job.thinking, rest, state = TextStateMachine.flush(job.thinking)
             segments.append((state, rest))
-        reasoning = "".join(t for state, t in segments if state == "reasoning")
-        return "".join(t for state, t in segments if state != "reasoning"), reasoning
+        content, reasoning, calls = [], [], []
+        for state, piece in segments:
+            if state == "tool":
+                job.tool_text += piece
+                continue
+            if job.tool_text:  # the tool state ended: the call is complete
+                calls.append(job.tool_text)
+                job.tool_text = ""
+            (reasoning if state == "reasoning" else content).append(piece)
+        if final is not None and job.tool_text:
+            if final == "stop":
+                calls.append(job.tool_text)
+            else:
+                content.append(f"{self.tokenizer.tool_call_start}{job.tool_text}")
+            job.tool_text = ""
+        return "".join(content), "".join(reasoning), tuple(calls)
 
     def _fail_all(self, message: str, reason: str | None = None) -> None:
         for uid, job in list(self._jobs.items()):

