@@ -190,6 +190,58 @@ def test_the_next_turn_carries_the_call_and_its_result(app):
     assert out.choices[0].finish_reason == "stop"
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_forced_call_is_the_arguments_json_even_with_markers(app, stream):
+    # A named tool_choice: the grammar makes the whole output the arguments' JSON (as
+    # vLLM does), which the model here was scripted to write.
+    client, tokenizer, model = app
+    script(tokenizer, model, ASK, '{"city": "Oslo"}')
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    kwargs = dict(model="scripted", messages=ASK, tools=[WEATHER], tool_choice=choice)
+    if stream:
+        calls, finish = [], None
+        for chunk in client.chat.completions.create(stream=True, **kwargs):
+            for c in chunk.choices:
+                calls += c.delta.tool_calls or []
+                finish = c.finish_reason or finish
+    else:
+        out = client.chat.completions.create(**kwargs).choices[0]
+        calls, finish = out.message.tool_calls, out.finish_reason
+        assert out.message.content is None
+    assert finish == "tool_calls" and len(calls) == 1
+    assert calls[0].function.name == "get_weather"
+    assert json.loads(calls[0].function.arguments) == {"city": "Oslo"}
+
+
+def test_required_takes_a_list_of_calls(app):
+    client, tokenizer, model = app
+    reply = '[{"name": "get_weather", "arguments": {"city": "Oslo"}}, '
+    reply += '{"name": "get_weather", "arguments": {"city": "Rome"}}]'
+    script(tokenizer, model, ASK, reply)
+    out = client.chat.completions.create(
+        model="scripted", messages=ASK, tools=[WEATHER], tool_choice="required"
+    )
+    calls = out.choices[0].message.tool_calls
+    assert out.choices[0].finish_reason == "tool_calls"
+    assert [json.loads(c.function.arguments)["city"] for c in calls] == ["Oslo", "Rome"]
+
+
+def test_a_forced_call_overrides_what_the_model_wants(app):
+    # The model "wants" prose; the grammar only lets it write the arguments' object.
+    client, tokenizer, model = app
+    script(tokenizer, model, ASK, "I would rather chat.")
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    out = client.chat.completions.create(
+        model="scripted", messages=ASK, tools=[WEATHER], tool_choice=choice, max_tokens=40
+    )
+    text = out.choices[0].message.content
+    if out.choices[0].finish_reason == "tool_calls":
+        (call,) = out.choices[0].message.tool_calls
+        assert isinstance(json.loads(call.function.arguments), dict)
+    else:  # cut off inside the object: its text so far, which is no prose
+        assert out.choices[0].finish_reason == "length" and text.startswith("{")
+
+
 def test_without_tools_the_markers_stay_text(app):
     client, tokenizer, model = app
     script(tokenizer, model, ASK, f"<tool_call>{CALL}</tool_call>", tools=())
@@ -201,7 +253,6 @@ def test_without_tools_the_markers_stay_text(app):
 @pytest.mark.parametrize(
     "fields, fragment",
     [
-        ({"tool_choice": "required"}, "constrained decoding"),
         ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not among"),
         ({"tools": [{"type": "function", "function": {}}]}, "name"),
         ({"tool_choice": "sometimes"}, "tool_choice"),

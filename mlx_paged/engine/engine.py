@@ -28,7 +28,16 @@ from ..attention import route_attention
 from ..blocks import LayerKind, check_block_size
 from ..cache import PagedLayout, make_pools
 from ..storage import KVPool, StatePool, check_kv_dtype, check_kv_quant
-from .request import EngineStats, Event, LogitsProcessor, Prefill, Request, Sampled, Sampler
+from .request import (
+    EngineStats,
+    Event,
+    LogitsProcessor,
+    Prefill,
+    Request,
+    Sampled,
+    Sampler,
+    TokenConstraint,
+)
 from .runner import ModelRunner
 from .scheduler import Scheduler
 
@@ -148,13 +157,17 @@ class PagedEngine:
         logits_processors: Iterable[LogitsProcessor] | None = None,
         stop_tokens: Iterable[int] | None = None,
         logprobs: int | None = None,
+        constraint: TokenConstraint | None = None,
     ) -> int:
         """Queue a prompt; return its uid.
 
         ``sampler`` maps log-probs ``(1, V)`` to a token (greedy if ``None``);
         ``logits_processors`` see ``(tokens, logits)`` first, as in mlx-lm. With
         ``logprobs`` (0 or more), each event carries the sampled token's log-prob
-        and the ``logprobs`` most likely tokens'.
+        and the ``logprobs`` most likely tokens'. A ``constraint`` (a grammar's
+        state) masks the logits before the processors and the sampler; it
+        sees every token the request samples. Other requests in the batch are
+        not changed by it.
 
         Raises:
             ValueError: for an empty prompt, a token id outside ``[0, vocab_size)``
@@ -180,6 +193,7 @@ class PagedEngine:
             logits_processors=list(logits_processors or []),
             stop_tokens=frozenset(stop_tokens or ()),
             logprobs=logprobs,
+            constraint=constraint,
         )
         self.scheduler.add(req)
         self._next_uid += 1
@@ -278,8 +292,11 @@ class PagedEngine:
     def _emit(self, reqs: list[Request], sampled: list[Sampled]) -> list[Event]:
         events = []
         for r, s in zip(reqs, sampled, strict=True):
-            if s.error is not None:
-                events.append(self.scheduler.abort(r, s.error))
+            error = s.error
+            if error is None and r.constraint is not None and not r.constraint.accept(s.token):
+                error = f"token {s.token} breaks the request's constraint"
+            if error is not None:
+                events.append(self.scheduler.abort(r, error))
             else:
                 events.append(self.scheduler.emit(r, s.token, s.logprob, s.top_logprobs))
         return events

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from ..blocks import BlockTable, LayerKind, PagedCacheStats
 
@@ -15,6 +15,22 @@ from ..blocks import BlockTable, LayerKind, PagedCacheStats
 Sampler = Callable[[Any], Any]
 #: Maps ``(tokens, logits)`` to logits, as mlx-lm's logits processors do.
 LogitsProcessor = Callable[[Any, Any], Any]
+
+
+class TokenConstraint(Protocol):
+    """Which tokens a request may sample next (a grammar's state), as a bitmask.
+
+    The runner asks for the mask of every constrained request in a batch, then
+    masks the batch's logits in one operation; the engine feeds each sampled
+    token back.
+    """
+
+    def fill(self, row: Any) -> None:
+        """Write the allowed next tokens into ``row``: a 1-D int32 numpy array of
+        ``ceil(vocab / 32)`` words, bit ``t % 32`` of word ``t // 32`` set for token ``t``."""
+
+    def accept(self, token: int) -> bool:
+        """Advance past ``token``; ``False`` if the constraint does not allow it."""
 
 
 @dataclass(frozen=True)
@@ -75,6 +91,7 @@ class Request:
     logits_processors: list[LogitsProcessor]
     stop_tokens: frozenset[int]
     logprobs: int | None = None  # top log-probs per token to report; None: none
+    constraint: TokenConstraint | None = None  # a grammar that masks every sampled token
     generated: list[int] = field(default_factory=list)
     tables: dict[LayerKind, BlockTable] | None = None
     slot: int | None = None

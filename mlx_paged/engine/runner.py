@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from ..blocks import LayerKind
 from ..cache import DecodeBatch, PagedKVCache, PagedLayout, StepPagedKVCache, StepStateCache
@@ -111,8 +112,11 @@ class ModelRunner:
 
         A request whose logits processors or sampler raise, or whose sampler
         gives no token id in ``[0, V)``, gets an error instead; the others do not
-        notice.
+        notice. Constrained requests' logits are masked first, in one operation
+        over the batch that leaves the other rows as they were.
         """
+        if any(r.constraint is not None for r in reqs):
+            logits = self._constrain(reqs, logits)
         plain = [r.sampler is None and not r.logits_processors and r.logprobs is None for r in reqs]
         if all(plain):  # the common case: one argmax, one transfer
             return [Sampled(t) for t in mx.argmax(logits, axis=-1).tolist()]
@@ -130,6 +134,29 @@ class ModelRunner:
                 except Exception as e:  # the request's own code: end it, not the batch
                     out[i] = Sampled(error=f"{type(e).__name__}: {e}")
         return out
+
+    @staticmethod
+    def _constrain(reqs: list[Request], logits: mx.array) -> mx.array:
+        """``logits`` with every token a request's constraint forbids at ``-inf``.
+
+        The forward runs while the constraints compute their masks on the host.
+        """
+        mx.async_eval(logits)
+        vocab = logits.shape[-1]
+        words = np.full((len(reqs), (vocab + 31) // 32), -1, dtype=np.int32)
+        for i, r in enumerate(reqs):
+            if r.constraint is not None:
+                r.constraint.fill(words[i])
+        return mask_logits(logits, mx.array(words))
+
+
+def mask_logits(logits: mx.array, words: mx.array) -> mx.array:
+    """Set ``logits (B, V)`` to ``-inf`` where the bitmask ``words (B, ceil(V / 32))``
+    (int32; bit ``t % 32`` of word ``t // 32`` allows token ``t``) has a 0."""
+    bits = mx.arange(32, dtype=mx.uint32)
+    allowed = (words.view(mx.uint32)[:, :, None] >> bits) & 1
+    allowed = allowed.reshape(words.shape[0], -1)[:, : logits.shape[-1]]
+    return mx.where(allowed.astype(mx.bool_), logits, mx.array(-mx.inf, logits.dtype))
 
 
 def _sample_one(req: Request, logits: mx.array, vocab: int) -> Sampled:

@@ -9,15 +9,18 @@ parked.
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from .config import APIError, ServerConfig
+from .grammar import Grammars, json_object_schema, tool_call_schema
 from .metrics import metrics_registry, render
 from .responses import response_body, stream_chunks
-from .run import Run
+from .run import ChatShape, Run
 from .schemas import ChatRequest, CompletionRequest, SamplingParams
 from .worker import EngineWorker
 
@@ -30,6 +33,7 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> FastAPI:
     tokenizer = worker.tokenizer
     # What XTC never removes, as in mlx_lm.server: the newline and the end tokens.
     xtc_special = tokenizer.encode("\n") + list(tokenizer.eos_token_ids)
+    grammars = Grammars(tokenizer, worker.engine.vocab_size or tokenizer.vocab_size)
     registry = metrics_registry(lambda: worker.stats, lambda: worker.queued)
     app.state.accepting = True
 
@@ -79,15 +83,8 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> FastAPI:
             messages = [m.text() for m in body.messages]
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from e
-        if body.forced_tool:
-            raise APIError(
-                400,
-                "tool_choice 'required' or a named function needs constrained decoding, which "
-                "this server does not do yet; use 'auto'.",
-                param="tool_choice",
-            )
         tools = body.template_tools()
-        if tools and not tokenizer.has_tool_calling:
+        if tools and not tokenizer.has_tool_calling and not body.forced_tool:
             raise APIError(
                 400,
                 "this model's tokenizer has no tool calling (mlx-lm found no tool-call format "
@@ -108,9 +105,32 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> FastAPI:
         if isinstance(tokens, dict):  # some tokenizers return a BatchEncoding
             tokens = tokens["input_ids"]
         top = (body.top_logprobs or 0) if body.logprobs else None
-        return await _serve(
-            request, body, list(tokens), "chat.completion", top, reasoning=True, tools=tools
-        )
+        shape = ChatShape(reasoning=True, tools=tools)
+        shape.forced, shape.forced_name = body.forced_tool, body.forced_name
+        shape.constraints = await _constraints(body, tools)
+        return await _serve(request, body, list(tokens), "chat.completion", top, shape)
+
+    async def _constraints(body: ChatRequest, tools: list[dict] | None) -> list | None:
+        """One grammar per choice for a forced call or a JSON ``response_format``; a
+        schema the grammar engine rejects is a 400 with its message."""
+        if body.forced_tool:
+            schema = tool_call_schema(tools, body.forced_name, body.parallel_tool_calls)
+            param = "tools"
+        elif body.response_format is not None and body.response_format.type != "text":
+            spec = body.response_format.json_schema
+            schema = spec.schema_ if spec is not None else json_object_schema()
+            param = "response_format"
+        else:
+            return None
+
+        def compile_all() -> list:
+            make = grammars.compile(schema)
+            return [make() for _ in range(body.n)]
+
+        try:  # compiling may take milliseconds: off the event loop
+            return await asyncio.to_thread(compile_all)
+        except ValueError as e:
+            raise APIError(400, str(e), param=param) from e
 
     async def _serve(
         request: Request,
@@ -118,8 +138,7 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> FastAPI:
         tokens: list[int],
         kind: str,
         logprobs: int | None,
-        reasoning: bool = False,
-        tools: list[dict] | None = None,
+        shape: ChatShape | None = None,
     ) -> Response:
         if body.model is not None and body.model != config.model_id:
             raise APIError(
@@ -138,7 +157,7 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> FastAPI:
                 "retry later.",
                 "rate_limit_exceeded",
             )
-        run = Run(worker, tokens, body, max_tokens, logprobs, xtc_special, reasoning, tools)
+        run = Run(worker, tokens, body, max_tokens, logprobs, xtc_special, shape)
         await run.start()
         if body.stream:
             return StreamingResponse(

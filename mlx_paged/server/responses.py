@@ -71,8 +71,8 @@ def response_body(
         if kind == "chat.completion":
             if want_logprobs:
                 lp = _chat_logprobs(tokenizer, run.tokens[i], run.logprobs[i])
-            calls, unparsed = parse_tool_calls(tokenizer, run.tool_calls[i], run.tools)
-            message = {"role": "assistant", "content": run.text[i] + unparsed}
+            calls = openai_calls(run.tool_calls[i])
+            message = {"role": "assistant", "content": run.text[i]}
             if run.reasoning[i]:
                 message["reasoning_content"] = run.reasoning[i]
             if calls:
@@ -102,33 +102,20 @@ def response_body(
     }
 
 
-def parse_tool_calls(
-    tokenizer: TokenizerWrapper, texts: list[str], tools: list[dict] | None
-) -> tuple[list[dict], str]:
-    """OpenAI ``tool_calls`` from the raw texts of generated calls, parsed by the tokenizer's
-    own mlx-lm parser; a text that does not parse comes back as text, markers included."""
-    calls, unparsed = [], ""
-    for text in texts:
-        try:
-            parsed = tokenizer.tool_parser(text, tools)
-            parsed = parsed if isinstance(parsed, list) else [parsed]
-            found = [
-                {
-                    "id": call.get("id") or f"call_{uuid.uuid4().hex[:24]}",
-                    "type": "function",
-                    "function": {
-                        "name": call["name"],
-                        "arguments": json.dumps(call.get("arguments", {}), ensure_ascii=False),
-                    },
-                }
-                for call in parsed
-            ]
-        except Exception:  # the model's text, in any shape: never a 500
-            end = tokenizer.tool_call_end or ""
-            unparsed += f"{tokenizer.tool_call_start}{text}{end}"
-            continue
-        calls += found
-    return calls, unparsed
+def openai_calls(calls: list[tuple[str, str]], start: int | None = None) -> list[dict]:
+    """OpenAI ``tool_calls`` entries for ``(name, arguments JSON)`` pairs; a stream's
+    entries carry their ``index`` from ``start``."""
+    out = []
+    for k, (name, arguments) in enumerate(calls):
+        call = {
+            "id": f"call_{uuid.uuid4().hex[:24]}",
+            "type": "function",
+            "function": {"name": name, "arguments": arguments},
+        }
+        if start is not None:
+            call = {"index": start + k, **call}
+        out.append(call)
+    return out
 
 
 def _finish_reason(reason: str | None) -> str | None:
@@ -186,14 +173,11 @@ async def stream_chunks(
                 )
             finish = _finish_reason(out.finish_reason)
             if chat:
-                calls, unparsed = parse_tool_calls(tokenizer, list(out.tool_calls), run.tools)
-                text = out.text + unparsed
-                delta = {"content": text} if text else {}
+                delta = {"content": out.text} if out.text else {}
                 if out.reasoning:
                     delta["reasoning_content"] = out.reasoning
-                if calls:
-                    for k, call in enumerate(calls, start=calls_made[i]):
-                        call["index"] = k
+                if out.tool_calls:
+                    calls = openai_calls(list(out.tool_calls), start=calls_made[i])
                     delta["tool_calls"] = calls
                     calls_made[i] += len(calls)
                 if finish == "stop" and calls_made[i]:

@@ -11,11 +11,13 @@ import asyncio
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import mlx.core as mx
 from fastapi import Request
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, apply_xtc
 
+from ..engine.request import TokenConstraint
 from .config import APIError
 from .schemas import SamplingParams
 from .worker import EngineWorker, Job, Output
@@ -60,6 +62,23 @@ def make_request_sampler(
     return sample
 
 
+@dataclass
+class ChatShape:
+    """What a chat request asks of its jobs beyond sampling.
+
+    ``reasoning``: split a thinking model's reasoning off. ``tools``: the tools the
+    template showed (calls are cut out of the text). ``constraints``: one grammar per
+    job (``response_format`` or a forced call). ``forced``: the output is a forced
+    tool call's JSON, of the function ``forced_name`` (``None``: any, as a list).
+    """
+
+    reasoning: bool = False
+    tools: list[dict] | None = None
+    constraints: list[TokenConstraint] | None = None
+    forced: bool = False
+    forced_name: str | None = None
+
+
 class Run:
     """The ``n`` jobs of one HTTP request and what they have produced so far."""
 
@@ -71,9 +90,9 @@ class Run:
         max_tokens: int,
         logprobs: int | None,
         xtc_special_tokens: list[int] | None = None,
-        split_reasoning: bool = False,
-        tools: list[dict] | None = None,
+        shape: ChatShape | None = None,
     ):
+        shape = shape or ChatShape()
         self.worker = worker
         self.id = f"{uuid.uuid4().hex[:24]}"
         self.created = int(time.time())
@@ -93,14 +112,16 @@ class Run:
 
             job = Job(list(tokens), max_tokens, deliver, sampler, logprobs=logprobs)
             job.logits = body.logits_settings()
-            job.split_reasoning = split_reasoning
-            job.tools = tools
+            job.split_reasoning = shape.reasoning
+            job.tools = shape.tools
+            job.constraint = shape.constraints[i] if shape.constraints else None
+            job.forced, job.forced_name = shape.forced, shape.forced_name
             job.stop = tuple(body.stop or ())
             self.jobs.append(job)
         self.text = [""] * body.n
         self.reasoning = [""] * body.n
-        self.tools = tools
-        self.tool_calls: list[list[str]] = [[] for _ in range(body.n)]  # raw texts
+        # Per job, (name, arguments JSON) of each tool call.
+        self.tool_calls: list[list[tuple[str, str]]] = [[] for _ in range(body.n)]
         self.tokens: list[list[int]] = [[] for _ in range(body.n)]
         self.logprobs: list[list] = [[] for _ in range(body.n)]
         self.finish: list[str | None] = [None] * body.n

@@ -138,6 +138,30 @@ class NamedToolChoice(BaseModel):
     function: FunctionName
 
 
+class JSONSchemaFormat(BaseModel):
+    """``response_format.json_schema``: a named JSON schema."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """``response_format``: free text, any JSON object, or JSON valid under a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _needs_schema(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError('type \'json_schema\' needs a json_schema: {"name", "schema"}')
+        return self
+
+
 class ChatRequest(SamplingParams):
     """``POST /v1/chat/completions``."""
 
@@ -147,6 +171,8 @@ class ChatRequest(SamplingParams):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
 
     @model_validator(mode="after")
     def _limits(self) -> ChatRequest:
@@ -176,3 +202,9 @@ class ChatRequest(SamplingParams):
     def forced_tool(self) -> bool:
         """Whether tool_choice demands a call ('required' or a named function)."""
         return self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
+
+    @property
+    def forced_name(self) -> str | None:
+        """The function a named tool_choice forces, or ``None``."""
+        choice = self.tool_choice
+        return choice.function.name if isinstance(choice, NamedToolChoice) else None

@@ -8,6 +8,7 @@ job's ``deliver`` callback, which the server points at its event loop.
 
 from __future__ import annotations
 
+import json
 import logging
 import queue
 import threading
@@ -21,7 +22,8 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from ..engine import EngineStats, Event, PagedEngine
 from ..engine.engine import check_tokens
-from ..engine.request import Request
+from ..engine.request import Request, TokenConstraint
+from .grammar import parse_forced_calls
 
 logger = logging.getLogger("mlx_paged.server")
 
@@ -44,7 +46,8 @@ class Output:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     reasoning: str = ""  # a thinking model's reasoning text (chat jobs that asked for it)
-    tool_calls: tuple[str, ...] = ()  # raw texts of the tool calls completed (jobs with tools)
+    # Tool calls completed (jobs with tools): (function name, arguments as a JSON object text).
+    tool_calls: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(eq=False)
@@ -70,6 +73,11 @@ class Job:
     # Chat jobs with tools: calls are cut out of the text by the tokenizer's markers.
     tools: list[dict] | None = None
     tool_text: str = ""  # the call being generated
+    # A grammar over the output (response_format, or a forced tool call), and a forced
+    # call's shape: the whole output is the call's JSON (``tool_call_schema``).
+    constraint: TokenConstraint | None = None
+    forced: bool = False
+    forced_name: str | None = None
 
 
 class TextStream:
@@ -267,7 +275,9 @@ class EngineWorker:
                     check_tokens(list(bias), self.engine.vocab_size)
                 except ValueError as e:
                     raise ValueError(f"logit_bias: {e}") from None
-            machine = self.agent if job.tools else self.thinking if job.split_reasoning else None
+            machine = self.thinking if job.split_reasoning else None
+            if job.tools and not job.forced:
+                machine = self.agent
             if machine is not None:
                 job.thinking = machine.make_state(initial_state(self.tokenizer, job.tokens))
             job.uid = self.engine.add_request(
@@ -277,6 +287,7 @@ class EngineWorker:
                 logits_processors=make_logits_processors(**job.logits),
                 stop_tokens=self.stop_tokens,
                 logprobs=job.logprobs,
+                constraint=job.constraint,
             )
         except ValueError as e:
             job.deliver(Output(error=str(e)))
@@ -342,36 +353,66 @@ class EngineWorker:
         )
 
     def _split(self, job: Job, text: str, final: str | None = None) -> tuple[str, str, tuple]:
-        """``text`` as (content, reasoning, completed tool calls' raw texts): all content
-        unless the job splits reasoning or tool calls off.
+        """``text`` as (content, reasoning, completed tool calls): all content unless the
+        job splits reasoning or tool calls off.
 
         The state machine holds back text that may begin a marker; at the end (``final``,
         the finish reason) it lets it go. A call still open then is complete when the
         model stopped (formats without an end marker end there), and raw text when it
-        was cut off.
+        was cut off. A forced call's output is all call: it is held to the end.
         """
+        if job.forced:
+            job.tool_text += text
+            if final is None:
+                return "", "", ()
+            text, job.tool_text = job.tool_text, ""
+            if final == "stop":
+                try:
+                    return "", "", tuple(parse_forced_calls(text, job.forced_name))
+                except ValueError:
+                    pass
+            return text, "", ()
         if job.thinking is None:
             return text, "", ()
         job.thinking, segments = TextStateMachine.split(job.thinking, text)
         if final is not None:
             job.thinking, rest, state = TextStateMachine.flush(job.thinking)
             segments.append((state, rest))
-        content, reasoning, calls = [], [], []
+        content, reasoning, raw = [], [], []
         for state, piece in segments:
             if state == "tool":
                 job.tool_text += piece
                 continue
             if job.tool_text:  # the tool state ended: the call is complete
-                calls.append(job.tool_text)
+                raw.append(job.tool_text)
                 job.tool_text = ""
             (reasoning if state == "reasoning" else content).append(piece)
         if final is not None and job.tool_text:
             if final == "stop":
-                calls.append(job.tool_text)
+                raw.append(job.tool_text)
             else:
                 content.append(f"{self.tokenizer.tool_call_start}{job.tool_text}")
             job.tool_text = ""
+        calls = []
+        for text in raw:
+            parsed = self._parse_call(text, job.tools)
+            if parsed is None:
+                end = self.tokenizer.tool_call_end or ""
+                content.append(f"{self.tokenizer.tool_call_start}{text}{end}")
+            calls += parsed or []
         return "".join(content), "".join(reasoning), tuple(calls)
+
+    def _parse_call(self, text: str, tools: list[dict] | None) -> list[tuple[str, str]] | None:
+        """A generated call's ``(name, arguments JSON)`` pairs, parsed by the tokenizer's own
+        mlx-lm parser; ``None`` when it does not parse (it stays text)."""
+        try:
+            parsed = self.tokenizer.tool_parser(text, tools)
+            parsed = parsed if isinstance(parsed, list) else [parsed]
+            return [
+                (c["name"], json.dumps(c.get("arguments", {}), ensure_ascii=False)) for c in parsed
+            ]
+        except Exception:  # the model's text, in any shape: never a 500
+            return None
 
     def _fail_all(self, message: str, reason: str | None = None) -> None:
         for uid, job in list(self._jobs.items()):
