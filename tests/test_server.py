@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import json
 import signal
 import socket
 import subprocess
@@ -628,6 +629,9 @@ BAD_REQUESTS = [
     # SmolLM2's chat template has no tool-call format, so mlx-lm gives it no tool parser.
     ("chat", {"messages": POEM, "tools": [TOOL]}, 400, "no tool calling"),
     ("chat", {"messages": POEM, "tool_choice": "required"}, 400, "needs tools"),
+    ("chat", {"messages": POEM, "draft_model": "small"}, 400, "draft_model"),
+    ("completions", {"prompt": STORY, "adapters": "lora/"}, 400, "adapters"),
+    ("chat", {"messages": POEM, "chat_template_kwargs": [1]}, 400, "chat_template_kwargs"),
     (
         "chat",
         {"messages": [{"role": "assistant", "tool_calls": [BAD_CALL]}]},
@@ -837,6 +841,29 @@ def test_kv_bits_quantizes_old_blocks_and_reports_them(tmp_path):
 # ---- command line ----------------------------------------------------------
 
 
+def test_sampling_defaults_come_from_flags_then_generation_config(tmp_path):
+    from mlx_paged.server import build_parser, sampling_defaults
+
+    config = {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20, "bos": 1}
+    (tmp_path / "generation_config.json").write_text(json.dumps(config))
+    args = build_parser().parse_args([])
+    assert sampling_defaults(args, tmp_path) == {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
+    args = build_parser().parse_args(["--temp", "0", "--min-p", "0.05"])
+    found = sampling_defaults(args, tmp_path)
+    assert found == {"temperature": 0.0, "top_p": 0.95, "top_k": 20, "min_p": 0.05}
+    (tmp_path / "generation_config.json").write_text(json.dumps({**config, "do_sample": False}))
+    assert sampling_defaults(build_parser().parse_args([]), tmp_path) == {}
+    assert sampling_defaults(build_parser().parse_args([]), tmp_path / "missing") == {}
+
+
+def test_server_temperature_applies_when_a_request_gives_none(tmp_path):
+    from mlx_paged.server.schemas import ChatRequest
+
+    body = ChatRequest(messages=POEM, top_p=0.5)
+    body.apply_defaults({"temperature": 0.0, "top_p": 0.9})
+    assert body.temperature == 0.0 and body.top_p == 0.5  # the request's own value wins
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -851,6 +878,10 @@ def test_kv_bits_quantizes_old_blocks_and_reports_them(tmp_path):
         (["--kv-dtype", "int8"], "invalid choice"),
         (["--kv-bits", "3"], "invalid choice"),
         (["--kv-bits", "8", "--hot-tokens", "-1"], "--hot-tokens must be 0 or more"),
+        (["--temp", "3"], "--temp must be in [0, 2]"),
+        (["--top-p", "0"], "--top-p must be in (0, 1]"),
+        (["--top-k", "-2"], "--top-k must be >= 0"),
+        (["--min-p", "1.5"], "--min-p must be in [0, 1]"),
     ],
 )
 def test_bad_flags_are_usage_errors(argv, message, capsys):

@@ -28,6 +28,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 TEMPLATE = (
+    "{%- if note %}<|im_start|>system\n{{ note }}<|im_end|>\n{% endif %}"
     "{%- if tools %}<|im_start|>system\nTools: {{ tools | tojson }}\n"
     'Call one as <tool_call>{"name": ..., "arguments": ...}</tool_call><|im_end|>\n{% endif %}'
     "{%- for message in messages %}<|im_start|>{{ message.role }}\n"
@@ -106,9 +107,10 @@ def app(tmp_path_factory):
     worker.stop(30)
 
 
-def script(tokenizer, model, messages, reply: str, tools=(WEATHER,)) -> None:
-    """Make ``reply`` the model's answer to ``messages`` (with ``tools``)."""
-    extra = {"tools": list(tools)} if tools else {}
+def script(tokenizer, model, messages, reply: str, tools=(WEATHER,), **template) -> None:
+    """Make ``reply`` the model's answer to ``messages`` (with ``tools``); the scripted
+    model answers only a prompt of exactly that length."""
+    extra = {"tools": list(tools), **template} if tools else template
     model.length = len(tokenizer.apply_chat_template(messages, add_generation_prompt=True, **extra))
     model.reply = tokenizer.encode(reply, add_special_tokens=False)
 
@@ -240,6 +242,17 @@ def test_a_forced_call_overrides_what_the_model_wants(app):
         assert isinstance(json.loads(call.function.arguments), dict)
     else:  # cut off inside the object: its text so far, which is no prose
         assert out.choices[0].finish_reason == "length" and text.startswith("{")
+
+
+def test_chat_template_kwargs_reach_the_template(app):
+    client, tokenizer, model = app
+    note = "Answer in French, a long instruction that changes the prompt's length."
+    script(tokenizer, model, ASK, "Il fait beau.", tools=(), note=note)
+    kwargs = {"chat_template_kwargs": {"note": note}}
+    out = client.chat.completions.create(model="scripted", messages=ASK, extra_body=kwargs)
+    assert out.choices[0].message.content == "Il fait beau."
+    out = client.chat.completions.create(model="scripted", messages=ASK)  # another prompt
+    assert out.choices[0].message.content == ""
 
 
 def test_without_tools_the_markers_stay_text(app):

@@ -15,6 +15,7 @@ import json
 import logging
 import signal
 import sys
+from pathlib import Path
 
 from .app import ServerConfig, create_app
 from .worker import EngineWorker
@@ -24,6 +25,13 @@ __all__ = ["EngineWorker", "ServerConfig", "build_parser", "create_app", "main"]
 KV_DTYPES = ("float16", "bfloat16", "float32")
 EMBEDDED_ID = "SmolLM2-135M-Instruct"
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# mlx_lm.server's request defaults: flag, type, what it sets.
+SAMPLING_FLAGS = (
+    ("--temp", float, "Sampling temperature"),
+    ("--top-p", float, "Nucleus sampling top_p"),
+    ("--top-k", int, "top_k"),
+    ("--min-p", float, "min_p"),
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -94,6 +102,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-tokens", type=int, default=512, help="max_tokens when a request gives none."
     )
+    for flag, kind, what in SAMPLING_FLAGS:
+        p.add_argument(
+            flag,
+            type=kind,
+            default=None,
+            help=f"{what} for requests that give none; default: the model's "
+            "generation_config.json, else the API's default.",
+        )
     p.add_argument(
         "--max-queue",
         type=int,
@@ -132,6 +148,15 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
             parse_memory(args.kv_memory)
         except ValueError as e:
             parser.error(f"--kv-memory: {e}")
+    bad = {
+        "temp": args.temp is not None and not 0 <= args.temp <= 2,
+        "top_p": args.top_p is not None and not 0 < args.top_p <= 1,
+        "top_k": args.top_k is not None and args.top_k < 0,
+        "min_p": args.min_p is not None and not 0 <= args.min_p <= 1,
+    }
+    for name in (n for n, b in bad.items() if b):
+        span = {"temp": "in [0, 2]", "top_p": "in (0, 1]", "top_k": ">= 0", "min_p": "in [0, 1]"}
+        parser.error(f"--{name.replace('_', '-')} must be {span[name]}, got {getattr(args, name)}.")
     if not isinstance(args.chat_template_args, dict):
         parser.error("--chat-template-args must be a JSON object.")
     if not 0 < args.port < 65536:
@@ -178,6 +203,34 @@ def loader(args: argparse.Namespace):
     return load
 
 
+def sampling_defaults(args: argparse.Namespace, model_path: str | Path) -> dict[str, float]:
+    """Request defaults for temperature, top_p, top_k and min_p: the flags, else the
+    model's ``generation_config.json`` (sampled models only), else nothing (the API's)."""
+    found: dict[str, float] = {}
+    try:
+        path = Path(model_path)
+        if not path.is_dir():
+            from mlx_lm.utils import hf_repo_to_path
+
+            path = hf_repo_to_path(str(model_path))
+        config = json.loads((path / "generation_config.json").read_text())
+    except Exception:  # no such file, or not a local model: the API's defaults
+        config = {}
+    if config.get("do_sample", True):
+        for name in ("temperature", "top_p", "top_k", "min_p"):
+            if isinstance(config.get(name), (int, float)) and not isinstance(config[name], bool):
+                found[name] = config[name]
+    flags = {"temperature": args.temp, "top_p": args.top_p, "top_k": args.top_k}
+    found.update({k: v for k, v in {**flags, "min_p": args.min_p}.items() if v is not None})
+    return found
+
+
+def embedded_path() -> Path:
+    from ..embedded import embedded_model_path
+
+    return embedded_model_path(progress=False)
+
+
 def context_length(engine) -> int | None:
     """The model's context from its config (``max_position_embeddings``), if it says."""
     args = getattr(engine.runner.model, "args", None)
@@ -208,6 +261,7 @@ def main(argv: list[str] | None = None) -> None:
         max_queue=args.max_queue,
         request_timeout=args.request_timeout,
         chat_template_args=args.chat_template_args,
+        sampling=sampling_defaults(args, args.model or embedded_path()),
     )
     app = create_app(worker, config)
     server = uvicorn.Server(

@@ -98,7 +98,7 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> FastAPI:
                 add_generation_prompt=True,
                 tokenize=True,
                 **extra,
-                **config.chat_template_args,
+                **{**config.chat_template_args, **(body.chat_template_kwargs or {})},
             )
         except Exception as e:  # a template that rejects these messages
             raise APIError(400, f"the chat template rejected the messages: {e}") from e
@@ -148,6 +148,7 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> FastAPI:
                 code="model_not_found",
             )
         max_tokens = _check_lengths(tokens, body.max_tokens, config)
+        body.apply_defaults(config.sampling)
         if not app.state.accepting:
             raise APIError(503, "the server is shutting down.", "service_unavailable")
         if worker.queued + body.n > config.max_queue:

@@ -18,6 +18,8 @@ class ServerConfig:
     max_queue: int = 256  # jobs waiting for admission beyond which requests get 429
     request_timeout: float | None = None  # seconds; None: no limit
     chat_template_args: dict[str, Any] = field(default_factory=dict)
+    # Sampling settings for requests that leave them out: temperature, top_p, top_k, min_p.
+    sampling: dict[str, float] = field(default_factory=dict)
 
 
 class APIError(Exception):

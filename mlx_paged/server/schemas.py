@@ -38,6 +38,26 @@ class SamplingParams(BaseModel):
     frequency_context_size: int = Field(default=20, ge=0)
     xtc_probability: float = Field(default=0.0, ge=0.0, le=1.0)
     xtc_threshold: float = Field(default=0.1, ge=0.0, le=1.0)
+    # mlx_lm.server's per-request model switches: refused, not ignored.
+    draft_model: str | None = None
+    adapters: str | None = None
+    num_draft_tokens: int | None = None
+
+    @model_validator(mode="after")
+    def _one_model(self) -> SamplingParams:
+        for name in ("draft_model", "adapters"):
+            if getattr(self, name) not in (None, "default_model"):
+                raise ValueError(
+                    f"{name}: mlx_paged.server serves one model without adapters or a draft "
+                    "model; leave it out"
+                )
+        return self
+
+    def apply_defaults(self, defaults: dict[str, float]) -> None:
+        """Set the sampling fields the request left out to the server's ``defaults``."""
+        for name, value in defaults.items():
+            if name not in self.model_fields_set:
+                setattr(self, name, value)
 
     @field_validator("logit_bias", mode="before")
     @classmethod
@@ -172,6 +192,7 @@ class ChatRequest(SamplingParams):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
     response_format: ResponseFormat | None = None
 
     @model_validator(mode="after")

@@ -48,6 +48,7 @@ class Output:
     reasoning: str = ""  # a thinking model's reasoning text (chat jobs that asked for it)
     # Tool calls completed (jobs with tools): (function name, arguments as a JSON object text).
     tool_calls: tuple[tuple[str, str], ...] = ()
+    stop_sequence: str | None = None  # the stop string that ended the job, if one did
 
 
 @dataclass(eq=False)
@@ -88,6 +89,7 @@ class TextStream:
         self.detokenizer.reset()
         self.stop = stop
         self.held = ""  # text withheld: it may be the start of a stop string
+        self.matched: str | None = None  # the stop string that ended the text
 
     def add(self, token: int) -> tuple[str, bool]:
         """Feed a token; return the text now safe to show and whether a stop string ended it."""
@@ -101,10 +103,11 @@ class TextStream:
         return text
 
     def _cut(self, text: str, final: bool = False) -> tuple[str, bool]:
-        hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        hits = [(i, s) for i, s in ((text.find(s), s) for s in self.stop) if i >= 0]
         if hits:
             self.held = ""
-            return text[: min(hits)], True
+            at, self.matched = min(hits, key=lambda h: h[0])
+            return text[:at], True
         keep = 0 if final else _prefix_overlap(text, self.stop)
         self.held = text[len(text) - keep :] if keep else ""
         return text[: len(text) - keep], False
@@ -349,6 +352,7 @@ class EngineWorker:
                 cached_tokens=cached,
                 reasoning=reasoning,
                 tool_calls=calls,
+                stop_sequence=job.text.matched if job.text is not None else None,
             )
         )
 
