@@ -123,7 +123,7 @@ def test_completions_keep_the_markers_in_the_text(thinking):
 
 
 def test_a_prompt_that_opens_the_thinking_block_starts_in_reasoning(thinking):
-    from mlx_paged.server.worker import initial_state
+    from mlx_paged.server.text import initial_state
 
     _, tokenizer, words = thinking
     opened = tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True)

@@ -1,4 +1,4 @@
-"""The FastAPI app: OpenAI-compatible endpoints over an ``EngineWorker``.
+"""The FastAPI app: OpenAI- and Anthropic-compatible endpoints over an ``EngineWorker``.
 
 Handlers never call MLX: they tokenize, check, hand ``Job``s to the engine
 thread (``run.Run``) and wait on an ``asyncio.Queue`` that the thread feeds
@@ -18,6 +18,8 @@ from starlette.exceptions import HTTPException
 
 from .config import APIError, ServerConfig
 from .grammar import Grammars, json_object_schema, tool_call_schema
+from .messages import CountTokensRequest, MessagesRequest
+from .messages_responses import error_response, message_body, message_events
 from .metrics import metrics_registry, render
 from .responses import response_body, stream_chunks
 from .run import ChatShape, Run
@@ -38,21 +40,21 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> FastAPI:
     app.state.accepting = True
 
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, e: APIError) -> JSONResponse:
-        return e.response()
+    async def _api_error(request: Request, e: APIError) -> JSONResponse:
+        return _error(request, e)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, e: RequestValidationError) -> JSONResponse:
+    async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
         problems = "; ".join(
             f"{'.'.join(str(p) for p in err['loc'][1:]) or 'body'}: {err['msg']}"
             for err in e.errors()
         )
-        return APIError(400, f"invalid request: {problems}").response()
+        return _error(request, APIError(400, f"invalid request: {problems}"))
 
     @app.exception_handler(HTTPException)
-    async def _http(_: Request, e: HTTPException) -> JSONResponse:
+    async def _http(request: Request, e: HTTPException) -> JSONResponse:
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return APIError(e.status_code, str(e.detail), kind).response()
+        return _error(request, APIError(e.status_code, str(e.detail), kind))
 
     @app.get("/health")
     async def health() -> Response:
@@ -75,7 +77,13 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> FastAPI:
             tokens = tokenizer.encode(body.prompt)
         else:
             tokens = list(body.prompt)
-        return await _serve(request, body, tokens, "text_completion", body.logprobs)
+        run = await _start(body, tokens, body.logprobs)
+        if body.stream:
+            chunks = stream_chunks(run, request, body, "text_completion", config, tokenizer)
+            return StreamingResponse(chunks, media_type="text/event-stream")
+        await _collect(run, request)
+        want = body.logprobs is not None
+        return JSONResponse(response_body(run, "text_completion", config, tokenizer, body, want))
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request) -> Response:
@@ -83,14 +91,70 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> FastAPI:
             messages = [m.text() for m in body.messages]
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from e
-        tools = body.template_tools()
-        if tools and not tokenizer.has_tool_calling and not body.forced_tool:
+        tools = _tools(body.template_tools(), body.forced_tool)
+        tokens = _template(messages, tools, body.chat_template_kwargs)
+        top = (body.top_logprobs or 0) if body.logprobs else None
+        shape = ChatShape(True, tools, None, body.forced_tool, body.forced_name)
+        if body.forced_tool:
+            schema = tool_call_schema(tools, body.forced_name, body.parallel_tool_calls)
+            shape.constraints = await _constraints(schema, body.n, "tools")
+        elif body.response_format is not None and body.response_format.type != "text":
+            spec = body.response_format.json_schema
+            schema = spec.schema_ if spec is not None else json_object_schema()
+            shape.constraints = await _constraints(schema, body.n, "response_format")
+        run = await _start(body, tokens, top, shape)
+        if body.stream:
+            chunks = stream_chunks(run, request, body, "chat.completion", config, tokenizer)
+            return StreamingResponse(chunks, media_type="text/event-stream")
+        await _collect(run, request)
+        return JSONResponse(
+            response_body(run, "chat.completion", config, tokenizer, body, top is not None)
+        )
+
+    @app.post("/v1/messages")
+    async def messages(body: MessagesRequest, request: Request) -> Response:
+        tokens, tools = _anthropic_prompt(body)
+        shape = ChatShape(True, tools, None, body.forced_tool, body.forced_name)
+        if body.forced_tool:
+            schema = tool_call_schema(tools, body.forced_name, body.parallel_tool_calls)
+            shape.constraints = await _constraints(schema, 1, "tools")
+        params = SamplingParams(model=body.model, **body.sampling())
+        params.stop = list(body.stop_sequences or [])  # no OpenAI limit of 4 here
+        run = await _start(params, tokens, None, shape)
+        if body.stream:
+            events = message_events(run, request, config)
+            return StreamingResponse(events, media_type="text/event-stream")
+        await _collect(run, request)
+        return JSONResponse(message_body(run, config))
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(body: CountTokensRequest) -> dict:
+        _check_model(body.model)
+        tokens, _ = _anthropic_prompt(body)
+        return {"input_tokens": len(tokens)}
+
+    def _anthropic_prompt(body: CountTokensRequest) -> tuple[list[int], list[dict] | None]:
+        """The prompt's tokens and the tools the template showed, for both Anthropic routes."""
+        try:
+            messages = body.chat_messages()
+        except ValueError as e:
+            raise APIError(400, str(e)) from e
+        tools = _tools(body.chat_tools(), body.forced_tool)
+        return _template(messages, tools, None), tools
+
+    def _tools(tools: list[dict] | None, forced: bool) -> list[dict] | None:
+        """``tools`` unless the tokenizer cannot call them (a 400), forced calls excepted:
+        the grammar makes those."""
+        if tools and not tokenizer.has_tool_calling and not forced:
             raise APIError(
                 400,
                 "this model's tokenizer has no tool calling (mlx-lm found no tool-call format "
                 "in its chat template); send the request without tools.",
                 param="tools",
             )
+        return tools
+
+    def _template(messages: list[dict], tools: list[dict] | None, kwargs: dict | None) -> list:
         extra = {"tools": tools} if tools else {}
         try:
             tokens = tokenizer.apply_chat_template(
@@ -98,55 +162,44 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> FastAPI:
                 add_generation_prompt=True,
                 tokenize=True,
                 **extra,
-                **{**config.chat_template_args, **(body.chat_template_kwargs or {})},
+                **{**config.chat_template_args, **(kwargs or {})},
             )
         except Exception as e:  # a template that rejects these messages
             raise APIError(400, f"the chat template rejected the messages: {e}") from e
         if isinstance(tokens, dict):  # some tokenizers return a BatchEncoding
             tokens = tokens["input_ids"]
-        top = (body.top_logprobs or 0) if body.logprobs else None
-        shape = ChatShape(reasoning=True, tools=tools)
-        shape.forced, shape.forced_name = body.forced_tool, body.forced_name
-        shape.constraints = await _constraints(body, tools)
-        return await _serve(request, body, list(tokens), "chat.completion", top, shape)
+        return list(tokens)
 
-    async def _constraints(body: ChatRequest, tools: list[dict] | None) -> list | None:
-        """One grammar per choice for a forced call or a JSON ``response_format``; a
-        schema the grammar engine rejects is a 400 with its message."""
-        if body.forced_tool:
-            schema = tool_call_schema(tools, body.forced_name, body.parallel_tool_calls)
-            param = "tools"
-        elif body.response_format is not None and body.response_format.type != "text":
-            spec = body.response_format.json_schema
-            schema = spec.schema_ if spec is not None else json_object_schema()
-            param = "response_format"
-        else:
-            return None
+    async def _constraints(schema: dict, n: int, param: str) -> list:
+        """One grammar per choice; a schema the grammar engine rejects is a 400 with its
+        message."""
 
         def compile_all() -> list:
             make = grammars.compile(schema)
-            return [make() for _ in range(body.n)]
+            return [make() for _ in range(n)]
 
         try:  # compiling may take milliseconds: off the event loop
             return await asyncio.to_thread(compile_all)
         except ValueError as e:
             raise APIError(400, str(e), param=param) from e
 
-    async def _serve(
-        request: Request,
-        body: SamplingParams,
-        tokens: list[int],
-        kind: str,
-        logprobs: int | None,
-        shape: ChatShape | None = None,
-    ) -> Response:
-        if body.model is not None and body.model != config.model_id:
+    def _check_model(model: str | None) -> None:
+        if model is not None and model != config.model_id:
             raise APIError(
                 404,
-                f"the model {body.model!r} does not exist; this server serves {config.model_id!r}.",
+                f"the model {model!r} does not exist; this server serves {config.model_id!r}.",
                 "not_found_error",
                 code="model_not_found",
             )
+
+    async def _start(
+        body: SamplingParams,
+        tokens: list[int],
+        logprobs: int | None,
+        shape: ChatShape | None = None,
+    ) -> Run:
+        """Check a request against the model and the queue, and submit its jobs."""
+        _check_model(body.model)
         max_tokens = _check_lengths(tokens, body.max_tokens, config)
         body.apply_defaults(config.sampling)
         if not app.state.accepting:
@@ -160,18 +213,22 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> FastAPI:
             )
         run = Run(worker, tokens, body, max_tokens, logprobs, xtc_special, shape)
         await run.start()
-        if body.stream:
-            return StreamingResponse(
-                stream_chunks(run, request, body, kind, config, tokenizer),
-                media_type="text/event-stream",
-            )
+        return run
+
+    async def _collect(run: Run, request: Request) -> None:
         try:
             await run.collect(request, config.request_timeout)
         finally:
             run.abort()
-        return JSONResponse(response_body(run, kind, config, tokenizer, body, logprobs is not None))
 
     return app
+
+
+def _error(request: Request, e: APIError) -> JSONResponse:
+    """An error in the shape of the API the request called."""
+    if request.url.path.startswith("/v1/messages"):
+        return error_response(e.status, e.message)
+    return e.response()
 
 
 def _check_lengths(tokens: list[int], max_tokens: int | None, config: ServerConfig) -> int:

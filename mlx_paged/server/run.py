@@ -126,6 +126,7 @@ class Run:
         self.logprobs: list[list] = [[] for _ in range(body.n)]
         self.finish: list[str | None] = [None] * body.n
         self.cached = [0] * body.n
+        self.stop_sequence: list[str | None] = [None] * body.n
         self.error: str | None = None
         self.early: list[tuple[int, Output]] = []
 
@@ -169,6 +170,7 @@ class Run:
         if out.finish_reason is not None:
             self.finish[i] = out.finish_reason
             self.cached[i] = out.cached_tokens
+            self.stop_sequence[i] = out.stop_sequence
 
     async def next(self, timeout: float | None) -> tuple[int, Output]:
         """The next output of any job (TimeoutError after ``timeout`` seconds)."""
