@@ -13,6 +13,7 @@ import importlib.util
 from pathlib import Path
 from types import SimpleNamespace
 
+import anthropic
 import mlx.core as mx
 import mlx.nn as nn
 import openai
@@ -44,7 +45,8 @@ class Scripted(nn.Module):
 
 @pytest.fixture(scope="module")
 def thinking(tmp_path_factory):
-    """An openai client on the app, the tokenizer, and the reply's token ids."""
+    """An openai client on the app, the tokenizer, the reply's token ids, and an
+    anthropic client."""
     from fastapi.testclient import TestClient
     from mlx_lm.tokenizer_utils import load as load_tokenizer
     from transformers import AutoTokenizer
@@ -77,12 +79,15 @@ def thinking(tmp_path_factory):
         client = openai.OpenAI(
             base_url="http://testserver/v1", api_key="x", http_client=http, max_retries=0
         )
-        yield client, tokenizer, words
+        claude = anthropic.Anthropic(
+            base_url="http://testserver", api_key="x", http_client=http, max_retries=0
+        )
+        yield client, tokenizer, words, claude
     worker.stop(30)
 
 
 def test_reasoning_is_returned_apart(thinking):
-    client, tokenizer, words = thinking
+    client, tokenizer, words, _ = thinking
     out = client.chat.completions.create(model="scripted", messages=QUESTION, max_tokens=10)
     message = out.choices[0].message
     assert message.reasoning_content.strip() == tokenizer.decode(words[:2]).strip()
@@ -92,7 +97,7 @@ def test_reasoning_is_returned_apart(thinking):
 
 
 def test_streamed_reasoning_arrives_as_its_own_deltas(thinking):
-    client, tokenizer, words = thinking
+    client, tokenizer, words, _ = thinking
     reasoning, content = "", ""
     stream = client.chat.completions.create(
         model="scripted", messages=QUESTION, max_tokens=10, stream=True
@@ -107,7 +112,7 @@ def test_streamed_reasoning_arrives_as_its_own_deltas(thinking):
 
 
 def test_cut_off_inside_the_thinking_block_keeps_the_reasoning(thinking):
-    client, tokenizer, words = thinking
+    client, tokenizer, words, _ = thinking
     out = client.chat.completions.create(model="scripted", messages=QUESTION, max_tokens=3)
     message = out.choices[0].message
     assert out.choices[0].finish_reason == "length"
@@ -116,7 +121,7 @@ def test_cut_off_inside_the_thinking_block_keeps_the_reasoning(thinking):
 
 
 def test_completions_keep_the_markers_in_the_text(thinking):
-    client, tokenizer, words = thinking
+    client, tokenizer, words, _ = thinking
     prompt = tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True)
     out = client.completions.create(model="scripted", prompt=prompt, max_tokens=10)
     assert "<think>" in out.choices[0].text and "</think>" in out.choices[0].text
@@ -125,9 +130,25 @@ def test_completions_keep_the_markers_in_the_text(thinking):
 def test_a_prompt_that_opens_the_thinking_block_starts_in_reasoning(thinking):
     from mlx_paged.server.text import initial_state
 
-    _, tokenizer, words = thinking
+    _, tokenizer, words, _ = thinking
     opened = tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True)
     assert initial_state(tokenizer, opened) == "normal"
     assert initial_state(tokenizer, [*opened, tokenizer.think_start_id]) == "reasoning"
     closed = [*opened, tokenizer.think_start_id, words[0], tokenizer.think_end_id]
     assert initial_state(tokenizer, closed) == "normal"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_anthropic_reasoning_is_a_thinking_block(thinking, stream):
+    _, tokenizer, words, claude = thinking
+    kwargs = dict(model="scripted", max_tokens=10, messages=QUESTION)
+    if stream:
+        with claude.messages.stream(**kwargs) as events:
+            deltas = [e.delta.type for e in events if e.type == "content_block_delta"]
+            out = events.get_final_message()
+        assert deltas[0] == "thinking_delta" and deltas[-1] == "text_delta"
+    else:
+        out = claude.messages.create(**kwargs)
+    assert [b.type for b in out.content] == ["thinking", "text"]
+    assert out.content[0].thinking.strip() == tokenizer.decode(words[:2]).strip()
+    assert out.content[1].text.strip() == tokenizer.decode(words[2:]).strip()
