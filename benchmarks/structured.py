@@ -7,7 +7,9 @@ the prefix index alike), phases alternate ``--rounds`` times:
 
 - ``free``: every request unconstrained;
 - ``mixed``: the same requests, with ``--constrained`` of them under a
-  ``json_schema`` ``response_format``.
+  ``json_schema`` ``response_format`` (``--schema``: ``notes`` cannot be
+  finished within ``max_tokens``, so both phases generate the same tokens;
+  ``person`` is a realistic schema that ends early, checked for validity).
 
 One line per phase: output tokens/s and wall time; then mixed / free tokens/s,
 whether each unconstrained request's text in ``mixed`` equals its text in
@@ -23,6 +25,7 @@ import argparse
 import asyncio
 import json
 import os
+import statistics
 import subprocess
 import time
 
@@ -43,7 +46,16 @@ SCHEMA = {
     "required": ["name", "age", "email", "tags", "bio"],
     "additionalProperties": False,
 }
-FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
+# Too long for any max_tokens used here: constrained requests generate as many tokens as the
+# others, so the phases' token counts match and tokens/s compares the same work.
+NOTES = {
+    "type": "object",
+    "properties": {
+        "notes": {"type": "array", "items": {"type": "string", "maxLength": 40}, "minItems": 400}
+    },
+    "required": ["notes"],
+}
+SCHEMAS = {"person": SCHEMA, "notes": NOTES}
 
 
 def valid(text: str) -> bool:
@@ -67,9 +79,12 @@ def valid(text: str) -> bool:
     )
 
 
-async def one(client, prompt: str, max_tokens: int, constrained: bool) -> tuple[str, int, str]:
+async def one(client, prompt: str, max_tokens: int, schema: str | None) -> tuple[str, int, str]:
     """(text, output tokens, finish reason) of one streamed chat completion."""
-    extra = {"response_format": FORMAT} if constrained else {}
+    extra = {}
+    if schema is not None:
+        fmt = {"type": "json_schema", "json_schema": {"name": schema, "schema": SCHEMAS[schema]}}
+        extra = {"response_format": fmt}
     stream = await client.chat.completions.create(
         model=client.model_id,
         messages=[{"role": "user", "content": prompt}],
@@ -94,7 +109,8 @@ async def phase(client, prompts, constrained: set[int], args) -> tuple[float, li
 
     async def run(i: int):
         async with gate:
-            return await one(client, prompts[i], args.max_tokens, i in constrained)
+            schema = args.schema if i in constrained else None
+            return await one(client, prompts[i], args.max_tokens, schema)
 
     t = time.perf_counter()
     results = await asyncio.gather(*(run(i) for i in range(len(prompts))))
@@ -122,8 +138,7 @@ async def bench(port: int, model_id: str, prompts: list[str], args) -> None:
                 f"{out} tokens",
                 flush=True,
             )
-    free = sum(rates["free"]) / len(rates["free"])
-    mixed = sum(rates["mixed"]) / len(rates["mixed"])
+    free, mixed = statistics.median(rates["free"]), statistics.median(rates["mixed"])
     same = [
         texts["mixed"][i][0] == texts["free"][i][0]
         for i in range(len(prompts))
@@ -132,13 +147,68 @@ async def bench(port: int, model_id: str, prompts: list[str], args) -> None:
     done = [texts["mixed"][i] for i in sorted(constrained)]
     stopped = [t for t, _, f in done if f == "stop"]
     print(
-        f"mixed / free tokens/s: {mixed / free:.3f} (means over {args.rounds} rounds); "
+        f"mixed / free tokens/s: {mixed / free:.3f} (medians of {args.rounds} rounds); "
         f"unconstrained texts identical: {sum(same)}/{len(same)}; constrained: "
-        f"{len(stopped)}/{len(done)} finished, {sum(map(valid, stopped))} of those valid, "
+        f"{len(stopped)}/{len(done)} finished, "
+        f"{sum(map(valid, stopped)) if args.schema == 'person' else 'n/a'} of those valid, "
         f"{len(done) - len(stopped)} cut off by max_tokens",
         flush=True,
     )
     await client.close()
+
+
+class Timed:
+    """A constraint that adds the host time of its ``fill`` and ``accept`` to ``spent``."""
+
+    def __init__(self, inner, spent: dict[str, float]):
+        self.inner, self.spent = inner, spent
+
+    def fill(self, row) -> None:
+        t = time.perf_counter()
+        self.inner.fill(row)
+        self.spent["fill"] += time.perf_counter() - t
+
+    def accept(self, token: int) -> bool:
+        t = time.perf_counter()
+        ok = self.inner.accept(token)
+        self.spent["accept"] += time.perf_counter() - t
+        return ok
+
+
+def in_process(model_dir: str, prompts: list[str], args) -> None:
+    """The same comparison inside one ``PagedEngine`` (no HTTP): ms per decode step, and the
+    constraints' own host time per step."""
+    import mlx.core as mx
+
+    from mlx_paged import PagedEngine
+    from mlx_paged.embedded import load_model
+    from mlx_paged.server.grammar import Grammars
+
+    model, tokenizer = load_model(model_dir)
+    engine = PagedEngine(model, max_batch_size=args.concurrency)
+    make = Grammars(tokenizer, engine.vocab_size).compile(SCHEMAS[args.schema])
+    tokens = [tokenizer.encode(p) for p in prompts]
+    step = max(1, args.concurrency // max(1, args.constrained))
+    for r in range(args.rounds + 1):  # round 0 warms up
+        for name, k in (("free", 0), ("mixed", args.constrained)):
+            spent = {"fill": 0.0, "accept": 0.0}
+            for i, t in enumerate(tokens):
+                c = Timed(make(), spent) if k and i % step == 0 else None
+                engine.add_request(t, args.max_tokens, constraint=c)
+            engine.step()  # admission, prefill and the first decode
+            mx.synchronize()
+            t0, steps = time.perf_counter(), 0
+            while engine.running:
+                engine.step()
+                steps += 1
+            ms = (time.perf_counter() - t0) / steps * 1e3
+            if r:
+                print(
+                    f"in process round {r} {name:5s}: {ms:6.2f} ms/step over {steps} steps; "
+                    f"fill {spent['fill'] / steps * 1e3:.3f} ms/step, "
+                    f"accept {spent['accept'] / steps * 1e3:.3f} ms/step",
+                    flush=True,
+                )
 
 
 def main() -> None:
@@ -147,7 +217,14 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--constrained", type=int, default=8, help="requests with a json_schema")
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--in-process", action="store_true", help="PagedEngine only, no server")
+    ap.add_argument(
+        "--schema",
+        choices=sorted(SCHEMAS),
+        default="notes",
+        help="notes: never done within max_tokens (same tokens as free); person: finishes",
+    )
     args = ap.parse_args()
     model = args.model or str(embedded_model_path())
     prompts = [
@@ -157,9 +234,12 @@ def main() -> None:
     ]
     print(
         f"model {os.path.basename(model)}, {args.concurrency} streams, {args.constrained} "
-        f"with a json_schema, max_tokens {args.max_tokens}",
+        f"with the json_schema {args.schema!r}, max_tokens {args.max_tokens}",
         flush=True,
     )
+    if args.in_process:
+        in_process(model, prompts, args)
+        return
     port = free_port()
     proc = start("mlx_paged", model, port, argparse.Namespace(concurrency=[args.concurrency]))
     try:

@@ -74,13 +74,15 @@ def test_constrained_requests_sample_only_allowed_tokens_and_leave_the_rest_alon
 
 
 def test_a_token_the_constraint_refuses_ends_that_request_only():
+    # The refusal is found off the critical path: the request ends at its next step.
     engine = PagedEngine(model_of("llama"), block_size=4, max_batch_size=2)
     bad = AllowList({5}, refuse=5)
     a = engine.add_request([1, 2, 3], 4, constraint=bad)
     b = engine.add_request([3, 2, 1], 4)
     events = list(engine.stream())
     ended = [e for e in events if e.uid == a]
-    assert [e.finish_reason for e in ended] == ["error"] and "constraint" in ended[0].error
+    assert [(e.token, e.finish_reason) for e in ended] == [(5, None), (-1, "error")]
+    assert "breaks the request's constraint" in ended[1].error and bad.seen == [5]
     assert [e.finish_reason for e in events if e.uid == b][-1] == "length"
     assert engine.stats().live_blocks == 0
     engine.check_invariants()
@@ -101,4 +103,23 @@ def test_constraints_survive_preemption():
     assert engine.stats().preemptions > 0
     for uid, script in scripts.items():
         assert out[uid] == [min(s) for s in script.allowed] == script.seen
+    engine.check_invariants()
+
+
+class Broken(AllowList):
+    def fill(self, row: np.ndarray) -> None:
+        if len(self.seen) >= 2:
+            raise RuntimeError("grammar state lost")
+        super().fill(row)
+
+
+def test_a_constraint_that_raises_ends_that_request_only():
+    engine = PagedEngine(model_of("llama"), block_size=4, max_batch_size=2)
+    a = engine.add_request([1, 2, 3], 6, constraint=Broken({7, 8}))
+    b = engine.add_request([3, 2, 1], 6)
+    events = list(engine.stream())
+    ended = [e for e in events if e.uid == a]
+    assert [e.finish_reason for e in ended] == [None, None, "error"]
+    assert "grammar state lost" in ended[-1].error
+    assert len([e for e in events if e.uid == b]) == 6
     engine.check_invariants()

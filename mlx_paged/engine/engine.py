@@ -233,6 +233,8 @@ class PagedEngine:
             events += self._tell(self._prefill(work), on_event)
         if self.scheduler.running:
             events += self._tell(self._decode(), on_event)
+        if not self.scheduler.running:
+            self.runner.masks.wait()  # idle: every constraint has seen its last token
         return events
 
     def stream(self) -> Iterator[Event]:
@@ -290,15 +292,17 @@ class PagedEngine:
         return events
 
     def _emit(self, reqs: list[Request], sampled: list[Sampled]) -> list[Event]:
-        events = []
+        events, constrained = [], []
         for r, s in zip(reqs, sampled, strict=True):
-            error = s.error
-            if error is None and r.constraint is not None and not r.constraint.accept(s.token):
-                error = f"token {s.token} breaks the request's constraint"
-            if error is not None:
-                events.append(self.scheduler.abort(r, error))
+            if s.error is not None:
+                events.append(self.scheduler.abort(r, s.error))
             else:
                 events.append(self.scheduler.emit(r, s.token, s.logprob, s.top_logprobs))
+                if r.constraint is not None:
+                    constrained.append((r, s.token, events[-1].finish_reason is None))
+        # Off the critical path: accepted and the next masks filled while the host
+        # builds the next step.
+        self.runner.masks.advance(constrained, self.runner.vocab)
         return events
 
 

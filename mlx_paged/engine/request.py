@@ -20,9 +20,11 @@ LogitsProcessor = Callable[[Any, Any], Any]
 class TokenConstraint(Protocol):
     """Which tokens a request may sample next (a grammar's state), as a bitmask.
 
-    The runner asks for the mask of every constrained request in a batch, then
-    masks the batch's logits in one operation; the engine feeds each sampled
-    token back.
+    The runner masks a batch's logits in one operation. After each step, a
+    background thread has every constrained request accept the token it sampled
+    and fill its next mask, so both methods must be safe to call off the
+    engine's thread (they never touch MLX). A token the constraint refuses ends
+    the request at its next step.
     """
 
     def fill(self, row: Any) -> None:
@@ -92,6 +94,9 @@ class Request:
     stop_tokens: frozenset[int]
     logprobs: int | None = None  # top log-probs per token to report; None: none
     constraint: TokenConstraint | None = None  # a grammar that masks every sampled token
+    # The constraint's next mask (a numpy row, filled a step ahead), or why it failed.
+    mask: Any = None
+    mask_error: str | None = None
     generated: list[int] = field(default_factory=list)
     tables: dict[LayerKind, BlockTable] | None = None
     slot: int | None = None

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 
 from ..blocks import LayerKind
 from ..cache import DecodeBatch, PagedKVCache, PagedLayout, StepPagedKVCache, StepStateCache
 from ..storage import KVPool, StatePool
+from .masks import MaskWork
 from .request import Request, Sampled
 
 
@@ -41,6 +41,8 @@ class ModelRunner:
         self.layout = layout
         self.pools = pools
         self.states = states
+        self.masks = MaskWork()
+        self.vocab = 0  # columns of the logits, once a step has sampled
 
     def prefill(self, req: Request, n: int, logits: bool = False) -> mx.array | None:
         """Run ``req``'s next ``n`` tokens through its own caches.
@@ -115,12 +117,18 @@ class ModelRunner:
         notice. Constrained requests' logits are masked first, in one operation
         over the batch that leaves the other rows as they were.
         """
+        self.vocab = logits.shape[-1]
+        errors: dict[int, str] = {}
         if any(r.constraint is not None for r in reqs):
-            logits = self._constrain(reqs, logits)
+            mx.async_eval(logits)  # the forward runs while the masks are gathered
+            words, errors = self.masks.words(reqs, self.vocab)
+            logits = mask_logits(logits, mx.array(words))
         plain = [r.sampler is None and not r.logits_processors and r.logprobs is None for r in reqs]
-        if all(plain):  # the common case: one argmax, one transfer
+        if all(plain) and not errors:  # the common case: one argmax, one transfer
             return [Sampled(t) for t in mx.argmax(logits, axis=-1).tolist()]
         out: list[Sampled | None] = [None] * len(reqs)
+        for i, error in errors.items():
+            out[i], plain[i] = Sampled(error=error), False
         greedy = [i for i, p in enumerate(plain) if p]
         if greedy:
             picked = mx.argmax(logits[mx.array(greedy)], axis=-1).tolist()
@@ -134,20 +142,6 @@ class ModelRunner:
                 except Exception as e:  # the request's own code: end it, not the batch
                     out[i] = Sampled(error=f"{type(e).__name__}: {e}")
         return out
-
-    @staticmethod
-    def _constrain(reqs: list[Request], logits: mx.array) -> mx.array:
-        """``logits`` with every token a request's constraint forbids at ``-inf``.
-
-        The forward runs while the constraints compute their masks on the host.
-        """
-        mx.async_eval(logits)
-        vocab = logits.shape[-1]
-        words = np.full((len(reqs), (vocab + 31) // 32), -1, dtype=np.int32)
-        for i, r in enumerate(reqs):
-            if r.constraint is not None:
-                r.constraint.fill(words[i])
-        return mask_logits(logits, mx.array(words))
 
 
 def mask_logits(logits: mx.array, words: mx.array) -> mx.array:
