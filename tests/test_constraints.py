@@ -123,3 +123,26 @@ def test_a_constraint_that_raises_ends_that_request_only():
     assert "grammar state lost" in ended[-1].error
     assert len([e for e in events if e.uid == b]) == 6
     engine.check_invariants()
+
+
+class Batched(AllowList):
+    calls: list[int] = []
+
+    @staticmethod
+    def fill_many(constraints: list[Batched], rows: np.ndarray) -> None:
+        Batched.calls.append(len(constraints))
+        for c, row in zip(constraints, rows, strict=True):
+            c.fill(row)
+
+
+def test_constraints_with_fill_many_fill_together():
+    engine = PagedEngine(model_of("llama"), block_size=4, max_batch_size=3)
+    scripts = [Batched([{(k + 5 * i) % VOCAB} for i in range(8)]) for k in range(3)]
+    uids = [engine.add_request([k + 1, 7], 8, constraint=c) for k, c in enumerate(scripts)]
+    out = {uid: [] for uid in uids}
+    for event in engine.stream():
+        out[event.uid].append(event.token)
+    for uid, c in zip(uids, scripts, strict=True):
+        assert out[uid] == [min(s) for s in c.allowed] == c.seen
+    # The first masks come one by one (at prefill); the next 7 steps fill all three at once.
+    assert Batched.calls == [3] * 7

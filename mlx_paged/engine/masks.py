@@ -68,6 +68,7 @@ class MaskWork:
 
 
 def _advance(pairs: list[tuple[Request, int, bool]], vocab: int) -> None:
+    fill: dict[type, list[Request]] = {}
     for req, token, more in pairs:
         try:
             ok = req.constraint.accept(token)
@@ -78,7 +79,21 @@ def _advance(pairs: list[tuple[Request, int, bool]], vocab: int) -> None:
             req.mask_error = f"token {token} breaks the request's constraint"
             continue
         if more:
-            _fill(req, vocab)
+            fill.setdefault(type(req.constraint), []).append(req)
+    for kind, reqs in fill.items():
+        many = getattr(kind, "fill_many", None)
+        if many is not None and len(reqs) > 1:
+            rows = np.empty((len(reqs), (vocab + 31) // 32), dtype=np.int32)
+            try:
+                many([r.constraint for r in reqs], rows)
+            except Exception:  # find which one fails, one by one
+                pass
+            else:
+                for r, row in zip(reqs, rows, strict=True):
+                    r.mask = row
+                continue
+        for r in reqs:
+            _fill(r, vocab)
 
 
 def _fill(req: Request, vocab: int) -> None:

@@ -24,7 +24,9 @@ class TokenConstraint(Protocol):
     background thread has every constrained request accept the token it sampled
     and fill its next mask, so both methods must be safe to call off the
     engine's thread (they never touch MLX). A token the constraint refuses ends
-    the request at its next step.
+    the request at its next step. A class may add a static ``fill_many(constraints,
+    rows)`` that fills the rows of a 2-D array for several of its instances at once
+    (a grammar engine's parallel mask computation).
     """
 
     def fill(self, row: Any) -> None:

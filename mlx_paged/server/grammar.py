@@ -17,6 +17,8 @@ from typing import Any
 
 import llguidance
 import llguidance.hf
+import numpy as np
+from llguidance.numpy import fill_next_token_bitmask_par
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 logger = logging.getLogger("mlx_paged.server")
@@ -38,6 +40,19 @@ class GrammarConstraint:
     def accept(self, token: int) -> bool:
         """Advance past ``token``; ``False`` if the grammar forbids it."""
         return self.matcher.consume_token(token)
+
+    @staticmethod
+    def fill_many(constraints: list[GrammarConstraint], rows: np.ndarray) -> None:
+        """Fill row ``i`` of ``rows`` for ``constraints[i]``, in parallel on llguidance's
+        own threads."""
+        global _EXECUTOR
+        if _EXECUTOR is None:
+            _EXECUTOR = llguidance.LLExecutor()
+        matchers = [(c.matcher, i) for i, c in enumerate(constraints)]
+        fill_next_token_bitmask_par(_EXECUTOR, matchers, rows)
+
+
+_EXECUTOR: llguidance.LLExecutor | None = None  # made on first use: it starts threads
 
 
 class Grammars:
