@@ -174,10 +174,17 @@ class Timed:
         self.spent["accept"] += time.perf_counter() - t
         return ok
 
+    @staticmethod
+    def fill_many(constraints: list[Timed], rows) -> None:
+        t = time.perf_counter()
+        type(constraints[0].inner).fill_many([c.inner for c in constraints], rows)
+        constraints[0].spent["fill"] += time.perf_counter() - t
+
 
 def in_process(model_dir: str, prompts: list[str], args) -> None:
-    """The same comparison inside one ``PagedEngine`` (no HTTP): ms per decode step, and the
-    constraints' own host time per step."""
+    """The same comparison inside one ``PagedEngine`` (no HTTP, so admissions and batches
+    are the same in both phases): ms per decode step, the constraints' own host time per
+    step (on the background thread), and whether the unconstrained tokens are identical."""
     import mlx.core as mx
 
     from mlx_paged import PagedEngine
@@ -189,26 +196,39 @@ def in_process(model_dir: str, prompts: list[str], args) -> None:
     make = Grammars(tokenizer, engine.vocab_size).compile(SCHEMAS[args.schema])
     tokens = [tokenizer.encode(p) for p in prompts]
     step = max(1, args.concurrency // max(1, args.constrained))
+    per_step: dict[str, list[float]] = {"free": [], "mixed": []}
     for r in range(args.rounds + 1):  # round 0 warms up
+        outputs = {}
         for name, k in (("free", 0), ("mixed", args.constrained)):
             spent = {"fill": 0.0, "accept": 0.0}
+            uids = []
             for i, t in enumerate(tokens):
                 c = Timed(make(), spent) if k and i % step == 0 else None
-                engine.add_request(t, args.max_tokens, constraint=c)
-            engine.step()  # admission, prefill and the first decode
+                uids.append(engine.add_request(t, args.max_tokens, constraint=c))
+            out = {uid: [] for uid in uids}
+            for event in engine.step():  # admission, prefill and the first decode
+                out[event.uid].append(event.token)
             mx.synchronize()
             t0, steps = time.perf_counter(), 0
             while engine.running:
-                engine.step()
+                for event in engine.step():
+                    out[event.uid].append(event.token)
                 steps += 1
             ms = (time.perf_counter() - t0) / steps * 1e3
+            outputs[name] = [out[uid] for uid in uids]
             if r:
+                per_step[name].append(ms)
                 print(
                     f"in process round {r} {name:5s}: {ms:6.2f} ms/step over {steps} steps; "
                     f"fill {spent['fill'] / steps * 1e3:.3f} ms/step, "
                     f"accept {spent['accept'] / steps * 1e3:.3f} ms/step",
                     flush=True,
                 )
+        free = [i for i in range(len(tokens)) if i % step or not args.constrained]
+        same = sum(outputs["free"][i] == outputs["mixed"][i] for i in free)
+        print(f"in process round {r}: unconstrained tokens identical {same}/{len(free)}")
+    free, mixed = statistics.median(per_step["free"]), statistics.median(per_step["mixed"])
+    print(f"in process: free / mixed step time {free / mixed:.3f} (medians of {args.rounds})")
 
 
 def main() -> None:
