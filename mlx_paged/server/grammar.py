@@ -70,10 +70,13 @@ class Grammars:
         self.error: str | None = None
         self.tokenizer: llguidance.LLTokenizer | None = None
         try:
+            # The token a finished grammar allows: the tokenizer's own end token where it
+            # is one of the ids that stop generation.
+            eos = tokenizer.eos_token_id
+            if eos not in tokenizer.eos_token_ids:
+                eos = sorted(tokenizer.eos_token_ids)[0]
             self.tokenizer = llguidance.hf.from_tokenizer(
-                tokenizer._tokenizer,
-                n_vocab=vocab_size,
-                eos_token=sorted(tokenizer.eos_token_ids)[0],
+                tokenizer._tokenizer, n_vocab=vocab_size, eos_token=eos
             )
         except Exception as e:  # the server still serves everything else
             self.error = f"the grammar engine cannot read this tokenizer: {e}"
