@@ -230,9 +230,9 @@ class PagedEngine:
         """
         events: list[Event] = []
         for work in self.scheduler.admit():
-            events += self._tell(self._prefill(work), on_event)
+            events += _tell(self._prefill(work), on_event)
         if self.scheduler.running:
-            events += self._tell(self._decode(), on_event)
+            events += _tell(self._decode(), on_event)
         if not self.scheduler.running:
             self.runner.masks.wait()  # idle: every constraint has seen its last token
         return events
@@ -284,13 +284,6 @@ class PagedEngine:
         logits = self.runner.decode(reqs)
         return self._emit(reqs, self.runner.sample(reqs, logits))
 
-    @staticmethod
-    def _tell(events: list[Event], on_event: Callable[[Event], None] | None) -> list[Event]:
-        if on_event is not None:
-            for event in events:
-                on_event(event)
-        return events
-
     def _emit(self, reqs: list[Request], sampled: list[Sampled]) -> list[Event]:
         events, constrained = [], []
         for r, s in zip(reqs, sampled, strict=True):
@@ -300,10 +293,16 @@ class PagedEngine:
                 events.append(self.scheduler.emit(r, s.token, s.logprob, s.top_logprobs))
                 if r.constraint is not None:
                     constrained.append((r, s.token, events[-1].finish_reason is None))
-        # Off the critical path: accepted and the next masks filled while the host
-        # builds the next step.
+        # Accepted, and the next masks filled, while the host builds the next step.
         self.runner.masks.advance(constrained, self.runner.vocab)
         return events
+
+
+def _tell(events: list[Event], on_event: Callable[[Event], None] | None) -> list[Event]:
+    if on_event is not None:
+        for event in events:
+            on_event(event)
+    return events
 
 
 def check_positive(sizes: dict[str, object], optional: dict[str, object]) -> None:

@@ -258,7 +258,7 @@ class EngineWorker:
             tokens = () if eos else (event.token,)
             self._finish(job, event.finish_reason, text, tokens, logprobs if tokens else ())
         else:
-            text, reasoning, calls = self._split(job, text)
+            text, reasoning, calls = split_output(self.tokenizer, job, text)
             out = Output(text, (event.token,), logprobs, reasoning=reasoning, tool_calls=calls)
             job.deliver(out)
 
@@ -276,7 +276,7 @@ class EngineWorker:
         if flush and reason != "abort":
             text += job.text.finish()
         cached = job.request.prefix_hit if job.request is not None else 0
-        text, reasoning, calls = self._split(job, text, final=reason)
+        text, reasoning, calls = split_output(self.tokenizer, job, text, final=reason)
         job.deliver(
             Output(
                 text,
@@ -290,68 +290,6 @@ class EngineWorker:
             )
         )
 
-    def _split(self, job: Job, text: str, final: str | None = None) -> tuple[str, str, tuple]:
-        """``text`` as (content, reasoning, completed tool calls): all content unless the
-        job splits reasoning or tool calls off.
-
-        The state machine holds back text that may begin a marker; at the end (``final``,
-        the finish reason) it lets it go. A call still open then is complete when the
-        model stopped (formats without an end marker end there), and raw text when it
-        was cut off. A forced call's output is all call: it is held to the end.
-        """
-        if job.forced:
-            job.tool_text += text
-            if final is None:
-                return "", "", ()
-            text, job.tool_text = job.tool_text, ""
-            if final == "stop":
-                try:
-                    return "", "", tuple(parse_forced_calls(text, job.forced_name))
-                except ValueError:
-                    pass
-            return text, "", ()
-        if job.thinking is None:
-            return text, "", ()
-        job.thinking, segments = TextStateMachine.split(job.thinking, text)
-        if final is not None:
-            job.thinking, rest, state = TextStateMachine.flush(job.thinking)
-            segments.append((state, rest))
-        content, reasoning, raw = [], [], []
-        for state, piece in segments:
-            if state == "tool":
-                job.tool_text += piece
-                continue
-            if job.tool_text:  # the tool state ended: the call is complete
-                raw.append(job.tool_text)
-                job.tool_text = ""
-            (reasoning if state == "reasoning" else content).append(piece)
-        if final is not None and job.tool_text:
-            if final == "stop":
-                raw.append(job.tool_text)
-            else:
-                content.append(f"{self.tokenizer.tool_call_start}{job.tool_text}")
-            job.tool_text = ""
-        calls = []
-        for text in raw:
-            parsed = self._parse_call(text, job.tools)
-            if parsed is None:
-                end = self.tokenizer.tool_call_end or ""
-                content.append(f"{self.tokenizer.tool_call_start}{text}{end}")
-            calls += parsed or []
-        return "".join(content), "".join(reasoning), tuple(calls)
-
-    def _parse_call(self, text: str, tools: list[dict] | None) -> list[tuple[str, str]] | None:
-        """A generated call's ``(name, arguments JSON)`` pairs, parsed by the tokenizer's own
-        mlx-lm parser; ``None`` when it does not parse (it stays text)."""
-        try:
-            parsed = self.tokenizer.tool_parser(text, tools)
-            parsed = parsed if isinstance(parsed, list) else [parsed]
-            return [
-                (c["name"], json.dumps(c.get("arguments", {}), ensure_ascii=False)) for c in parsed
-            ]
-        except Exception:  # the model's text, in any shape: never a 500
-            return None
-
     def _fail_all(self, message: str, reason: str | None = None) -> None:
         for uid, job in list(self._jobs.items()):
             self.engine.abort(uid)
@@ -360,3 +298,69 @@ class EngineWorker:
                 job.deliver(Output(error=message))
             else:
                 self._finish(job, reason)
+
+
+def split_output(
+    tokenizer: TokenizerWrapper, job: Job, text: str, final: str | None = None
+) -> tuple[str, str, tuple]:
+    """``text`` as (content, reasoning, completed tool calls): all content unless the
+    job splits reasoning or tool calls off.
+
+    The state machine holds back text that may begin a marker; at the end (``final``,
+    the finish reason) it lets it go. A call still open then is complete when the
+    model stopped (formats without an end marker end there), and raw text when it
+    was cut off. A forced call's output is all call: it is held to the end.
+    """
+    if job.forced:
+        job.tool_text += text
+        if final is None:
+            return "", "", ()
+        text, job.tool_text = job.tool_text, ""
+        if final == "stop":
+            try:
+                return "", "", tuple(parse_forced_calls(text, job.forced_name))
+            except ValueError:
+                pass
+        return text, "", ()
+    if job.thinking is None:
+        return text, "", ()
+    job.thinking, segments = TextStateMachine.split(job.thinking, text)
+    if final is not None:
+        job.thinking, rest, state = TextStateMachine.flush(job.thinking)
+        segments.append((state, rest))
+    content, reasoning, raw = [], [], []
+    for state, piece in segments:
+        if state == "tool":
+            job.tool_text += piece
+            continue
+        if job.tool_text:  # the tool state ended: the call is complete
+            raw.append(job.tool_text)
+            job.tool_text = ""
+        (reasoning if state == "reasoning" else content).append(piece)
+    if final is not None and job.tool_text:
+        if final == "stop":
+            raw.append(job.tool_text)
+        else:
+            content.append(f"{tokenizer.tool_call_start}{job.tool_text}")
+        job.tool_text = ""
+    calls = []
+    for text in raw:
+        parsed = parse_call(tokenizer, text, job.tools)
+        if parsed is None:
+            end = tokenizer.tool_call_end or ""
+            content.append(f"{tokenizer.tool_call_start}{text}{end}")
+        calls += parsed or []
+    return "".join(content), "".join(reasoning), tuple(calls)
+
+
+def parse_call(
+    tokenizer: TokenizerWrapper, text: str, tools: list[dict] | None
+) -> list[tuple[str, str]] | None:
+    """A generated call's ``(name, arguments JSON)`` pairs, parsed by the tokenizer's own
+    mlx-lm parser; ``None`` when it does not parse (it stays text)."""
+    try:
+        parsed = tokenizer.tool_parser(text, tools)
+        parsed = parsed if isinstance(parsed, list) else [parsed]
+        return [(c["name"], json.dumps(c.get("arguments", {}), ensure_ascii=False)) for c in parsed]
+    except Exception:  # the model's text, in any shape: never a 500
+        return None
