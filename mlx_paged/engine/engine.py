@@ -28,6 +28,7 @@ from ..attention import route_attention
 from ..blocks import LayerKind, check_block_size
 from ..cache import PagedLayout, make_pools
 from ..storage import KVPool, StatePool, check_kv_dtype, check_kv_quant
+from .distributed import Agreement
 from .request import (
     EngineStats,
     Event,
@@ -76,6 +77,9 @@ class PagedEngine:
             of ``block_size`` nearest ``DEFAULT_SNAPSHOT_INTERVAL``.
         num_state_snapshots: Most recurrent-state snapshots kept (least recently
             used evicted first); ``None``: ``2 * max_batch_size``.
+        group: The ranks of a model sharded across processes (``shard_model``):
+            every rank must add the same requests and aborts in the same order;
+            before each step their states are compared (``Agreement``).
     """
 
     def __init__(
@@ -93,6 +97,7 @@ class PagedEngine:
         cold_blocks: int | None = None,
         state_snapshot_interval: int | None = None,
         num_state_snapshots: int | None = None,
+        group: mx.distributed.Group | None = None,
     ):
         check_block_size(block_size)
         check_kv_dtype(kv_dtype)
@@ -104,18 +109,7 @@ class PagedEngine:
             "num_state_snapshots": num_state_snapshots,
         }
         check_positive(sizes, optional)
-        if state_snapshot_interval is None:
-            state_snapshot_interval = block_size * max(1, DEFAULT_SNAPSHOT_INTERVAL // block_size)
-        if (
-            isinstance(state_snapshot_interval, bool)
-            or not isinstance(state_snapshot_interval, int)
-            or state_snapshot_interval <= 0
-            or state_snapshot_interval % block_size
-        ):
-            raise ValueError(
-                f"state_snapshot_interval must be a positive multiple of block_size "
-                f"({block_size}), got {state_snapshot_interval!r}."
-            )
+        state_snapshot_interval = snapshot_interval(state_snapshot_interval, block_size)
         layout = PagedLayout.of(model)
         pools = make_pools(layout, block_size, num_blocks, kv_dtype, quant, cold_blocks)
         if not pools:  # recurrent layers only: blocks index tokens and hold no K/V
@@ -133,6 +127,7 @@ class PagedEngine:
             state_snapshot_interval,
         )
         self.runner = ModelRunner(model, layout, pools, states)
+        self.agreement = Agreement(group) if group is not None and group.size() > 1 else None
         self.vocab_size = vocab_size(model)
         self._next_uid = 0
         route_attention()
@@ -229,6 +224,8 @@ class PagedEngine:
         (the step is under way); abort after ``step`` returns.
         """
         events: list[Event] = []
+        if self.agreement is not None and (self.scheduler.waiting or self.scheduler.running):
+            self.agreement.check(self.scheduler)
         for work in self.scheduler.admit():
             events += _tell(self._prefill(work), on_event)
         if self.scheduler.running:
@@ -296,6 +293,20 @@ class PagedEngine:
         # Accepted, and the next masks filled, while the host builds the next step.
         self.runner.masks.advance(constrained, self.runner.vocab)
         return events
+
+
+def snapshot_interval(interval: object, block_size: int) -> int:
+    """``state_snapshot_interval`` checked (a positive multiple of ``block_size``), or the
+    default for ``None``."""
+    if interval is None:
+        return block_size * max(1, DEFAULT_SNAPSHOT_INTERVAL // block_size)
+    valid = isinstance(interval, int) and not isinstance(interval, bool) and interval > 0
+    if not valid or interval % block_size:
+        raise ValueError(
+            f"state_snapshot_interval must be a positive multiple of block_size "
+            f"({block_size}), got {interval!r}."
+        )
+    return interval
 
 
 def _tell(events: list[Event], on_event: Callable[[Event], None] | None) -> list[Event]:

@@ -1,0 +1,98 @@
+"""One engine over several processes: sharding checks, shared inputs, agreement checks.
+
+Under ``mlx.launch`` every rank runs the same ``PagedEngine`` over its shard of
+the model (``model.shard(group)``: each rank holds its share of the attention
+heads, so its pools hold only those heads' K/V). The pure-Python scheduler is
+replicated: fed the same requests and aborts in the same order, every rank makes
+the same admissions, block ids, prefix adoptions and preemptions. ``share``
+sends rank 0's inputs to the others; ``Agreement`` checks after each step that
+the ranks' plans match and stops the job, naming the step, when they do not.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .scheduler import Scheduler
+
+# Heads a model's config names, by the names mlx-lm's ModelArgs use.
+_HEAD_FIELDS = ("num_attention_heads", "num_key_value_heads", "n_heads", "n_kv_heads")
+
+
+def shard_model(model: nn.Module, group: mx.distributed.Group) -> nn.Module:
+    """Shard ``model`` by tensor across ``group`` (mlx-lm's ``model.shard``), in place.
+
+    Raises:
+        ValueError: the model has no ``shard`` (its mlx-lm file cannot split it), or
+            its heads do not divide among the ranks; the message names the reason.
+    """
+    n = group.size()
+    kind = getattr(getattr(model, "args", None), "model_type", type(model).__name__)
+    if not hasattr(model, "shard"):
+        raise ValueError(
+            f"{kind} cannot be sharded by tensor: its mlx-lm model has no shard() method."
+        )
+    args = getattr(model, "args", None)
+    for name in _HEAD_FIELDS:
+        heads = getattr(args, name, None)
+        if isinstance(heads, int) and heads % n:
+            raise ValueError(f"{kind} cannot be sharded over {n} ranks: {name}={heads}.")
+    try:
+        model.shard(group)
+    except ValueError as e:  # a weight that does not divide
+        raise ValueError(f"{kind} cannot be sharded over {n} ranks: {e}") from e
+    return model
+
+
+def share(obj: Any, group: mx.distributed.Group) -> Any:
+    """Rank 0's ``obj``, on every rank (pickled, summed with zeros from the others)."""
+    if group.size() == 1:
+        return obj
+    data = mx.array(list(pickle.dumps(obj)), mx.uint8) if group.rank() == 0 else None
+    size = mx.array(data.size if data is not None else 0)
+    size = mx.distributed.all_sum(size, group=group).item()
+    if data is None:
+        data = mx.zeros(size, mx.uint8)
+    return pickle.loads(bytes(mx.distributed.all_sum(data, group=group)))
+
+
+class Agreement:
+    """Before each step: a digest of every rank's state, compared across the ranks.
+
+    The digest covers the waiting requests (ids, prompts, limits), the running
+    ones in batch order with their tokens, block ids per layer group and state
+    slots, and the scheduler's counters: everything the step's plan follows
+    from. It is checked before any forward, because ranks that disagree would
+    run collectives of different shapes, which hang or compute garbage;
+    ``check`` raises instead.
+    """
+
+    def __init__(self, group: mx.distributed.Group):
+        self.group = group
+        self.steps = 0
+
+    def check(self, scheduler: Scheduler) -> None:
+        """Raise RuntimeError unless every rank is about to plan this step from the same
+        state."""
+        self.steps += 1
+        plan: list = [(r.uid, r.prompt, r.max_tokens, r.generated) for r in scheduler.waiting]
+        plan += [
+            (r.uid, r.generated, r.slot, [(str(k), t.blocks) for k, t in r.tables.items()])
+            for r in scheduler.running
+        ]
+        plan.append(sorted(scheduler.counters.items()))
+        digest = hashlib.blake2b(repr(plan).encode(), digest_size=8).digest()
+        # Four 16-bit lanes: their sums over the ranks cannot overflow an int32.
+        lanes = mx.array([int.from_bytes(digest[i : i + 2], "little") for i in range(0, 8, 2)])
+        total = mx.distributed.all_sum(lanes, group=self.group)
+        if not mx.array_equal(total, lanes * self.group.size()).item():
+            raise RuntimeError(
+                f"rank {self.group.rank()}: the ranks' plans differ at step {self.steps}: "
+                "they were not given the same requests and aborts in the same order, or "
+                "sampled different tokens."
+            )

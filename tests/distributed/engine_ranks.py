@@ -1,0 +1,82 @@
+"""One rank of the sharded-engine test (run by ``mlx.launch -n 2 --backend ring``).
+
+For each family: the unsharded model's greedy tokens in one process, then the
+same model sharded across the ranks (``shard_model``) in a ``PagedEngine`` with
+the group. Each rank writes what it saw to ``OUT/rank<r>.json`` for the test to
+compare.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+
+sys.path.insert(0, str(Path(__file__).parent.parent))
+mx.set_default_device(mx.cpu)
+
+from tiny_models import tiny_model  # noqa: E402
+
+from mlx_paged import PagedEngine  # noqa: E402
+from mlx_paged.engine.distributed import shard_model, share  # noqa: E402
+
+SYSTEM = list(range(1, 21))  # 20 shared tokens: 5 blocks of 4
+PROMPTS = [SYSTEM + [30, 31, 32], SYSTEM + [40, 41], SYSTEM + [50, 51, 52, 53], [60, 61, 62]]
+
+
+def run(engine: PagedEngine) -> dict:
+    """Greedy tokens (one request first, so the rest adopt its prefix) and what the
+    scheduler did, step by step."""
+    first = engine.generate(PROMPTS[:1], 6)
+    uids = [engine.add_request(p, 6) for p in PROMPTS[1:]]
+    out = {uid: [] for uid in uids}
+    tables = []
+    while engine.running or engine.waiting:
+        for event in engine.step():
+            out[event.uid].append(event.token)
+        tables.append([[t.blocks for t in r.tables.values()] for r in engine.running])
+    engine.check_invariants()
+    stats = engine.stats()
+    return {
+        "tokens": first + [out[u] for u in uids],
+        "tables": tables,
+        "prefix_hit_tokens": stats.prefix_hit_tokens,
+        "bytes": stats.bytes,
+        "total_blocks": stats.total_blocks,
+    }
+
+
+def main() -> None:
+    out_dir = Path(sys.argv[1])
+    group = mx.distributed.init()
+    result: dict = {"rank": group.rank(), "size": group.size()}
+    for family in ("llama", "qwen3"):
+        alone = run(PagedEngine(tiny_model(family), block_size=4, max_batch_size=4))
+        model = shard_model(tiny_model(family), group)
+        sharded = run(PagedEngine(model, block_size=4, max_batch_size=4, group=group))
+        result[family] = {"alone": alone, "sharded": sharded}
+    # A model whose heads do not divide is refused, naming why.
+    try:
+        shard_model(tiny_model("llama", num_key_value_heads=1, num_attention_heads=3), group)
+    except ValueError as e:
+        result["refused_heads"] = str(e)
+    try:
+        shard_model(tiny_model("gemma3_text"), group)
+    except ValueError as e:
+        result["refused_shard"] = str(e)
+    # Rank 0's requests reach every rank.
+    result["shared"] = share({"prompt": PROMPTS[0], "rank": group.rank()}, group)
+    # Ranks fed different requests stop at the first step, naming it.
+    engine = PagedEngine(shard_model(tiny_model("llama"), group), block_size=4, group=group)
+    engine.add_request(PROMPTS[group.rank()], 4)
+    try:
+        engine.step()
+    except RuntimeError as e:
+        result["disagreement"] = str(e)
+    (out_dir / f"rank{group.rank()}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
