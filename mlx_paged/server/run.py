@@ -10,56 +10,15 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 
-import mlx.core as mx
 from fastapi import Request
-from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, apply_xtc
 
 from ..engine.request import TokenConstraint
 from .config import APIError
+from .sampling import make_request_sampler
 from .schemas import SamplingParams
 from .worker import EngineWorker, Job, Output
-
-
-def make_request_sampler(
-    temperature: float,
-    top_p: float,
-    top_k: int,
-    min_p: float,
-    seed: int | None,
-    xtc: tuple[float, float, list[int]] | None = None,
-) -> Callable[[mx.array], mx.array] | None:
-    """A sampler over log-probs ``(1, V)`` with its own random stream when ``seed`` is given.
-
-    ``None`` (greedy) at temperature 0. The filters apply in mlx-lm's
-    ``make_sampler`` order: top-p, min-p, XTC (``xtc``: probability, threshold
-    and the token ids it never removes), top-k. MLX work happens only when the
-    engine thread calls it.
-    """
-    if temperature == 0:
-        return None
-    key: list[mx.array] = []
-
-    def sample(logprobs: mx.array) -> mx.array:
-        x = logprobs
-        if top_p < 1.0:
-            x = apply_top_p(x, top_p)
-        if min_p > 0.0:
-            x = apply_min_p(x, min_p)
-        if xtc is not None and xtc[0] > 0.0:
-            x = apply_xtc(x, *xtc)
-        if top_k > 0:
-            x = apply_top_k(x, top_k)
-        if seed is None:
-            return mx.random.categorical(x * (1.0 / temperature))
-        if not key:
-            key.append(mx.random.key(seed))
-        key[0], sub = mx.random.split(key[0])
-        return mx.random.categorical(x * (1.0 / temperature), key=sub)
-
-    return sample
 
 
 @dataclass
@@ -77,6 +36,7 @@ class ChatShape:
     constraints: list[TokenConstraint] | None = None
     forced: bool = False
     forced_name: str | None = None
+    schema: dict | None = None  # the constraints' JSON schema (other ranks rebuild them)
 
 
 class Run:
@@ -103,14 +63,14 @@ class Run:
         for i in range(body.n):
             seed = None if body.seed is None else body.seed + i
             xtc = (body.xtc_probability, body.xtc_threshold, list(xtc_special_tokens or []))
-            sampler = make_request_sampler(
-                body.temperature, body.top_p, body.top_k, body.min_p, seed, xtc
-            )
+            sampling = (body.temperature, body.top_p, body.top_k, body.min_p, seed, xtc)
+            sampler = make_request_sampler(*sampling)
 
             def deliver(out: Output, i: int = i) -> None:
                 loop.call_soon_threadsafe(self.queue.put_nowait, (i, out))
 
             job = Job(list(tokens), max_tokens, deliver, sampler, logprobs=logprobs)
+            job.sampling, job.schema = sampling, shape.schema
             job.logits = body.logits_settings()
             job.split_reasoning = shape.reasoning
             job.tools = shape.tools

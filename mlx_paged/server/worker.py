@@ -80,6 +80,10 @@ class Job:
     constraint: TokenConstraint | None = None
     forced: bool = False
     forced_name: str | None = None
+    # How to rebuild the sampler and the constraint on another rank: make_request_sampler's
+    # arguments, and the constraint's JSON schema.
+    sampling: tuple | None = None
+    schema: dict | None = None
 
 
 class EngineWorker:
@@ -106,6 +110,7 @@ class EngineWorker:
         self._thread = threading.Thread(target=self._main, name="mlx_paged-engine", daemon=True)
         self._stopping = threading.Event()
         self._done = threading.Event()  # the engine loop has ended
+        self.fatal_steps = False  # whether a failed step ends the loop (sharded models)
 
     # ---- any thread -------------------------------------------------------
 
@@ -172,18 +177,23 @@ class EngineWorker:
             if not self._drain(block=not busy):
                 break
             if self.engine.running or self.engine.waiting:
-                try:
-                    # First tokens go out as soon as their prefill ends.
-                    self.engine.step(on_event=self._on_event)
-                except Exception as e:  # a forward failed: end what it carried, keep serving
-                    logger.exception("mlx_paged: an engine step failed")
-                    self._fail_all(f"the engine step failed: {type(e).__name__}: {e}")
-                for uid in self._stopped:  # stop strings seen during the step
-                    self.engine.abort(uid)
-                self._stopped.clear()
+                self._step()
             self.stats = self.engine.stats()
         self._fail_all("the server is shutting down", reason="abort")
         self.stats = self.engine.stats()
+
+    def _step(self) -> None:
+        try:
+            # First tokens go out as soon as their prefill ends.
+            self.engine.step(on_event=self._on_event)
+        except Exception as e:  # a forward failed: end what it carried, keep serving
+            logger.exception("mlx_paged: an engine step failed")
+            self._fail_all(f"the engine step failed: {type(e).__name__}: {e}")
+            if self.fatal_steps:
+                raise
+        for uid in self._stopped:  # stop strings seen during the step
+            self.engine.abort(uid)
+        self._stopped.clear()
 
     def _drain(self, block: bool) -> bool:
         """Apply queued commands (waiting for one if ``block``); False once asked to stop."""
