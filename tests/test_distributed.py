@@ -6,6 +6,7 @@ saw, and the tests compare the ranks with each other and with one process.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -174,4 +175,27 @@ def test_a_rank_that_dies_ends_the_job_with_an_error(tmp_path, tiny_llama):
         assert not Path(f"/proc/{pids['0']}").exists()
         assert "rank 0 stops: [ring] connection to a peer was lost" in server.log_tail()
     finally:
+        server.stop()
+
+
+@needs_tokenizer
+def test_a_rank_that_hangs_ends_the_job_after_the_timeout(tmp_path, tiny_llama):
+    server = start(tmp_path, tiny_llama, "hang", 2, "--distributed-timeout", "3")
+    pids = rank_pids(server)
+    os.kill(int(pids["1"]), signal.SIGSTOP)  # alive, but never answers
+    try:
+        start_time = time.monotonic()
+        with pytest.raises(openai.APIError) as info:
+            ask(server, "are you there?", tiny_llama, max_tokens=64)
+        assert "did not answer in 3.0 s" in str(info.value)
+        while Path(f"/proc/{pids['0']}").exists() and time.monotonic() - start_time < 30:
+            time.sleep(0.2)
+        assert not Path(f"/proc/{pids['0']}").exists()  # rank 0 gave up
+        with contextlib.suppress(ProcessLookupError):  # unless the launcher ended it
+            os.kill(int(pids["1"]), signal.SIGKILL)
+        server.proc.wait(60)
+        assert "Node with rank 0 exited with code 3" in server.log_tail()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(pids["1"]), signal.SIGKILL)
         server.stop()

@@ -61,6 +61,7 @@ class RankWorker(EngineWorker):
         self.fatal_steps = True  # a failed step leaves the ranks apart: stop the job
         self._grammars: Grammars | None = None
         self._busy_since: float | None = None
+        self._pulled: list[tuple[str, Job | None]] = []
 
     def start(self, timeout: float | None = None) -> None:
         super().start(timeout)
@@ -86,7 +87,9 @@ class RankWorker(EngineWorker):
         local: list[tuple[str, Job | None]] = []
         if self.group.rank() == 0:
             local = self._pull(block)
+        self._pulled = local  # seen by _give_up until every rank has them
         commands = self._exchange([_wire(kind, job, local) for kind, job in local])
+        self._pulled = []
         applied: list[Job | None] = []
         for i, (kind, payload) in enumerate(commands):
             if kind == "stop":
@@ -155,7 +158,8 @@ class RankWorker(EngineWorker):
         """Answer every request with ``message`` and exit with ``RANK_FAILED``."""
         for job in list(self._jobs.values()):
             job.deliver(Output(error=message))
-        for kind, job in self._pull(block=False) if self.group.rank() == 0 else []:
+        pulled = self._pulled + (self._pull(block=False) if self.group.rank() == 0 else [])
+        for kind, job in pulled:
             if kind == "add":
                 job.deliver(Output(error=message))
         time.sleep(1.0)  # the HTTP side sends the errors
