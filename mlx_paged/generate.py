@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -36,6 +37,7 @@ from .cache.memory import (
 )
 from .embedded import MODEL_DTYPES, EmbeddedModelMissing, load_model
 from .engine import PagedEngine
+from .engine.distributed import join_ranks
 from .progress import ProgressBar
 from .prompts import encode_prompt, read_prompts
 
@@ -159,10 +161,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     if args.kv_group_size not in (32, 64, 128):
         parser.error("--kv-group-size must be 32, 64 or 128.")
     if args.paged:
-        dense_only = {
-            "prompt_cache_file": "--prompt-cache-file",
-            "image": "--image",
-        }
+        dense_only = {"prompt_cache_file": "--prompt-cache-file", "image": "--image"}
         for name, flag in dense_only.items():
             if getattr(args, name):
                 parser.error(f"{flag} works with mlx-lm's dense cache only; add --no-paged.")
@@ -269,6 +268,7 @@ def run_many(
     tokenizer: TokenizerWrapper,
     kv_dtype: mx.Dtype | None,
     num_blocks: int | None,
+    group: mx.distributed.Group | None = None,
 ) -> None:
     """Every prompt of ``--prompts-file`` through one ``PagedEngine``; print each answer."""
     try:
@@ -288,6 +288,7 @@ def run_many(
         hot_tokens=args.hot_tokens,
         state_snapshot_interval=args.state_snapshot_interval,
         num_state_snapshots=args.num_state_snapshots,
+        group=group,
     )
     sampler = None if args.temp == 0 else _sampler(args, tokenizer)
     stops = set(tokenizer.eos_token_ids)
@@ -367,8 +368,11 @@ def main(argv: list[str] | None = None) -> None:
             tokenizer_config=tokenizer_config,
             model_config={"quantize_activations": args.quantize_activations},
         )
-    except EmbeddedModelMissing as e:
+        group = join_ranks(model, args.seed)  # under mlx.launch: this rank's shard
+    except (EmbeddedModelMissing, ValueError) as e:
         raise SystemExit(f"mlx_paged.generate: error: {e}") from e
+    if group is not None and group.rank() > 0:
+        sys.stdout = open(os.devnull, "w")  # rank 0 prints for the job
     for eos in args.extra_eos_token:
         tokenizer.add_eos_token(eos)
     kv_dtype = getattr(mx, args.kv_dtype) if args.kv_dtype else None
@@ -386,7 +390,7 @@ def main(argv: list[str] | None = None) -> None:
         if draft_tokenizer.vocab_size != tokenizer.vocab_size:
             parser.error("the draft model's tokenizer does not match the model's.")
     if args.prompts_file is not None:
-        run_many(args, model, tokenizer, kv_dtype, num_blocks)
+        run_many(args, model, tokenizer, kv_dtype, num_blocks, group)
     else:
         run_single(args, model, tokenizer, kv_dtype, num_blocks, draft_model)
 

@@ -199,3 +199,21 @@ def test_a_rank_that_hangs_ends_the_job_after_the_timeout(tmp_path, tiny_llama):
         with contextlib.suppress(ProcessLookupError):
             os.kill(int(pids["1"]), signal.SIGKILL)
         server.stop()
+
+
+@needs_tokenizer
+def test_generate_prompts_file_sharded_prints_one_process_answers(tmp_path, tiny_llama):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Hello there\nWhat is two plus two?\n")
+    cmd = [sys.executable, "-m", "mlx_paged.generate", "--model", str(tiny_llama)]
+    cmd += ["--prompts-file", str(prompts), "--max-tokens", "8", "--model-dtype", "float32"]
+    launch = [launcher(), "-n", "2", "--backend", "ring", "--"]
+
+    def answers(argv: list[str]) -> str:
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return out.stdout.split("Requests:")[0]  # the answers, before the timing line
+
+    alone = answers(cmd)
+    assert alone.count("==========") == 3
+    assert answers(launch + cmd) == alone  # printed once, by rank 0

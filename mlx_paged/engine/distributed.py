@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import pickle
+import random
 from typing import Any
 
 import mlx.core as mx
@@ -47,6 +48,21 @@ def shard_model(model: nn.Module, group: mx.distributed.Group) -> nn.Module:
     except ValueError as e:  # a weight that does not divide
         raise ValueError(f"{kind} cannot be sharded over {n} ranks: {e}") from e
     return model
+
+
+def join_ranks(model: nn.Module, seed: int | None = None) -> mx.distributed.Group | None:
+    """Under ``mlx.launch`` (several ranks): shard ``model`` across them and seed every
+    rank's random stream alike (``seed``, or rank 0's pick). ``None`` when alone.
+
+    Raises:
+        ValueError: from ``shard_model``.
+    """
+    group = mx.distributed.init()
+    if group.size() == 1:
+        return None
+    shard_model(model, group)
+    mx.random.seed(share(random.getrandbits(31) if seed is None else seed, group))
+    return group
 
 
 def share(obj: Any, group: mx.distributed.Group) -> Any:
