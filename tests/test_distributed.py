@@ -114,6 +114,14 @@ def start(root: Path, model: Path, name: str, ranks: int, *flags: str):
     return start_server(root, name, *flags, launch=launch)
 
 
+def stop_all(server) -> None:
+    """Stop the launcher and any rank it left behind (it does not pass signals on)."""
+    for pid in dict(re.findall(r"rank (\d+) of 2, pid (\d+)", server.log.read_text())).values():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(pid), signal.SIGKILL)
+    server.stop()
+
+
 def rank_pids(server) -> dict[str, str]:
     pids = dict(re.findall(r"rank (\d+) of 2, pid (\d+)", server.log.read_text()))
     assert set(pids) == {"0", "1"}, server.log_tail()
@@ -157,7 +165,7 @@ def test_sharded_server_answers_like_one_process(tmp_path, tiny_llama):
         os.kill(int(rank_pids(two)["0"]), signal.SIGTERM)
         assert two.proc.wait(60) == 0, two.log_tail()
     finally:
-        two.stop()
+        stop_all(two)
 
 
 @needs_tokenizer
@@ -175,7 +183,7 @@ def test_a_rank_that_dies_ends_the_job_with_an_error(tmp_path, tiny_llama):
         assert not Path(f"/proc/{pids['0']}").exists()
         assert "rank 0 stops: [ring] connection to a peer was lost" in server.log_tail()
     finally:
-        server.stop()
+        stop_all(server)
 
 
 @needs_tokenizer
@@ -196,9 +204,7 @@ def test_a_rank_that_hangs_ends_the_job_after_the_timeout(tmp_path, tiny_llama):
         server.proc.wait(60)
         assert "Node with rank 0 exited with code 3" in server.log_tail()
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(int(pids["1"]), signal.SIGKILL)
-        server.stop()
+        stop_all(server)
 
 
 @needs_tokenizer
