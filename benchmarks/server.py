@@ -41,12 +41,27 @@ def free_port() -> int:
 
 
 def start(kind: str, model: str, port: int, args: argparse.Namespace) -> subprocess.Popen:
+    # Under MLX's launcher with --ranks N (--backend: ring, nccl, ...); rank 0 serves HTTP.
+    launch = []
+    if getattr(args, "ranks", 1) > 1:
+        launch = [sys.executable, "-m", "mlx._distributed_utils.launch", "-n", str(args.ranks)]
+        launch += ["--backend", args.backend, "--"]
     if kind == "mlx_lm":
-        cmd = [sys.executable, "-m", "mlx_lm.server", "--model", model, "--port", str(port)]
+        cmd = [
+            *launch,
+            sys.executable,
+            "-m",
+            "mlx_lm.server",
+            "--model",
+            model,
+            "--port",
+            str(port),
+        ]
         cmd += ["--decode-concurrency", str(max(args.concurrency)), "--max-tokens", "4096"]
     else:
-        cmd = [sys.executable, "-m", "mlx_paged.server", "--model", model, "--port", str(port)]
-        cmd += ["--max-batch-size", str(max(args.concurrency)), "--max-queue", "100000"]
+        cmd = [*launch, sys.executable, "-m", "mlx_paged.server", "--model", model]
+        cmd += ["--port", str(port), "--max-batch-size", str(max(args.concurrency))]
+        cmd += ["--max-queue", "100000"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 300
     while time.time() < deadline:
@@ -62,9 +77,10 @@ def start(kind: str, model: str, port: int, args: argparse.Namespace) -> subproc
 
 
 class GpuMemory:
-    """Peak GPU memory of one process, sampled with nvidia-smi."""
+    """Peak GPU memory of one process (``pid``; ``None``: the largest of any process, one
+    per GPU under mlx.launch), sampled with nvidia-smi."""
 
-    def __init__(self, pid: int):
+    def __init__(self, pid: int | None):
         self.pid, self.peak, self._stop = pid, 0, threading.Event()
         self.available = shutil.which("nvidia-smi") is not None
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -89,7 +105,7 @@ class GpuMemory:
             out = subprocess.run(query, capture_output=True, text=True).stdout
             for line in out.splitlines():
                 pid, mib = (x.strip() for x in line.split(","))
-                if pid == str(self.pid):
+                if self.pid is None or pid == str(self.pid):  # None: any process (per GPU)
                     self.peak = max(self.peak, int(mib))
             time.sleep(0.2)
 
@@ -137,7 +153,7 @@ async def bench(kind: str, pid: int, port: int, model: str, prompts: list[str], 
     )
     await load(client, model, prompts[:2], 1, 4)  # warm-up
     for c, n in zip(args.concurrency, requests, strict=True):
-        with GpuMemory(pid) as mem:
+        with GpuMemory(None if getattr(args, "ranks", 1) > 1 else pid) as mem:
             wall, res = await load(client, model, prompts[:n], c, args.max_tokens)
         ttft = [r[0] for r in res]
         gaps = [g for r in res for g in r[1]]
@@ -173,6 +189,8 @@ def main() -> None:
     ap.add_argument("--system", type=int, default=1024, help="shared system prompt tokens")
     ap.add_argument("--question", type=int, default=64, help="unique question tokens")
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--ranks", type=int, default=1, help="processes under mlx.launch")
+    ap.add_argument("--backend", default="nccl", help="mlx.launch's backend with --ranks")
     args = ap.parse_args()
     model = args.model or str(embedded_model_path())
     requests = args.requests or [16 if c == 1 else 256 for c in args.concurrency]
