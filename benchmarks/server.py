@@ -33,6 +33,9 @@ from transformers import AutoTokenizer
 
 from mlx_paged.embedded import embedded_model_path
 
+# mlx.launch, from this Python (its module runs nothing under ``python -m``).
+LAUNCH = "import sys; from mlx._distributed_utils.launch import main; sys.exit(main())"
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -44,7 +47,7 @@ def start(kind: str, model: str, port: int, args: argparse.Namespace) -> subproc
     # Under MLX's launcher with --ranks N (--backend: ring, nccl, ...); rank 0 serves HTTP.
     launch = []
     if getattr(args, "ranks", 1) > 1:
-        launch = [sys.executable, "-m", "mlx._distributed_utils.launch", "-n", str(args.ranks)]
+        launch = [sys.executable, "-c", LAUNCH, "-n", str(args.ranks)]
         launch += ["--backend", args.backend, "--"]
     if kind == "mlx_lm":
         cmd = [
