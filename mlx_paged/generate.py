@@ -67,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="Store the KV cache in blocks (default); --no-paged uses mlx-lm's dense cache.",
     )
     g.add_argument("--block-size", type=int, default=16, help="Token slots per block.")
+    g.add_argument("--pipeline", action="store_true", help="Under mlx.launch: split by layers.")
     g.add_argument(
         "--num-blocks",
         type=int,
@@ -368,7 +369,7 @@ def main(argv: list[str] | None = None) -> None:
             tokenizer_config=tokenizer_config,
             model_config={"quantize_activations": args.quantize_activations},
         )
-        group = join_ranks(model, args.seed)  # under mlx.launch: this rank's shard
+        group = join_ranks(model, args.seed, args.pipeline)  # under mlx.launch: its shard
     except (EmbeddedModelMissing, ValueError) as e:
         raise SystemExit(f"mlx_paged.generate: error: {e}") from e
     if group is not None and group.rank() > 0:

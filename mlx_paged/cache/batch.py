@@ -178,6 +178,21 @@ class StepPagedKVCache(PagedLayerCache):
         """Positions of the new tokens, ``(B,)``."""
         return self.batch.offset
 
+    @property
+    def keys(self) -> mx.array:
+        """The layer's whole key pool. A pipelined mlx-lm model ties its send to the next
+        rank to it (``cache.keys = mx.depends(cache.keys, h)``), so that evaluating the
+        step's writes also sends."""
+        return self.pool.keys[self.layer]
+
+    @keys.setter
+    def keys(self, value: mx.array) -> None:
+        pool = self.pool.keys[self.layer]
+        if not isinstance(value, mx.array) or value.shape != pool.shape:
+            got = getattr(value, "shape", type(value).__name__)
+            raise ValueError(f"a batch cache's keys are the pool's {pool.shape}; got {got}.")
+        self.pool.keys[self.layer] = value
+
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Write ``(B, H, n_new, D)`` K/V; return ``(B, H, width, D)`` gathered K/V."""
         b = self.batch

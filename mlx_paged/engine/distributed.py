@@ -1,12 +1,14 @@
 """One engine over several processes: sharding checks, shared inputs, agreement checks.
 
 Under ``mlx.launch`` every rank runs the same ``PagedEngine`` over its shard of
-the model (``model.shard(group)``: each rank holds its share of the attention
-heads, so its pools hold only those heads' K/V). The pure-Python scheduler is
-replicated: fed the same requests and aborts in the same order, every rank makes
-the same admissions, block ids, prefix adoptions and preemptions. ``share``
-sends rank 0's inputs to the others; ``Agreement`` checks after each step that
-the ranks' plans match and stops the job, naming the step, when they do not.
+the model: by tensor (``model.shard(group)``: each rank holds its share of the
+attention heads, so its pools hold only those heads' K/V), or by pipeline stage
+(``model.model.pipeline(group)``: each rank holds a run of layers and their
+K/V). The pure-Python scheduler is replicated: fed the same requests and aborts
+in the same order, every rank makes the same admissions, block ids, prefix
+adoptions and preemptions. ``share`` sends rank 0's inputs to the others;
+``Agreement`` checks before each step that the ranks' states match and stops
+the job, naming the step, when they do not.
 """
 
 from __future__ import annotations
@@ -25,15 +27,28 @@ from .scheduler import Scheduler
 _HEAD_FIELDS = ("num_attention_heads", "num_key_value_heads", "n_heads", "n_kv_heads")
 
 
-def shard_model(model: nn.Module, group: mx.distributed.Group) -> nn.Module:
-    """Shard ``model`` by tensor across ``group`` (mlx-lm's ``model.shard``), in place.
+def shard_model(model: nn.Module, group: mx.distributed.Group, pipeline: bool = False) -> nn.Module:
+    """Shard ``model`` across ``group`` in place: by tensor (mlx-lm's ``model.shard``), or
+    with ``pipeline`` by layers (``model.model.pipeline``: each rank keeps a run of
+    layers, and its pools hold only theirs).
 
     Raises:
-        ValueError: the model has no ``shard`` (its mlx-lm file cannot split it), or
-            its heads do not divide among the ranks; the message names the reason.
+        ValueError: the model has no ``shard``/``pipeline`` (its mlx-lm file cannot
+            split it that way), or its heads or layers do not divide among the
+            ranks; the message names the reason.
     """
     n = group.size()
     kind = getattr(getattr(model, "args", None), "model_type", type(model).__name__)
+    if pipeline:
+        inner = getattr(model, "model", None)
+        if not hasattr(inner, "pipeline"):
+            raise ValueError(
+                f"{kind} cannot be split by pipeline stage: its mlx-lm model has no pipeline()."
+            )
+        if len(inner.layers) < n:
+            raise ValueError(f"{kind} has {len(inner.layers)} layers, fewer than {n} ranks.")
+        inner.pipeline(group)
+        return model
     if not hasattr(model, "shard"):
         raise ValueError(
             f"{kind} cannot be sharded by tensor: its mlx-lm model has no shard() method."
@@ -50,9 +65,12 @@ def shard_model(model: nn.Module, group: mx.distributed.Group) -> nn.Module:
     return model
 
 
-def join_ranks(model: nn.Module, seed: int | None = None) -> mx.distributed.Group | None:
-    """Under ``mlx.launch`` (several ranks): shard ``model`` across them and seed every
-    rank's random stream alike (``seed``, or rank 0's pick). ``None`` when alone.
+def join_ranks(
+    model: nn.Module, seed: int | None = None, pipeline: bool = False
+) -> mx.distributed.Group | None:
+    """Under ``mlx.launch`` (several ranks): shard ``model`` across them (by tensor, or by
+    layers with ``pipeline``) and seed every rank's random stream alike (``seed``, or rank
+    0's pick). ``None`` when alone.
 
     Raises:
         ValueError: from ``shard_model``.
@@ -60,7 +78,7 @@ def join_ranks(model: nn.Module, seed: int | None = None) -> mx.distributed.Grou
     group = mx.distributed.init()
     if group.size() == 1:
         return None
-    shard_model(model, group)
+    shard_model(model, group, pipeline)
     mx.random.seed(share(random.getrandbits(31) if seed is None else seed, group))
     return group
 

@@ -132,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--pipeline",
         action="store_true",
-        help="Under mlx.launch: shard by pipeline stage instead of by tensor (not built yet).",
+        help="Under mlx.launch: split the model by layers (pipeline stages) instead of by tensor.",
     )
     p.add_argument(
         "--distributed-timeout",
@@ -172,10 +172,6 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error(f"--{name.replace('_', '-')} must be {span[name]}, got {getattr(args, name)}.")
     if not isinstance(args.chat_template_args, dict):
         parser.error("--chat-template-args must be a JSON object.")
-    if args.pipeline:
-        parser.error(
-            "--pipeline: pipeline parallel is not built yet; shard by tensor (the default)."
-        )
     if args.distributed_timeout <= 0:
         parser.error(f"--distributed-timeout must be positive, got {args.distributed_timeout}.")
     if not 0 < args.port < 65536:
@@ -203,7 +199,7 @@ def loader(args: argparse.Namespace, group=None):
         sharded = group is not None and group.size() > 1
         model, tokenizer = load_model(args.model, dtype=args.model_dtype, lazy=sharded)
         if sharded:  # each rank reads only its share of the weights
-            shard_model(model, group)
+            shard_model(model, group, pipeline=args.pipeline)
             mx.eval(model.parameters())
         kv_dtype = getattr(mx, args.kv_dtype) if args.kv_dtype else None
         num_blocks = args.num_blocks

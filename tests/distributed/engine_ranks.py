@@ -57,6 +57,16 @@ def main() -> None:
         model = shard_model(tiny_model(family), group)
         sharded = run(PagedEngine(model, block_size=4, max_batch_size=4, group=group))
         result[family] = {"alone": alone, "sharded": sharded}
+    # By pipeline stage: the families whose mlx-lm model has pipeline() (qwen3_5 is hybrid).
+    for family in ("ministral3", "qwen3_5"):
+        alone = run(PagedEngine(tiny_model(family), block_size=4, max_batch_size=4))
+        model = shard_model(tiny_model(family), group, pipeline=True)
+        staged = run(PagedEngine(model, block_size=4, max_batch_size=4, group=group))
+        result[f"{family}-pipeline"] = {"alone": alone, "sharded": staged}
+    try:
+        shard_model(tiny_model("llama"), group, pipeline=True)
+    except ValueError as e:
+        result["refused_pipeline"] = str(e)
     # A model whose heads do not divide is refused, naming why.
     try:
         shard_model(tiny_model("llama", num_key_value_heads=1, num_attention_heads=3), group)
