@@ -151,6 +151,7 @@ def test_sharded_server_answers_like_one_process(tmp_path, tiny_llama):
     one = start(tmp_path, tiny_llama, "one", 1)
     try:
         expected = [ask(one, q, tiny_llama).choices[0].message.content for q in ("hi", "bye")]
+        one_metrics = one.metrics()
     finally:
         one.stop()
     two = start(tmp_path, tiny_llama, "two", 2)
@@ -159,6 +160,10 @@ def test_sharded_server_answers_like_one_process(tmp_path, tiny_llama):
         second = ask(two, "bye", tiny_llama)  # shares the system prompt
         assert [first.choices[0].message.content, second.choices[0].message.content] == expected
         assert second.usage.prompt_tokens_details.cached_tokens > 0
+        # /metrics on rank 0: the job's blocks, and the bytes both ranks hold (each half).
+        metrics = two.metrics()
+        assert metrics["mlx_paged_kv_cache_bytes"] == one_metrics["mlx_paged_kv_cache_bytes"]
+        assert metrics["mlx_paged_kv_blocks_total"] == one_metrics["mlx_paged_kv_blocks_total"]
         # A client that goes away mid-stream: both ranks free its blocks (rank 0's
         # metrics, and the ranks would disagree at the next step otherwise).
         stream = two.client().chat.completions.create(

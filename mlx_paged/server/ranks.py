@@ -133,6 +133,20 @@ class RankWorker(EngineWorker):
         finally:
             self._busy_since = None
 
+    def _update_stats(self) -> None:
+        """Rank 0's stats with the bytes every rank holds summed: the whole job's memory
+        (the block counts and token counters are the same on every rank)."""
+        stats = self.engine.stats()
+        names = ("bytes", "cold_bytes", "state_bytes", "state_snapshot_bytes")
+        self._busy_since = time.monotonic()
+        try:
+            totals = mx.distributed.all_sum(
+                mx.array([getattr(stats, n) for n in names], mx.int64), group=self.group
+            ).tolist()
+        finally:
+            self._busy_since = None
+        self.stats = dataclasses.replace(stats, **dict(zip(names, totals, strict=True)))
+
     def _rebuild(self, job: Job) -> Job:
         """Another rank's copy of rank 0's job: its sampler and grammar made here."""
         job.deliver = _discard

@@ -155,7 +155,7 @@ class EngineWorker:
             self.agent = None  # reasoning and tool-call markers, as mlx_lm.server splits them
             if self.tokenizer.has_tool_calling:
                 self.agent = make_text_state_machine(self.tokenizer)
-            self.stats = self.engine.stats()
+            self._update_stats()
         except BaseException as e:  # reported by start()
             self.load_error = e
             return
@@ -178,8 +178,11 @@ class EngineWorker:
                 break
             if self.engine.running or self.engine.waiting:
                 self._step()
-            self.stats = self.engine.stats()
+            self._update_stats()
         self._fail_all("the server is shutting down", reason="abort")
+        self.stats = self.engine.stats()
+
+    def _update_stats(self) -> None:
         self.stats = self.engine.stats()
 
     def _step(self) -> None:
