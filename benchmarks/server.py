@@ -65,6 +65,8 @@ def start(kind: str, model: str, port: int, args: argparse.Namespace) -> subproc
         cmd = [*launch, sys.executable, "-m", "mlx_paged.server", "--model", model]
         cmd += ["--port", str(port), "--max-batch-size", str(max(args.concurrency))]
         cmd += ["--max-queue", "100000"]
+        if getattr(args, "no_warm_up", False):
+            cmd += ["--no-warm-up"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 300
     while time.time() < deadline:
@@ -172,6 +174,24 @@ async def bench(kind: str, pid: int, port: int, model: str, prompts: list[str], 
     await client.close()
 
 
+async def bursts(kind: str, port: int, model: str, prompts: list[str], args, ready: float):
+    """A fresh server's first burst of ``c`` requests at once, then a second one of other
+    prompts: TTFT p50/p99 of each, and the time the server took to report ready."""
+    client = openai.AsyncOpenAI(
+        base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=5, timeout=3600
+    )
+    c = max(args.concurrency)
+    for i in range(2):
+        wall, res = await load(client, model, prompts[i * c : (i + 1) * c], c, args.max_tokens)
+        ttft = [r[0] for r in res]
+        print(
+            f"{kind:9s} burst {i + 1} of {c}: TTFT p50 {pct(ttft, 0.5):.3f}s "
+            f"p99 {pct(ttft, 0.99):.3f}s, wall {wall:.2f}s (ready after {ready:.1f}s)",
+            flush=True,
+        )
+    await client.close()
+
+
 def pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
@@ -193,6 +213,10 @@ def main() -> None:
     ap.add_argument("--question", type=int, default=64, help="unique question tokens")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--ranks", type=int, default=1, help="processes under mlx.launch")
+    ap.add_argument(
+        "--bursts", action="store_true", help="fresh servers: a first and a second burst"
+    )
+    ap.add_argument("--no-warm-up", action="store_true", help="mlx_paged.server --no-warm-up")
     ap.add_argument("--backend", default="nccl", help="mlx.launch's backend with --ranks")
     args = ap.parse_args()
     model = args.model or str(embedded_model_path())
@@ -217,8 +241,13 @@ def main() -> None:
     )
     for kind in args.servers:
         port = free_port()
+        t0 = time.perf_counter()
         proc = start(kind, model, port, args)
         try:
+            if args.bursts:
+                ready = time.perf_counter() - t0
+                asyncio.run(bursts(kind, port, model, prompts, args, ready))
+                continue
             asyncio.run(bench(kind, proc.pid, port, model, prompts, args, requests))
         finally:
             proc.terminate()

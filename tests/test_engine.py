@@ -422,3 +422,20 @@ def test_first_tokens_are_told_before_the_steps_decode():
     returned = engine.step(on_event=lambda e: heard.append((e, engine.stats().generated_tokens)))
     assert [e for e, _ in heard] == returned
     assert [(e.uid, n) for e, n in heard] == [(second, 3), (first, 5), (second, 5)]
+
+
+def test_warm_up_leaves_the_engine_as_good_as_new():
+    from mlx_paged.engine.warmup import warm_up
+
+    engine = PagedEngine(model_of("llama"), block_size=BS, max_batch_size=4)
+    assert warm_up(engine) > 0
+    stats = engine.stats()
+    assert stats.prompt_tokens == stats.generated_tokens == stats.prefix_hit_tokens == 0
+    assert stats.live_blocks == 0 and stats.cached_blocks > 0 and stats.peak_live_blocks == 0
+    engine.check_invariants()
+    prompts = mixed_prompts(seed=7)[:4]
+    for prompt, got in zip(prompts, run_all(engine, prompts), strict=True):
+        assert got == solo("llama", tuple(prompt))
+    for bad in ([0], [5], [True], [1.5]):
+        with pytest.raises(ValueError, match="warm-up batch sizes"):
+            warm_up(engine, bad)

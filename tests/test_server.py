@@ -150,7 +150,7 @@ def start_server(log_dir: Path, name: str, *flags: str, launch: tuple[str, ...] 
         port = free_port()
         log = log_dir / f"{name}-{attempt}.log"
         cmd = [*launch, sys.executable, "-m", "mlx_paged.server", "--port", str(port)]
-        cmd += ["--model-dtype", "float32", *flags]
+        cmd += ["--model-dtype", "float32", "--no-warm-up", *flags]
         with open(log, "w") as f:
             proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
         server = Server(proc, port, log)
@@ -840,6 +840,22 @@ def test_kv_bits_quantizes_old_blocks_and_reports_them(tmp_path):
 
 
 # ---- command line ----------------------------------------------------------
+
+
+def test_warm_up_runs_before_ready_and_leaves_no_counts(tmp_path):
+    # --warm-up after --no-warm-up (start_server's default): the last flag wins.
+    flags = ["--warm-up", "--max-batch-size", "2", "--log-level", "info"]
+    s = start_server(tmp_path, "warm", *flags)
+    try:
+        m = s.metrics()
+        assert m["mlx_paged_prompt_tokens_total"] == 0
+        assert m["mlx_paged_generation_tokens_total"] == 0
+        assert m["mlx_paged_kv_blocks_cached"] > 0  # the made-up burst's blocks, parked
+        assert "mlx_paged: warmed up in" in s.log_tail()
+        out = s.client().completions.create(model=MODEL, prompt=STORY, max_tokens=4, temperature=0)
+        assert out.usage.completion_tokens == 4
+    finally:
+        s.stop()
 
 
 def test_sampling_defaults_come_from_flags_then_generation_config(tmp_path):

@@ -130,6 +130,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="Seconds running requests get to finish on SIGINT/SIGTERM before they are aborted.",
     )
     p.add_argument(
+        "--warm-up",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Before /health reports ready, run a made-up burst at batch sizes 1, 8 and "
+        "--max-batch-size, so the first requests find kernels built and checked (default).",
+    )
+    p.add_argument(
         "--pipeline",
         action="store_true",
         help="Under mlx.launch: split the model by layers (pipeline stages) instead of by tensor.",
@@ -220,6 +227,12 @@ def loader(args: argparse.Namespace, group=None):
             num_state_snapshots=args.num_state_snapshots,
             group=group,
         )
+        if args.warm_up:
+            from ..engine.warmup import warm_up
+
+            logging.getLogger("mlx_paged.server").info(
+                "mlx_paged: warmed up in %.2f s", warm_up(engine)
+            )
         return engine, tokenizer
 
     return load

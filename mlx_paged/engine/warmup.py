@@ -1,0 +1,44 @@
+"""A throwaway burst through a new engine, so real requests find its first-use work done.
+
+A fresh process pays, on its first requests, for work that later requests
+skip: MLX's kernels for new shapes, the fused attention kernels' builds and
+self-checks, and the traces of their launch shapes. ``warm_up`` runs made-up
+requests shaped like a burst that shares a system prompt (one prefills the
+prefix alone, the rest adopt it and prefill their suffixes batched, then all
+decode) at each batch size, and then zeroes the counters. Their blocks stay
+parked in the prefix index, evicted first when the pool needs room.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from .engine import PagedEngine
+
+
+def warm_up(engine: PagedEngine, batch_sizes: Sequence[int] | None = None) -> float:
+    """Run a made-up burst at each of ``batch_sizes`` (default: 1, 8 and the engine's
+    ``max_batch_size``) with a few decode steps; return the seconds it took.
+
+    Raises:
+        ValueError: for a batch size that is not a positive int up to ``max_batch_size``.
+    """
+    most = engine.scheduler.max_batch_size
+    sizes = sorted({1, min(8, most), most}) if batch_sizes is None else list(batch_sizes)
+    for b in sizes:
+        if isinstance(b, bool) or not isinstance(b, int) or not 0 < b <= most:
+            raise ValueError(f"warm-up batch sizes must be ints in 1..{most}, got {b!r}.")
+    bs = engine.scheduler.block_size
+    vocab = engine.vocab_size or 256
+    start = time.perf_counter()
+    for round_, b in enumerate(sizes):
+        # Token ids unlikely to begin a real prompt; one prefix per round.
+        prefix = [(vocab - 1 - 3 * (j + round_)) % vocab for j in range(2 * bs)]
+        for i in range(b):
+            suffix = [(7 * i + 11 * j + round_) % vocab for j in range(bs // 2 + 1)]
+            engine.add_request(prefix + suffix, 3)
+        for _ in engine.stream():
+            pass
+    engine.scheduler.reset_counters()
+    return time.perf_counter() - start
