@@ -214,10 +214,6 @@ class Scheduler:
         self.counters["failed" if error else "aborted"] += 1
         return None if error is None else Event(req.uid, -1, "error", error=error)
 
-    def reset_counters(self) -> None:
-        """Zero the counters (after a warm-up, say)."""
-        self.counters = dict.fromkeys(COUNTERS, 0)
-
     def kv_target(self, req: Request) -> int:
         """Tokens that need K/V before decoding: all of a new prompt, all but the
         last token of a resumed request (the decode step feeds that one)."""

@@ -15,6 +15,7 @@ import time
 from collections.abc import Sequence
 
 from .engine import PagedEngine
+from .scheduler import COUNTERS
 
 
 def warm_up(engine: PagedEngine, batch_sizes: Sequence[int] | None = None) -> float:
@@ -40,5 +41,5 @@ def warm_up(engine: PagedEngine, batch_sizes: Sequence[int] | None = None) -> fl
             engine.add_request(prefix + suffix, 3)
         for _ in engine.stream():
             pass
-    engine.scheduler.reset_counters()
+    engine.scheduler.counters = dict.fromkeys(COUNTERS, 0)
     return time.perf_counter() - start
