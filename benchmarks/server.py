@@ -149,8 +149,59 @@ async def load(client, model: str, prompts: list[str], concurrency: int, max_tok
     return time.perf_counter() - start, results
 
 
-async def bench(kind: str, pid: int, port: int, model: str, prompts: list[str], args, requests):
-    """Every concurrency level against one running server; one printed line each."""
+def scrape(port: int) -> dict[str, float]:
+    """The server's Prometheus samples by name and labels (``{}`` where it has none)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+    except OSError:
+        return {}
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
+def breakdown(before: dict[str, float], after: dict[str, float]) -> str:
+    """Where a level's time went, from two scrapes of mlx_paged.server's /metrics: host ms
+    per decode step by phase, mean ms per request by first-token phase, and the share of
+    prompt tokens the prefix index served."""
+    if not after:
+        return ""
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    def labelled(name: str, phase: str) -> float:
+        return delta(name + '{phase="' + phase + '"}')
+
+    steps = max(1.0, delta("mlx_paged_decode_steps_total"))
+    phases = ("admit", "prefill", "build", "dispatch", "wait", "emit", "deliver")
+    step = " ".join(
+        f"{p} {1000 * labelled('mlx_paged_step_seconds_total', p) / steps:.2f}" for p in phases
+    )
+    n = max(1.0, delta("mlx_paged_time_to_first_token_seconds_count"))
+    first = " ".join(
+        f"{p} {1000 * labelled('mlx_paged_first_token_phase_seconds_sum', p) / n:.1f}"
+        for p in ("prepare", "submit", "queue", "prefill", "deliver")
+    )
+    ttft = 1000 * delta("mlx_paged_time_to_first_token_seconds_sum") / n
+    prompt = max(1.0, delta("mlx_paged_prompt_tokens_total"))
+    cached = 100 * delta("mlx_paged_prefix_cache_hit_tokens_total") / prompt
+    return (
+        f"    per decode step ({steps:.0f}), ms: {step}\n"
+        f"    first token, mean ms: {first} (server TTFT {ttft:.1f}); "
+        f"{cached:.1f} % of prompt tokens cached"
+    )
+
+
+async def bench(
+    kind: str, pid: int, port: int, model: str, prompts: list[str], args, requests, results: dict
+):
+    """Every concurrency level against one running server; one printed line each (and for
+    mlx_paged.server, where the time went)."""
     # Retries: mlx_lm.server's listen backlog (Python's HTTPServer, 5) resets connections
     # when many requests arrive at once.
     client = openai.AsyncOpenAI(
@@ -158,8 +209,10 @@ async def bench(kind: str, pid: int, port: int, model: str, prompts: list[str], 
     )
     await load(client, model, prompts[:2], 1, 4)  # warm-up
     for c, n in zip(args.concurrency, requests, strict=True):
+        before = scrape(port) if kind == "mlx_paged" else {}
         with GpuMemory(None if getattr(args, "ranks", 1) > 1 else pid) as mem:
             wall, res = await load(client, model, prompts[:n], c, args.max_tokens)
+        after = scrape(port) if kind == "mlx_paged" else {}
         ttft = [r[0] for r in res]
         gaps = [g for r in res for g in r[1]]
         out = sum(r[2] for r in res)
@@ -171,6 +224,9 @@ async def bench(kind: str, pid: int, port: int, model: str, prompts: list[str], 
             f"{out} tokens, peak GPU {peak}",
             flush=True,
         )
+        if after:
+            print(breakdown(before, after), flush=True)
+        results[(kind, c)] = out / wall
     await client.close()
 
 
@@ -217,10 +273,17 @@ def main() -> None:
         "--bursts", action="store_true", help="fresh servers: a first and a second burst"
     )
     ap.add_argument("--no-warm-up", action="store_true", help="mlx_paged.server --no-warm-up")
+    ap.add_argument(
+        "--table",
+        action="store_true",
+        help="2c requests at each concurrency c, and each level's tok/s against the first server's",
+    )
     ap.add_argument("--backend", default="nccl", help="mlx.launch's backend with --ranks")
     args = ap.parse_args()
     model = args.model or str(embedded_model_path())
     requests = args.requests or [16 if c == 1 else 256 for c in args.concurrency]
+    if args.table:  # the serving-speed table: 2c requests at each concurrency c
+        requests = [2 * c for c in args.concurrency]
     tok = AutoTokenizer.from_pretrained(model)
     rng = random.Random(0)
     words = [w for w in tok.get_vocab() if w.isalpha() and len(w) > 3]
@@ -239,6 +302,7 @@ def main() -> None:
         f"question ~{args.question}, max_tokens {args.max_tokens}",
         flush=True,
     )
+    results: dict[tuple[str, int], float] = {}
     for kind in args.servers:
         port = free_port()
         t0 = time.perf_counter()
@@ -248,13 +312,20 @@ def main() -> None:
                 ready = time.perf_counter() - t0
                 asyncio.run(bursts(kind, port, model, prompts, args, ready))
                 continue
-            asyncio.run(bench(kind, proc.pid, port, model, prompts, args, requests))
+            asyncio.run(bench(kind, proc.pid, port, model, prompts, args, requests, results))
         finally:
             proc.terminate()
             try:
                 proc.wait(30)
             except subprocess.TimeoutExpired:
                 proc.kill()
+
+    base = args.servers[0]
+    for kind in args.servers[1:]:
+        for c in args.concurrency:
+            if (base, c) in results and (kind, c) in results:
+                ratio = results[(kind, c)] / results[(base, c)]
+                print(f"{kind} / {base} c={c}: {ratio:.2f}x tok/s", flush=True)
 
 
 if __name__ == "__main__":

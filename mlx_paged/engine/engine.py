@@ -18,7 +18,6 @@ reuse prefixes through snapshots of that state (see ``Scheduler``).
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import mlx.core as mx
@@ -38,9 +37,11 @@ from .request import (
     Sampled,
     Sampler,
     TokenConstraint,
+    make_request,
 )
 from .runner import ModelRunner
 from .scheduler import Scheduler
+from .timing import StepClock
 
 #: Tokens between recurrent-state snapshots of a long prefill (BENCHMARKS.md: snapshot
 #: interval).
@@ -129,6 +130,7 @@ class PagedEngine:
         self.runner = ModelRunner(model, layout, pools, states)
         self.agreement = Agreement(group) if group is not None and group.size() > 1 else None
         self.vocab_size = vocab_size(model)
+        self.clock = StepClock()  # host time per step phase (``engine/timing.py``)
         self._next_uid = 0
         route_attention()
 
@@ -169,21 +171,11 @@ class PagedEngine:
                 (the model's embedding would read out of bounds), a bad
                 ``max_tokens``/``logprobs``, or a request the pool can never hold.
         """
-        prompt = tokens.tolist() if isinstance(tokens, mx.array) else list(tokens)
-        if not prompt:
-            raise ValueError("the prompt is empty; give at least one token.")
-        check_tokens(prompt, self.vocab_size)
-        prompt = [int(t) for t in prompt]
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens <= 0:
-            raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}.")
-        if logprobs is not None and (
-            isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0
-        ):
-            raise ValueError(f"logprobs must be None or an int >= 0, got {logprobs!r}.")
-        req = Request(
-            uid=self._next_uid,
-            prompt=prompt,
-            max_tokens=max_tokens,
+        req = make_request(
+            self._next_uid,
+            tokens.tolist() if isinstance(tokens, mx.array) else list(tokens),
+            max_tokens,
+            self.vocab_size,
             sampler=sampler,
             logits_processors=list(logits_processors or []),
             stop_tokens=frozenset(stop_tokens or ()),
@@ -226,10 +218,14 @@ class PagedEngine:
         events: list[Event] = []
         if self.agreement is not None and (self.scheduler.waiting or self.scheduler.running):
             self.agreement.check(self.scheduler)
+        clock = self.clock
+        clock.start()
         for work in self.scheduler.admit():
-            events += _tell(self._prefill(work), on_event)
+            clock.lap("admit")
+            events += _tell(self._prefill(work), on_event, clock, "prefill")
+        clock.lap("admit")
         if self.scheduler.running:
-            events += _tell(self._decode(), on_event)
+            events += _tell(self._decode(), on_event, clock, "emit")
         if not self.scheduler.running:
             self.runner.masks.wait()  # idle: every constraint has seen its last token
         return events
@@ -278,8 +274,15 @@ class PagedEngine:
     def _decode(self) -> list[Event]:
         self.runner.migrate(self.scheduler.running)  # first: it frees full-precision blocks
         reqs = self.scheduler.schedule_decode()
+        self.clock.lap("admit")
         logits = self.runner.decode(reqs)
-        return self._emit(reqs, self.runner.sample(reqs, logits))
+        self.clock.lap("build")
+        mx.async_eval(logits)
+        self.clock.lap("dispatch")
+        sampled = self.runner.sample(reqs, logits)
+        self.clock.lap("wait")
+        self.clock.decode_steps += 1
+        return self._emit(reqs, sampled)
 
     def _emit(self, reqs: list[Request], sampled: list[Sampled]) -> list[Event]:
         events, constrained = [], []
@@ -309,10 +312,16 @@ def snapshot_interval(interval: object, block_size: int) -> int:
     return interval
 
 
-def _tell(events: list[Event], on_event: Callable[[Event], None] | None) -> list[Event]:
+def _tell(
+    events: list[Event], on_event: Callable[[Event], None] | None, clock: StepClock, phase: str
+) -> list[Event]:
+    """Hand ``events`` to ``on_event``; the time until now counts for ``phase``, the
+    callbacks' for ``deliver``."""
+    clock.lap(phase)
     if on_event is not None:
         for event in events:
             on_event(event)
+        clock.lap("deliver")
     return events
 
 
@@ -336,22 +345,3 @@ def vocab_size(model: nn.Module) -> int | None:
             return module.weight.shape[0]
     size = getattr(getattr(model, "args", None), "vocab_size", None)
     return size if isinstance(size, int) else None
-
-
-def check_tokens(tokens: Sequence[object], vocab: int | None) -> None:
-    """Raise ValueError unless every token is an int id in ``[0, vocab)``.
-
-    MLX does not bounds-check the embedding's gather: an id outside the table
-    reads stray memory or crashes the process, so ids are checked here. Plain
-    ``int`` lists (the usual case) are checked with ``min``/``max``; anything
-    else token by token.
-    """
-    if tokens and all(type(t) is int for t in tokens):
-        if min(tokens) >= 0 and (vocab is None or max(tokens) < vocab):
-            return
-    for i, t in enumerate(tokens):
-        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
-            raise ValueError(f"token {i} is {t!r}; token ids must be ints.")
-        if t < 0 or (vocab is not None and t >= vocab):
-            bound = f"[0, {vocab})" if vocab is not None else ">= 0"
-            raise ValueError(f"token {i} is {t}, outside the vocabulary {bound}.")

@@ -5,7 +5,9 @@ Pure Python: the scheduler reads and updates these without MLX.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import numbers
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -107,6 +109,10 @@ class Request:
     cuts: frozenset[int] = frozenset()
     extends_shared: bool = False
     prefix_hit: int = 0  # prompt tokens served from the prefix index at first admission
+    # ``time.perf_counter()`` when it was added, first admitted, and sampled its first token.
+    arrived: float = field(default_factory=time.perf_counter)
+    admitted: float | None = None
+    first_token: float | None = None
 
     @property
     def tokens(self) -> list[int]:
@@ -151,3 +157,45 @@ class Sampled:
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] | None = None
     error: str | None = None
+
+
+def make_request(
+    uid: int, tokens: list, max_tokens: object, vocab: int | None, **settings: Any
+) -> Request:
+    """A ``Request`` for ``tokens`` after checking its arguments (``settings``: the
+    ``Request`` fields from ``sampler`` on).
+
+    Raises:
+        ValueError: for an empty prompt, a token id outside ``[0, vocab)``, or a bad
+            ``max_tokens`` or ``logprobs``.
+    """
+    if not tokens:
+        raise ValueError("the prompt is empty; give at least one token.")
+    check_tokens(tokens, vocab)
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens <= 0:
+        raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}.")
+    logprobs = settings.get("logprobs")
+    if logprobs is not None and (
+        isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0
+    ):
+        raise ValueError(f"logprobs must be None or an int >= 0, got {logprobs!r}.")
+    return Request(uid, [int(t) for t in tokens], max_tokens, **settings)
+
+
+def check_tokens(tokens: Sequence[object], vocab: int | None) -> None:
+    """Raise ValueError unless every token is an int id in ``[0, vocab)``.
+
+    MLX does not bounds-check the embedding's gather: an id outside the table
+    reads stray memory or crashes the process, so ids are checked here. Plain
+    ``int`` lists (the usual case) are checked with ``min``/``max``; anything
+    else token by token.
+    """
+    if tokens and all(type(t) is int for t in tokens):
+        if min(tokens) >= 0 and (vocab is None or max(tokens) < vocab):
+            return
+    for i, t in enumerate(tokens):
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+            raise ValueError(f"token {i} is {t!r}; token ids must be ints.")
+        if t < 0 or (vocab is not None and t >= vocab):
+            bound = f"[0, {vocab})" if vocab is not None else ">= 0"
+            raise ValueError(f"token {i} is {t}, outside the vocabulary {bound}.")

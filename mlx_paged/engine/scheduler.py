@@ -24,6 +24,7 @@ snapshots are due; prefill forwards end there).
 
 from __future__ import annotations
 
+import time
 from collections import Counter, deque
 from collections.abc import Iterator
 
@@ -128,6 +129,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.running.append(req)
+            req.admitted = req.admitted or time.perf_counter()
             start = req.written
             n = self.kv_target(req) - start
             spent += n
@@ -194,6 +196,7 @@ class Scheduler:
     ) -> Event:
         """Record a sampled token; finish the request on a stop token or at ``max_tokens``."""
         req.generated.append(token)
+        req.first_token = req.first_token or time.perf_counter()
         self.counters["generated_tokens"] += 1
         reason = None
         if token in req.stop_tokens:

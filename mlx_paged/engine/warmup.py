@@ -5,7 +5,7 @@ skip: MLX's kernels for new shapes, the fused attention kernels' builds and
 self-checks, and the traces of their launch shapes. ``warm_up`` runs made-up
 requests shaped like a burst that shares a system prompt (one prefills the
 prefix alone, the rest adopt it and prefill their suffixes batched, then all
-decode) at each batch size, and then zeroes the counters. Their blocks stay
+decode) at each batch size, and then zeroes the counters and the step clock. Their blocks stay
 parked in the prefix index, evicted first when the pool needs room.
 """
 
@@ -42,4 +42,5 @@ def warm_up(engine: PagedEngine, batch_sizes: Sequence[int] | None = None) -> fl
         for _ in engine.stream():
             pass
     engine.scheduler.counters = dict.fromkeys(COUNTERS, 0)
+    engine.clock.reset()
     return time.perf_counter() - start

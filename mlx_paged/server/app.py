@@ -10,6 +10,7 @@ parked.
 from __future__ import annotations
 
 import asyncio
+import time
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -36,7 +37,9 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> FastAPI:
     # What XTC never removes, as in mlx_lm.server: the newline and the end tokens.
     xtc_special = tokenizer.encode("\n") + list(tokenizer.eos_token_ids)
     grammars = Grammars(tokenizer, worker.engine.vocab_size or tokenizer.vocab_size)
-    registry = metrics_registry(lambda: worker.stats, lambda: worker.queued)
+    registry, first_tokens = metrics_registry(
+        lambda: worker.stats, lambda: worker.queued, lambda: getattr(worker.engine, "clock", None)
+    )
     app.state.accepting = True
 
     @app.exception_handler(APIError)
@@ -73,11 +76,12 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
+        received = time.perf_counter()
         if isinstance(body.prompt, str):
             tokens = tokenizer.encode(body.prompt)
         else:
             tokens = list(body.prompt)
-        run = await _start(body, tokens, body.logprobs)
+        run = await _start(body, tokens, body.logprobs, received=received)
         if body.stream:
             chunks = stream_chunks(run, request, body, "text_completion", config, tokenizer)
             return StreamingResponse(chunks, media_type="text/event-stream")
@@ -87,6 +91,7 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request) -> Response:
+        received = time.perf_counter()
         try:
             messages = [m.text() for m in body.messages]
         except ValueError as e:
@@ -102,7 +107,7 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> FastAPI:
             spec = body.response_format.json_schema
             shape.schema = spec.schema_ if spec is not None else json_object_schema()
             shape.constraints = await _constraints(shape.schema, body.n, "response_format")
-        run = await _start(body, tokens, top, shape)
+        run = await _start(body, tokens, top, shape, received)
         if body.stream:
             chunks = stream_chunks(run, request, body, "chat.completion", config, tokenizer)
             return StreamingResponse(chunks, media_type="text/event-stream")
@@ -113,6 +118,7 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> FastAPI:
 
     @app.post("/v1/messages")
     async def messages(body: MessagesRequest, request: Request) -> Response:
+        received = time.perf_counter()
         tokens, tools = _anthropic_prompt(body)
         shape = ChatShape(True, tools, None, body.forced_tool, body.forced_name)
         if body.forced_tool:
@@ -120,7 +126,7 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> FastAPI:
             shape.constraints = await _constraints(shape.schema, 1, "tools")
         params = SamplingParams(model=body.model, **body.sampling())
         params.stop = list(body.stop_sequences or [])  # no OpenAI limit of 4 here
-        run = await _start(params, tokens, None, shape)
+        run = await _start(params, tokens, None, shape, received)
         if body.stream:
             events = message_events(run, request, config)
             return StreamingResponse(events, media_type="text/event-stream")
@@ -197,8 +203,10 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> FastAPI:
         tokens: list[int],
         logprobs: int | None,
         shape: ChatShape | None = None,
+        received: float | None = None,
     ) -> Run:
-        """Check a request against the model and the queue, and submit its jobs."""
+        """Check a request against the model and the queue, and submit its jobs
+        (``received``: when its handler began, for the first-token metrics)."""
         _check_model(body.model)
         max_tokens = _check_lengths(tokens, body.max_tokens, config)
         body.apply_defaults(config.sampling)
@@ -212,6 +220,7 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> FastAPI:
                 "rate_limit_exceeded",
             )
         run = Run(worker, tokens, body, max_tokens, logprobs, xtc_special, shape)
+        run.timing = (received or time.perf_counter(), first_tokens)
         await run.start()
         return run
 

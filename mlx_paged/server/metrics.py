@@ -1,20 +1,39 @@
-"""``GET /metrics``: the engine's state in Prometheus text format (``prometheus_client``)."""
+"""``GET /metrics``: the engine's state in Prometheus text format (``prometheus_client``),
+its host time per step phase, and where requests' first tokens spent their time."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from ..engine import EngineStats
+from ..engine.timing import StepClock
+
+#: From the HTTP handler's start to the first token on the event loop, in order:
+#: ``prepare`` (chat template, tokenizing, checks), ``submit`` (until the engine thread
+#: takes the job: it does between steps), ``queue`` (waiting for admission), ``prefill``
+#: (admission to the first token sampled), ``deliver`` (the engine thread's hand-off
+#: to the event loop).
+FIRST_TOKEN_PHASES = ("prepare", "submit", "queue", "prefill", "deliver")
+LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
+    1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+)  # fmt: skip
 
 
 class EngineCollector:
     """Reads the engine thread's latest ``EngineStats`` at each scrape (no MLX call)."""
 
-    def __init__(self, stats: Callable[[], EngineStats], queued: Callable[[], int]):
-        self._stats, self._queued = stats, queued
+    def __init__(
+        self,
+        stats: Callable[[], EngineStats],
+        queued: Callable[[], int],
+        clock: Callable[[], StepClock | None] = lambda: None,
+    ):
+        self._stats, self._queued, self._clock = stats, queued, clock
 
     def collect(self) -> Iterator[Metric]:
         s = self._stats()
@@ -59,15 +78,56 @@ class EngineCollector:
         }
         for name, (doc, field) in counters.items():
             yield CounterMetricFamily(f"mlx_paged_{name}", doc, value=getattr(s, field))
+        clock = self._clock()
+        if clock is not None:
+            doc = "Engine thread seconds per step phase (engine/timing.py)."
+            phases = CounterMetricFamily("mlx_paged_step_seconds", doc, labels=["phase"])
+            for phase, seconds in dict(clock.seconds).items():
+                phases.add_metric([phase], seconds)
+            yield phases
+            doc = "Decode steps run."
+            yield CounterMetricFamily("mlx_paged_decode_steps", doc, value=clock.decode_steps)
+
+
+class FirstTokenTimes:
+    """Histograms of requests' time to first token, whole and by phase
+    (``FIRST_TOKEN_PHASES``), observed on the event loop."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.total = Histogram(
+            "mlx_paged_time_to_first_token_seconds",
+            "From the HTTP handler's start to the first token on the event loop.",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.phases = Histogram(
+            "mlx_paged_first_token_phase_seconds",
+            "Time to first token by phase: prepare, submit, queue, prefill, deliver.",
+            ["phase"],
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+
+    def observe(self, received: float, submitted: float, request: Any, seen: float) -> None:
+        """Record one job's first token, seen at ``seen`` (``time.perf_counter()``), from
+        the engine ``Request``'s ``arrived``, ``admitted`` and ``first_token`` marks."""
+        if request is None or request.admitted is None or request.first_token is None:
+            return
+        marks = (received, submitted, request.arrived, request.admitted, request.first_token)
+        for phase, a, b in zip(FIRST_TOKEN_PHASES, marks, (*marks[1:], seen), strict=True):
+            self.phases.labels(phase).observe(max(0.0, b - a))
+        self.total.observe(max(0.0, seen - received))
 
 
 def metrics_registry(
-    stats: Callable[[], EngineStats], queued: Callable[[], int]
-) -> CollectorRegistry:
-    """A registry holding only the engine's metrics."""
+    stats: Callable[[], EngineStats],
+    queued: Callable[[], int],
+    clock: Callable[[], StepClock | None] = lambda: None,
+) -> tuple[CollectorRegistry, FirstTokenTimes]:
+    """A registry holding only the server's metrics, and its first-token histograms."""
     registry = CollectorRegistry(auto_describe=True)
-    registry.register(EngineCollector(stats, queued))
-    return registry
+    registry.register(EngineCollector(stats, queued, clock))
+    return registry, FirstTokenTimes(registry)
 
 
 def render(registry: CollectorRegistry) -> bytes:

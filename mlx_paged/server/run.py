@@ -11,6 +11,7 @@ import asyncio
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import Request
 
@@ -89,6 +90,11 @@ class Run:
         self.stop_sequence: list[str | None] = [None] * body.n
         self.error: str | None = None
         self.early: list[tuple[int, Output]] = []
+        # When the handler began and the first-token histograms (``FirstTokenTimes``), if
+        # its first tokens are to be recorded; when the jobs were submitted.
+        self.timing: tuple[float, Any] | None = None
+        self.submitted = 0.0
+        self.first_seen = [False] * body.n
 
     async def start(self) -> None:
         """Submit the jobs; raise APIError (aborting the rest) if the engine refuses one.
@@ -96,6 +102,7 @@ class Run:
         Each job's first output says whether the engine took it; outputs that
         follow it before every job has answered are kept for ``next``.
         """
+        self.submitted = time.perf_counter()
         for job in self.jobs:
             self.worker.submit(job)
         pending = set(range(len(self.jobs)))
@@ -122,6 +129,12 @@ class Run:
             self.finish[i] = "error"
             self.error = out.error
             return
+        if out.tokens and not self.first_seen[i]:
+            self.first_seen[i] = True
+            if self.timing is not None:
+                received, times = self.timing
+                job = self.jobs[i]
+                times.observe(received, self.submitted, job.request, time.perf_counter())
         self.text[i] += out.text
         self.reasoning[i] += out.reasoning
         self.tool_calls[i] += out.tool_calls

@@ -21,8 +21,7 @@ from mlx_lm.sample_utils import make_logits_processors
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from ..engine import EngineStats, Event, PagedEngine
-from ..engine.engine import check_tokens
-from ..engine.request import Request, TokenConstraint
+from ..engine.request import Request, TokenConstraint, check_tokens
 from .grammar import parse_forced_calls
 from .text import TextStream, initial_state, thinking_machine
 
