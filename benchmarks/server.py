@@ -193,7 +193,8 @@ def breakdown(before: dict[str, float], after: dict[str, float]) -> str:
     return (
         f"    per decode step ({steps:.0f}), ms: {step}\n"
         f"    first token, mean ms: {first} (server TTFT {ttft:.1f}); "
-        f"{cached:.1f} % of prompt tokens cached"
+        f"{cached:.1f} % of prompt tokens cached; kernel launch shapes "
+        f"{after.get('mlx_paged_kernel_launch_shapes', 0):.0f}"
     )
 
 
@@ -211,7 +212,13 @@ async def bench(
     for c, n in zip(args.concurrency, requests, strict=True):
         before = scrape(port) if kind == "mlx_paged" else {}
         with GpuMemory(None if getattr(args, "ranks", 1) > 1 else pid) as mem:
-            wall, res = await load(client, model, prompts[:n], c, args.max_tokens)
+            try:
+                wall, res = await asyncio.wait_for(
+                    load(client, model, prompts[:n], c, args.max_tokens), args.level_timeout
+                )
+            except asyncio.TimeoutError:
+                print(f"{kind:9s} c={c:3d} n={n:4d}: timed out after {args.level_timeout} s")
+                break
         after = scrape(port) if kind == "mlx_paged" else {}
         ttft = [r[0] for r in res]
         gaps = [g for r in res for g in r[1]]
@@ -279,6 +286,9 @@ def main() -> None:
         help="2c requests at each concurrency c, and each level's tok/s against the first server's",
     )
     ap.add_argument("--backend", default="nccl", help="mlx.launch's backend with --ranks")
+    ap.add_argument(
+        "--level-timeout", type=float, default=300, help="seconds a concurrency level may take"
+    )
     args = ap.parse_args()
     model = args.model or str(embedded_model_path())
     requests = args.requests or [16 if c == 1 else 256 for c in args.concurrency]

@@ -9,6 +9,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from ..attention.kernels import compiled_variants
 from ..engine import EngineStats
 from ..engine.timing import StepClock
 
@@ -61,6 +62,15 @@ class EngineCollector:
             ),
             "state_bytes": ("Bytes of the running requests' recurrent-state slots.", s.state_bytes),
         }
+        variants = compiled_variants()
+        gauges["kernel_binaries"] = (
+            "Fused kernel binaries built (template sets).",
+            variants["binaries"],
+        )
+        gauges["kernel_launch_shapes"] = (
+            "Fused kernel launch shapes traced and held.",
+            variants["launches"],
+        )
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(f"mlx_paged_{name}", doc, value=value)
         counters = {
