@@ -82,6 +82,31 @@ def test_mixed_batch_equals_solo(family):
     assert stats.live_blocks == 0 and stats.preemptions == 0
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_suffixes_of_different_lengths_share_one_padded_forward(family, monkeypatch):
+    """Requests adopting a cached prefix prefill suffixes of 1, 7 and 20 tokens in one
+    forward padded to 32, and still generate what each would alone."""
+    rng = random.Random(3)
+    system = [rng.randrange(VOCAB) for _ in range(29)]
+    prompts = [system + [rng.randrange(VOCAB) for _ in range(k)] for k in (1, 7, 20)]
+    engine = PagedEngine(model_of(family), block_size=BS, max_batch_size=6)
+    engine.generate([system], max_tokens=1)  # caches the prefix
+    calls = []
+    forward = engine.runner.forward
+
+    def spy(reqs, n, logits=False, counts=None):
+        calls.append((n, counts))
+        return forward(reqs, n, logits, counts)
+
+    monkeypatch.setattr(engine.runner, "forward", spy)
+    outputs = run_all(engine, prompts)
+    (width, counts), *rest = calls
+    assert not rest and width == 32 and len(set(counts)) == 3, calls
+    for prompt, got in zip(prompts, outputs, strict=True):
+        assert got == solo(family, tuple(prompt))
+    assert engine.stats().live_blocks == 0
+
+
 def test_a_prefill_budget_changes_when_tokens_come_not_which():
     prompts = mixed_prompts()
     engine = PagedEngine(model_of("llama"), block_size=BS, max_batch_size=6, prefill_budget=24)

@@ -39,8 +39,8 @@ def write(sched, req, n):
 
 def run_prefill(sched, work: Prefill):
     for n in work.steps:
-        for req in work.requests:
-            write(sched, req, n)
+        for i, req in enumerate(work.requests):
+            write(sched, req, n if work.counts is None else work.counts[i])
             sched.index_written(req)
         sched.check_invariants()
 
@@ -99,18 +99,34 @@ def test_a_prompt_over_the_budget_is_still_admitted_alone():
     assert [r.uid for r in sched.running] == [0, 1]
 
 
-def test_short_prompts_are_batched_by_length_with_blocks_reserved_at_admission():
-    sched = make()
+def test_short_prompts_share_padded_forwards_with_blocks_reserved_at_admission():
+    sched = make()  # 64 tokens per forward: two rows padded to 32
     for uid, prompt in enumerate([[1, 2, 3, 4, 5], [9, 8, 7, 6, 5], [3, 3, 3]]):
         sched.add(request(uid, prompt))
     works = list(sched.admit())
-    assert [([r.uid for r in w.requests], w.steps, w.alone) for w in works] == [
-        ([0, 1], [5], False),
-        ([2], [3], False),
+    assert [([r.uid for r in w.requests], w.steps, w.counts, w.alone) for w in works] == [
+        ([0, 1], [32], (5, 5), False),
+        ([2], [32], (3,), False),
     ]
     # Admission order took the blocks: 2 per 5-token prompt, 1 for the 3-token one.
     assert [r.tables[FULL].blocks for r in sched.running] == [[0, 1], [2, 3], [4]]
     assert refcounts(sched) == [1, 1, 1, 1, 1]  # the growable pool holds just these
+
+
+def test_padded_forwards_keep_admission_order_and_the_token_budget():
+    sched = make()
+    for uid, n in enumerate([5, 40, 3, 30, 2]):
+        sched.add(request(uid, [uid + 1] * n))
+    works = [([r.uid for r in w.requests], w.steps, w.counts) for w in sched.admit()]
+    # A row of 40 is padded to 64: alone in its forward; 3 and 30 fit two rows of 32.
+    assert works == [
+        ([0], [32], (5,)),
+        ([1], [64], (40,)),
+        ([2, 3], [32], (3, 30)),
+        ([4], [32], (2,)),
+    ]
+    for work in sched.admit():
+        raise AssertionError(f"admitted twice: {work}")
 
 
 def test_a_request_behind_adopts_the_prefix_its_neighbour_just_wrote():
@@ -130,7 +146,7 @@ def test_a_request_behind_adopts_the_prefix_its_neighbour_just_wrote():
     # it copied on write (block 3) before its own tokens go in; block 4 is new.
     assert b.written == 10 and sched.counters["prefix_hit_tokens"] == 10
     assert b.tables[FULL].blocks == [0, 1, 3, 4]
-    assert second.steps == [3] and not second.alone
+    assert second.steps == [32] and second.counts == (3,) and not second.alone
     # Blocks 0 and 1: both tables and the index; block 2: request 0 and the index.
     assert refcounts(sched)[:5] == [3, 3, 2, 1, 1]
     assert list(admitted) == []

@@ -150,8 +150,8 @@ class DecodeBatch:
 
     def finish(self) -> None:
         """Record the step's tokens in every table (after the forward)."""
-        for t in self.tables:
-            n = t.lengths[0] + self.n_new
+        for t, c in zip(self.tables, self.new_tokens, strict=True):
+            n = t.lengths[0] + c
             t.lengths[:] = [n] * len(t.lengths)
 
 

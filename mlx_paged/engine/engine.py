@@ -264,7 +264,7 @@ class PagedEngine:
             if work.alone:
                 logits = self.runner.prefill(work.requests[0], n, logits=want)
             else:
-                logits = self.runner.forward(work.requests, n, logits=want)
+                logits = self.runner.forward(work.requests, n, want, work.counts)
             for req in work.requests:
                 self.scheduler.index_written(req)
         if not work.fresh:

@@ -136,12 +136,15 @@ class Prefill:
     it has written, one forward per step; new requests want logits after the
     last step (their first token). ``alone``: one request, prefilled through its
     own cache before the next admission, so that later requests can adopt its
-    blocks. Otherwise the requests (all new, or all resumed) run batched.
+    blocks. Otherwise the requests (all new, or all resumed) run batched; with
+    ``counts``, in one forward of ``steps[0]`` tokens each, of which the first
+    ``counts[i]`` are request ``i``'s and the rest padding.
     """
 
     requests: list[Request]
     steps: list[int]
     alone: bool
+    counts: tuple[int, ...] | None = None  # real tokens per request of a padded forward
 
     @property
     def fresh(self) -> bool:

@@ -63,16 +63,28 @@ class ModelRunner:
         mx.eval(last if logits else [], [c.state for c in caches])
         return last
 
-    def forward(self, reqs: list[Request], n: int, logits: bool = False) -> mx.array | None:
-        """Run the next ``n`` tokens of each request together (blocks reserved).
+    def forward(
+        self,
+        reqs: list[Request],
+        n: int,
+        logits: bool = False,
+        counts: tuple[int, ...] | None = None,
+    ) -> mx.array | None:
+        """Run the next ``n`` tokens of each request together (blocks reserved); with
+        ``counts``, the next ``counts[i]`` of request ``i``, padded on the right to ``n``.
 
-        Returns the last position's logits ``(B, V)`` if asked, else ``None``.
+        Returns each request's last real position's logits ``(B, V)`` if asked, else
+        ``None``.
         """
-        return self._forward(reqs, n, logits)
+        return self._forward(reqs, n, logits, counts)
 
-    def _forward(self, reqs: list[Request], n: int, logits: bool) -> mx.array | None:
-        inputs = [r.tokens[r.written : r.written + n] for r in reqs]
-        out, caches = self._batched(reqs, inputs)
+    def _forward(
+        self, reqs: list[Request], n: int, logits: bool, counts: tuple[int, ...] | None = None
+    ) -> mx.array | None:
+        counts = counts or (n,) * len(reqs)
+        pairs = zip(reqs, counts, strict=True)
+        inputs = [r.tokens[r.written : r.written + c] + [0] * (n - c) for r, c in pairs]
+        out, caches = self._batched(reqs, inputs, counts)
         states = self.states.evaluated() if self.states is not None else []
         mx.eval(out if logits else [], [c.state for c in caches], states)
         return out if logits else None
@@ -87,14 +99,25 @@ class ModelRunner:
         out, _ = self._batched(reqs, [[r.last_token] for r in reqs])
         return out
 
-    def _batched(self, reqs: list[Request], inputs: list[list[int]]) -> tuple[mx.array, list]:
-        """One forward of ``inputs`` (equal lengths) over the requests' tables; advances them.
+    def _batched(
+        self, reqs: list[Request], inputs: list[list[int]], counts: tuple[int, ...] | None = None
+    ) -> tuple[mx.array, list]:
+        """One forward of ``inputs`` (equal lengths; of which the first ``counts[i]`` of row
+        ``i`` are real, all by default) over the requests' tables; advances them.
 
-        Returns the last position's lazy logits ``(B, V)`` and the caches it ran on.
+        Returns each row's last real position's lazy logits ``(B, V)`` and the caches it
+        ran on.
         """
         n = len(inputs[0])
+        padded = counts is not None and any(c != n for c in counts)
         batches = {
-            kind: DecodeBatch(self.pools[kind], [r.tables[kind] for r in reqs], kind.window, n)
+            kind: DecodeBatch(
+                self.pools[kind],
+                [r.tables[kind] for r in reqs],
+                kind.window,
+                n,
+                counts=list(counts) if padded else None,
+            )
             for kind in self.pools
         }
         views: list[StepStateCache] = []
@@ -102,7 +125,12 @@ class ModelRunner:
             rows = self.states.rows([r.slot for r in reqs])
             views = [StepStateCache(self.states, i, rows) for i in range(self.states.num_layers)]
         caches = self.layout.bind(self.pools, batches, StepPagedKVCache, views.__getitem__)
-        out = self.model(mx.array(inputs), cache=caches)[:, -1, :]  # (B, V)
+        out = self.model(mx.array(inputs), cache=caches)
+        if padded:  # each row's last real position
+            last = mx.array(counts, dtype=mx.int32) - 1
+            out = mx.take_along_axis(out, last[:, None, None], axis=1)[:, 0, :]
+        else:
+            out = out[:, -1, :]  # (B, V)
         for batch in batches.values():
             batch.finish()
         for view in views:

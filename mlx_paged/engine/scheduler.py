@@ -38,6 +38,7 @@ from ..blocks import (
     StateSlots,
     TieredBlockPool,
 )
+from .prefills import batched_prefills, prefill_steps
 from .recurrent import RecurrentStates
 from .request import EngineStats, Event, Prefill, Request
 
@@ -138,20 +139,21 @@ class Scheduler:
             heads[head] -= 1
             # Requests behind it could adopt its blocks, or its state where they diverge.
             shared = heads[head] > 0 and (start < bs <= n or req.extends_shared)
-            steps = _prefill_steps(start, start + n, self.prefill_step_size, req.cuts)
+            steps = prefill_steps(start, start + n, self.prefill_step_size, req.cuts)
             if n > self.prefill_step_size or shared:
                 yield Prefill([req], steps, alone=True)
             elif n > 0:
                 # Take the blocks now, so the next admission sees them gone.
                 for kind, group in self.groups.items():
                     group.reserve(req.tables[kind], start, start + n)
-                batched.setdefault((tuple(steps), not req.generated), []).append(req)
+                # One chunk each: any lengths share a padded forward (not recurrent state,
+                # which padding would advance).
+                key = () if len(steps) == 1 and not self.recurrent else tuple(steps)
+                batched.setdefault((key, not req.generated), []).append(req)
             self._note_peak()
         assert self.running or not self.waiting, "an idle pool cannot take the next request"
         for (steps, _), reqs in batched.items():
-            per_forward = max(1, self.prefill_step_size // max(steps))
-            for i in range(0, len(reqs), per_forward):
-                yield Prefill(reqs[i : i + per_forward], list(steps), alone=False)
+            yield from batched_prefills(reqs, steps, self.prefill_step_size, self.kv_target)
 
     def index_written(self, req: Request) -> None:
         """Index the full blocks ``req`` has written, so running requests can share them,
@@ -333,23 +335,6 @@ def _decode_fits(groups: dict[LayerKind, BlockTables], running: list[Request]) -
         if not group.blocks.can_allocate(need):
             return False
     return True
-
-
-def _prefill_steps(start: int, end: int, chunk: int, cuts: frozenset[int]) -> list[int]:
-    """Forwards for tokens ``[start, end)``, at most ``chunk`` each, also ending at every
-    position in ``cuts``.
-
-    A new request's first token comes from its last forward's last position. Running
-    that token in a forward of its own costs a pass through the model (host-bound on
-    a GPU: a few ms), more than the head over the rest of the chunk (run 101).
-    """
-    stops = sorted({*(c for c in cuts if start < c < end), end})
-    steps, pos = [], start
-    for stop in stops:
-        while pos < stop:
-            steps.append(min(chunk, stop - pos))
-            pos += steps[-1]
-    return steps
 
 
 def _pool_totals(pools: list[BlockPool]) -> dict[str, int]:

@@ -1,0 +1,58 @@
+"""How a prefill is cut into forwards: chunks of one long prompt, and batches of short ones."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from .request import Prefill, Request
+
+#: Batched prefills of different lengths pad each forward to a multiple of this many tokens.
+RAGGED_WIDTH = 32
+
+
+def batched_prefills(
+    reqs: list[Request], steps: tuple[int, ...], budget: int, target: Callable[[Request], int]
+) -> Iterator[Prefill]:
+    """Batched forwards of at most ``budget`` tokens each, padding included, in order.
+
+    With ``steps`` every request runs those chunks. Without, each runs its
+    remaining ``target(r) - r.written`` tokens in one forward, padded on the right
+    to a width that is a multiple of ``RAGGED_WIDTH`` (fewer shapes to trace).
+    """
+    if steps:
+        per_forward = max(1, budget // max(steps))
+        for i in range(0, len(reqs), per_forward):
+            yield Prefill(reqs[i : i + per_forward], list(steps), alone=False)
+        return
+
+    def width(n: int) -> int:
+        return max(n, min(-(-n // RAGGED_WIDTH) * RAGGED_WIDTH, budget))
+
+    group: list[Request] = []
+    counts: list[int] = []
+    for r in reqs:
+        n = target(r) - r.written
+        if group and (len(group) + 1) * width(max(*counts, n)) > budget:
+            yield Prefill(group, [width(max(counts))], alone=False, counts=tuple(counts))
+            group, counts = [], []
+        group.append(r)
+        counts.append(n)
+    if group:
+        yield Prefill(group, [width(max(counts))], alone=False, counts=tuple(counts))
+
+
+def prefill_steps(start: int, end: int, chunk: int, cuts: frozenset[int]) -> list[int]:
+    """Forwards for tokens ``[start, end)``, at most ``chunk`` each, also ending at every
+    position in ``cuts``.
+
+    A new request's first token comes from its last forward's last position. Running
+    that token in a forward of its own costs a pass through the model (host-bound on
+    a GPU: a few ms), more than the head over the rest of the chunk (run 101).
+    """
+    stops = sorted({*(c for c in cuts if start < c < end), end})
+    steps, pos = [], start
+    for stop in stops:
+        while pos < stop:
+            steps.append(min(chunk, stop - pos))
+            pos += steps[-1]
+    return steps
