@@ -28,7 +28,8 @@ QUESTION = [{"role": "user", "content": "What colour is the sky?"}]
 
 
 class Scripted(nn.Module):
-    """Logits that make ``script[last token]`` the next token (EOS for any other)."""
+    """Logits that make ``script[token]`` the next token at every position (EOS for any
+    other)."""
 
     def __init__(self, script: dict[int, int], vocab: int, eos: int):
         super().__init__()
@@ -37,10 +38,8 @@ class Scripted(nn.Module):
         self.script, self.vocab, self.eos = script, vocab, eos
 
     def __call__(self, inputs: mx.array, cache=None) -> mx.array:
-        nxt = [self.script.get(t, self.eos) for t in inputs[:, -1].tolist()]
-        logits = mx.full((inputs.shape[0], inputs.shape[1], self.vocab), -30.0)
-        logits[:, -1] = mx.where(mx.arange(self.vocab)[None] == mx.array(nxt)[:, None], 30.0, -30.0)
-        return logits
+        nxt = [[self.script.get(t, self.eos) for t in row] for row in inputs.tolist()]
+        return mx.where(mx.arange(self.vocab) == mx.array(nxt)[..., None], 30.0, -30.0)
 
 
 @pytest.fixture(scope="module")
