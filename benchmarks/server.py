@@ -67,6 +67,8 @@ def start(kind: str, model: str, port: int, args: argparse.Namespace) -> subproc
         cmd += ["--max-queue", "100000"]
         if getattr(args, "no_warm_up", False):
             cmd += ["--no-warm-up"]
+        if getattr(args, "prefill_step_size", None):
+            cmd += ["--prefill-step-size", str(args.prefill_step_size)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 300
     while time.time() < deadline:
@@ -280,6 +282,7 @@ def main() -> None:
         "--bursts", action="store_true", help="fresh servers: a first and a second burst"
     )
     ap.add_argument("--no-warm-up", action="store_true", help="mlx_paged.server --no-warm-up")
+    ap.add_argument("--prefill-step-size", type=int, help="mlx_paged.server's (default: its own)")
     ap.add_argument(
         "--table",
         action="store_true",

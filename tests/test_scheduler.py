@@ -100,13 +100,12 @@ def test_a_prompt_over_the_budget_is_still_admitted_alone():
 
 
 def test_short_prompts_share_padded_forwards_with_blocks_reserved_at_admission():
-    sched = make()  # 64 tokens per forward: two rows padded to 32
+    sched = make()  # 64 tokens per forward, padding included
     for uid, prompt in enumerate([[1, 2, 3, 4, 5], [9, 8, 7, 6, 5], [3, 3, 3]]):
         sched.add(request(uid, prompt))
     works = list(sched.admit())
     assert [([r.uid for r in w.requests], w.steps, w.counts, w.alone) for w in works] == [
-        ([0, 1], [32], (5, 5), False),
-        ([2], [32], (3,), False),
+        ([0, 1, 2], [5], (5, 5, 3), False),
     ]
     # Admission order took the blocks: 2 per 5-token prompt, 1 for the 3-token one.
     assert [r.tables[FULL].blocks for r in sched.running] == [[0, 1], [2, 3], [4]]
@@ -115,15 +114,15 @@ def test_short_prompts_share_padded_forwards_with_blocks_reserved_at_admission()
 
 def test_padded_forwards_keep_admission_order_and_the_token_budget():
     sched = make()
-    for uid, n in enumerate([5, 40, 3, 30, 2]):
+    for uid, n in enumerate([5, 40, 3, 30, 2, 2]):
         sched.add(request(uid, [uid + 1] * n))
     works = [([r.uid for r in w.requests], w.steps, w.counts) for w in sched.admit()]
-    # A row of 40 is padded to 64: alone in its forward; 3 and 30 fit two rows of 32.
+    # 2 rows of 40 would take 80 > 64 tokens; 3 rows of 30 would take 90; equal rows pad nothing.
     assert works == [
-        ([0], [32], (5,)),
-        ([1], [64], (40,)),
-        ([2, 3], [32], (3, 30)),
-        ([4], [32], (2,)),
+        ([0], [5], None),
+        ([1], [40], None),
+        ([2, 3], [30], (3, 30)),
+        ([4, 5], [2], None),
     ]
     for work in sched.admit():
         raise AssertionError(f"admitted twice: {work}")
@@ -146,7 +145,7 @@ def test_a_request_behind_adopts_the_prefix_its_neighbour_just_wrote():
     # it copied on write (block 3) before its own tokens go in; block 4 is new.
     assert b.written == 10 and sched.counters["prefix_hit_tokens"] == 10
     assert b.tables[FULL].blocks == [0, 1, 3, 4]
-    assert second.steps == [32] and second.counts == (3,) and not second.alone
+    assert second.steps == [3] and second.counts is None and not second.alone
     # Blocks 0 and 1: both tables and the index; block 2: request 0 and the index.
     assert refcounts(sched)[:5] == [3, 3, 2, 1, 1]
     assert list(admitted) == []

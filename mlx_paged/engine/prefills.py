@@ -6,9 +6,6 @@ from collections.abc import Callable, Iterator
 
 from .request import Prefill, Request
 
-#: Batched prefills of different lengths pad each forward to a multiple of this many tokens.
-RAGGED_WIDTH = 32
-
 
 def batched_prefills(
     reqs: list[Request], steps: tuple[int, ...], budget: int, target: Callable[[Request], int]
@@ -17,7 +14,7 @@ def batched_prefills(
 
     With ``steps`` every request runs those chunks. Without, each runs its
     remaining ``target(r) - r.written`` tokens in one forward, padded on the right
-    to a width that is a multiple of ``RAGGED_WIDTH`` (fewer shapes to trace).
+    to the longest of its forward.
     """
     if steps:
         per_forward = max(1, budget // max(steps))
@@ -25,20 +22,22 @@ def batched_prefills(
             yield Prefill(reqs[i : i + per_forward], list(steps), alone=False)
         return
 
-    def width(n: int) -> int:
-        return max(n, min(-(-n // RAGGED_WIDTH) * RAGGED_WIDTH, budget))
+    def forward(group: list[Request], counts: list[int]) -> Prefill:
+        if len(set(counts)) == 1:  # nothing to pad
+            return Prefill(group, counts[:1], alone=False)
+        return Prefill(group, [max(counts)], alone=False, counts=tuple(counts))
 
     group: list[Request] = []
     counts: list[int] = []
     for r in reqs:
         n = target(r) - r.written
-        if group and (len(group) + 1) * width(max(*counts, n)) > budget:
-            yield Prefill(group, [width(max(counts))], alone=False, counts=tuple(counts))
+        if group and (len(group) + 1) * max(*counts, n) > budget:
+            yield forward(group, counts)
             group, counts = [], []
         group.append(r)
         counts.append(n)
     if group:
-        yield Prefill(group, [width(max(counts))], alone=False, counts=tuple(counts))
+        yield forward(group, counts)
 
 
 def prefill_steps(start: int, end: int, chunk: int, cuts: frozenset[int]) -> list[int]:

@@ -56,7 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--max-batch-size", type=int, default=64, help="Most requests decoding at once.")
     p.add_argument(
-        "--prefill-step-size", type=int, default=512, help="Most tokens per prefill forward."
+        "--prefill-step-size",
+        type=int,
+        default=512,
+        help="Most tokens per prefill forward, padding included; 2048 gives earlier first "
+        "tokens to bursts of requests at more peak memory (BENCHMARKS.md, runs 118-122).",
     )
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default=None, help="K/V storage dtype.")
     p.add_argument(

@@ -1,0 +1,77 @@
+"""A burst of arrivals sharing a cached prefix: how long until every one has its first token.
+
+``PagedEngine`` on an mlx-lm model directory caches a ``--system``-token prefix,
+then takes bursts of ``--n`` requests that add a suffix of their own: all of
+one length (``equal``) or of lengths drawn from ``--ragged LO HI`` (``ragged``).
+Each burst is admitted and prefilled (every first token sampled), timed with
+the device synchronized, then aborted. One line per case: milliseconds per
+burst, in order (the first holds the process's first-use work for the shapes),
+and the prefill forwards a burst took.
+
+Usage:
+    python benchmarks/prefill_burst.py --model /root/l1b --prefill-step-size 512 2048
+    python benchmarks/prefill_burst.py --model DIR --system 64 --n 4 --rounds 2   # CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+import mlx.core as mx
+from mlx_lm import load
+
+from mlx_paged import PagedEngine
+
+
+def burst(engine: PagedEngine, prompts: list[list[int]]) -> tuple[float, int]:
+    """Milliseconds to prefill ``prompts`` (first tokens sampled), and the forwards taken."""
+    uids = [engine.add_request(p, 4) for p in prompts]
+    mx.synchronize()
+    start, forwards = time.perf_counter(), 0
+    for work in engine.scheduler.admit():
+        engine._prefill(work)
+        forwards += len(work.steps)
+    mx.synchronize()
+    elapsed = 1000 * (time.perf_counter() - start)
+    for uid in uids:
+        engine.abort(uid)
+    return elapsed, forwards
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", required=True, help="mlx-lm model directory")
+    ap.add_argument("--prefill-step-size", type=int, nargs="+", default=[512, 2048])
+    ap.add_argument("--system", type=int, default=1024, help="cached prefix tokens")
+    ap.add_argument("--suffix", type=int, default=70, help="tokens of each equal suffix")
+    ap.add_argument("--ragged", type=int, nargs=2, default=[60, 80], help="ragged suffix range")
+    ap.add_argument("--n", type=int, nargs="+", default=[32, 1], help="requests per burst")
+    ap.add_argument("--rounds", type=int, default=6)
+    args = ap.parse_args()
+    model, _ = load(args.model)
+    for step in args.prefill_step_size:
+        engine = PagedEngine(model, max_batch_size=max(args.n), prefill_step_size=step)
+        vocab = engine.vocab_size or 256
+        rng = random.Random(0)
+        system = [rng.randrange(vocab) for _ in range(args.system)]
+        engine.generate([system + [1]], max_tokens=1)  # cache the prefix
+        for n in args.n:
+            for kind in ("equal", "ragged"):
+                times = []
+                for _ in range(args.rounds):
+                    lo, hi = (args.suffix, args.suffix) if kind == "equal" else args.ragged
+                    lengths = [rng.randint(lo, hi) for _ in range(n)]
+                    prompts = [system + [rng.randrange(vocab) for _ in range(k)] for k in lengths]
+                    times.append(burst(engine, prompts))
+                ms = " ".join(f"{t:.1f}" for t, _ in times)
+                print(
+                    f"prefill_step_size {step} n={n} {kind}: ms per burst {ms}; "
+                    f"forwards {times[-1][1]}",
+                    flush=True,
+                )
+
+
+if __name__ == "__main__":
+    main()
