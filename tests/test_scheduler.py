@@ -105,24 +105,25 @@ def test_short_prompts_share_padded_forwards_with_blocks_reserved_at_admission()
         sched.add(request(uid, prompt))
     works = list(sched.admit())
     assert [([r.uid for r in w.requests], w.steps, w.counts, w.alone) for w in works] == [
-        ([0, 1, 2], [5], (5, 5, 3), False),
+        ([2, 0, 1], [5], (3, 5, 5), False),
     ]
     # Admission order took the blocks: 2 per 5-token prompt, 1 for the 3-token one.
     assert [r.tables[FULL].blocks for r in sched.running] == [[0, 1], [2, 3], [4]]
     assert refcounts(sched) == [1, 1, 1, 1, 1]  # the growable pool holds just these
 
 
-def test_padded_forwards_keep_admission_order_and_the_token_budget():
-    sched = make()
-    for uid, n in enumerate([5, 40, 3, 30, 2, 2]):
+def test_padded_forwards_group_lengths_alike_within_the_token_budget():
+    sched = make()  # 64 tokens per forward, padding included
+    for uid, n in enumerate([5, 40, 3, 30, 2, 2, 4, 28]):
         sched.add(request(uid, [uid + 1] * n))
     works = [([r.uid for r in w.requests], w.steps, w.counts) for w in sched.admit()]
-    # 2 rows of 40 would take 80 > 64 tokens; 3 rows of 30 would take 90; equal rows pad nothing.
+    # Shortest first. 2, 2, 3 pad 2 of 9 tokens; a 4 would make 4 of 16 padding (at most a
+    # quarter may be), so 4 and 5 go on; two rows of 30 fit 64 tokens; 40 goes alone.
     assert works == [
-        ([0], [5], None),
+        ([4, 5, 2], [3], (2, 2, 3)),
+        ([6, 0], [5], (4, 5)),
+        ([7, 3], [30], (28, 30)),
         ([1], [40], None),
-        ([2, 3], [30], (3, 30)),
-        ([4, 5], [2], None),
     ]
     for work in sched.admit():
         raise AssertionError(f"admitted twice: {work}")

@@ -6,6 +6,9 @@ from collections.abc import Callable, Iterator
 
 from .request import Prefill, Request
 
+#: The most of a batched prefill's tokens that may be padding.
+MAX_PADDING = 0.25
+
 
 def batched_prefills(
     reqs: list[Request], steps: tuple[int, ...], budget: int, target: Callable[[Request], int]
@@ -14,7 +17,9 @@ def batched_prefills(
 
     With ``steps`` every request runs those chunks. Without, each runs its
     remaining ``target(r) - r.written`` tokens in one forward, padded on the right
-    to the longest of its forward.
+    to the longest of its forward. Shortest first, so that lengths alike share a
+    forward; a forward takes no more padding than ``MAX_PADDING`` of its tokens
+    (padding costs compute; each forward costs host time).
     """
     if steps:
         per_forward = max(1, budget // max(steps))
@@ -29,9 +34,9 @@ def batched_prefills(
 
     group: list[Request] = []
     counts: list[int] = []
-    for r in reqs:
-        n = target(r) - r.written
-        if group and (len(group) + 1) * max(*counts, n) > budget:
+    for n, r in sorted(((target(r) - r.written, r) for r in reqs), key=lambda p: p[0]):
+        padded = (len(group) + 1) * n  # n is the longest so far
+        if group and (padded > budget or padded - sum(counts) - n > MAX_PADDING * padded):
             yield forward(group, counts)
             group, counts = [], []
         group.append(r)
