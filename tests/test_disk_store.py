@@ -1,0 +1,184 @@
+"""The disk tier's files: round trips, restarts, bad files, the size cap, unusable directories."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import time
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mlx_paged.storage import disk
+from mlx_paged.storage.disk import DiskStore
+
+FP = "model0fingerprint"
+
+
+def arrays(seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {
+        "keys": rng.standard_normal((2, 16, 4, 8)).astype(np.float16),
+        "values": rng.standard_normal((2, 16, 4, 8)).astype(np.float32),
+        "scales": rng.integers(0, 2**32 - 1, (3, 5), dtype=np.uint32),
+    }
+
+
+def same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(
+        a[k].dtype == b[k].dtype and np.array_equal(a[k], b[k]) for k in a
+    )
+
+
+def test_an_entry_comes_back_as_written_and_survives_a_restart(tmp_path):
+    store = DiskStore(tmp_path, 10**7, FP)
+    assert store.put("abc123", arrays(1))
+    assert "abc123" in store and store.keys == ["abc123"]
+    assert same(store.get("abc123"), arrays(1))
+    size = (tmp_path / f"{FP}-abc123.kv").stat().st_size
+    assert store.bytes == size
+    again = DiskStore(tmp_path, 10**7, FP)
+    assert again.keys == ["abc123"] and again.bytes == size
+    assert same(again.get("abc123"), arrays(1))
+    assert again.counts["hits"] == 1
+    assert again.get("missing") is None and again.counts["misses"] == 1
+
+
+def test_another_fingerprint_never_sees_the_entry(tmp_path):
+    DiskStore(tmp_path, 10**7, FP).put("abc", arrays())
+    other = DiskStore(tmp_path, 10**7, "othermodel")
+    assert "abc" not in other and other.get("abc") is None
+
+
+def corrupt_truncate(path):
+    path.write_bytes(path.read_bytes()[:-100])
+
+
+def corrupt_flip(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def corrupt_foreign(path):
+    data = disk.encode("someothermodel", "abc", arrays())
+    path.write_bytes(data)
+
+
+def corrupt_old_version(path):
+    data = bytearray(path.read_bytes())
+    data[8:12] = (disk.FORMAT_VERSION + 7).to_bytes(4, "little")
+    path.write_bytes(bytes(data))
+
+
+def corrupt_empty(path):
+    path.write_bytes(b"")
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (corrupt_truncate, "checksum"),
+        (corrupt_flip, "checksum"),
+        (corrupt_foreign, "written for someothermodel"),
+        (corrupt_old_version, "format version"),
+        (corrupt_empty, "truncated"),
+    ],
+)
+def test_a_bad_file_is_a_miss_deleted_with_a_log_line(tmp_path, caplog, damage, message):
+    store = DiskStore(tmp_path, 10**7, FP)
+    store.put("abc", arrays())
+    path = tmp_path / f"{FP}-abc.kv"
+    damage(path)
+    with caplog.at_level(logging.WARNING, logger="mlx_paged.disk"):
+        assert store.get("abc") is None
+    assert not path.exists() and "abc" not in store and store.bytes == 0
+    assert any(message in r.getMessage() for r in caplog.records), caplog.text
+    assert store.put("abc", arrays(2)) and same(store.get("abc"), arrays(2))
+
+
+def test_a_killed_writers_files_are_cleaned_up_or_ignored(tmp_path):
+    """A writer killed midway leaves a temporary file (deleted once stale) or, never
+    renamed, nothing under the entry's name; a torn entry file reads as a miss."""
+    store = DiskStore(tmp_path, 10**7, FP)
+    store.put("whole", arrays())
+    data = disk.encode(FP, "torn", arrays())
+    stale = tmp_path / f".{FP}-torn.kv.999.dead.tmp"
+    stale.write_bytes(data[:1000])
+    old = time.time() - disk.STALE_TEMP_SECONDS - 1
+    os.utime(stale, (old, old))
+    young = tmp_path / f".{FP}-other.kv.998.live.tmp"
+    young.write_bytes(data[:10])
+    (tmp_path / f"{FP}-torn.kv").write_bytes(data[: len(data) // 2])
+    again = DiskStore(tmp_path, 10**7, FP)
+    assert not stale.exists() and young.exists()  # a live writer's file is left alone
+    assert again.get("torn") is None and not (tmp_path / f"{FP}-torn.kv").exists()
+    assert same(again.get("whole"), arrays())
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from("abcdefgh"), st.booleans()), max_size=30))
+def test_the_directory_stays_under_its_cap_dropping_the_least_recently_used(tmp_path_factory, ops):
+    path = tmp_path_factory.mktemp("cap")
+    one = len(disk.encode(FP, "a", arrays()))
+    store = DiskStore(path, 3 * one + 10, FP)  # room for three entries
+    recent: list[str] = []  # what an LRU of three must hold, most recent last
+    for key, write in ops:
+        if write:
+            assert store.put(key, arrays())
+        elif store.get(key) is None:
+            assert key not in recent[-3:]
+            continue
+        recent = [k for k in recent if k != key] + [key]
+        on_disk = sum(f.stat().st_size for f in path.glob("*.kv"))
+        assert on_disk == store.bytes <= store.max_bytes
+        assert sorted(store.keys) == sorted(recent[-3:])
+
+
+def test_the_cap_counts_every_models_files(tmp_path):
+    one = len(disk.encode(FP, "a", arrays()))
+    other = DiskStore(tmp_path, 10**7, "othermodel")
+    other.put("x", arrays())
+    other.put("y", arrays())
+    store = DiskStore(tmp_path, 2 * one + 10, FP)  # already full: the oldest goes
+    assert sorted(p.name for p in tmp_path.glob("*.kv")) == ["othermodel-x.kv", "othermodel-y.kv"]
+    store.put("a", arrays())
+    assert sorted(p.name for p in tmp_path.glob("*.kv")) == [f"{FP}-a.kv", "othermodel-y.kv"]
+
+
+def test_an_unusable_directory_turns_the_tier_off_with_one_warning(tmp_path, caplog):
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("x")
+    with caplog.at_level(logging.WARNING, logger="mlx_paged.disk"):
+        store = DiskStore(not_a_dir / "kv", 10**7, FP)
+        assert not store.put("a", arrays()) and store.get("a") is None
+    assert not store.enabled and len(caplog.records) == 1
+
+
+def test_a_full_disk_turns_the_tier_off_with_one_warning(tmp_path, caplog, monkeypatch):
+    store = DiskStore(tmp_path, 10**7, FP)
+    store.put("a", arrays())
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(disk.os, "replace", full)
+    with caplog.at_level(logging.WARNING, logger="mlx_paged.disk"):
+        assert not store.put("b", arrays())
+        assert not store.put("c", arrays())
+    assert not store.enabled and len(caplog.records) == 1
+    assert not list(tmp_path.glob("*.tmp"))  # its temporary file went too
+
+
+@pytest.mark.parametrize("bad", ["", "a/b", "../x", "a-b"])
+def test_keys_and_fingerprints_are_checked(tmp_path, bad):
+    store = DiskStore(tmp_path, 10**7, FP)
+    with pytest.raises(ValueError, match="letters and digits"):
+        store.put(bad, arrays())
+    with pytest.raises(ValueError, match="letters and digits"):
+        DiskStore(tmp_path, 10**7, bad)
+    with pytest.raises(ValueError, match="max_bytes"):
+        DiskStore(tmp_path, 0, FP)
