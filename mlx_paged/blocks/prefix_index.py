@@ -15,7 +15,12 @@ For a model with recurrent layers (``states``), a node may also hold a
 snapshot of the recurrent state at its end (``StateSlots``). A prefix can be
 adopted only up to a node that holds one, since the state cannot be rebuilt
 from blocks; snapshots leave with their node, and a snapshot the state pool
-evicts leaves its node. Pure Python: no MLX here.
+evicts leaves its node.
+
+With ``on_spill`` set, an eviction in a full-attention group first tells it of
+every full block about to go (the evicted one and those below it): the tokens
+through the block and its id per group, so that a disk tier can keep them.
+Pure Python: no MLX here.
 """
 
 from __future__ import annotations
@@ -83,6 +88,7 @@ class PrefixIndex:
         self._owner: list[dict[int, _Node]] = [{} for _ in pools]
         self.states = states
         self._snapshot_owner: dict[int, _Node] = {}
+        self.on_spill: Callable[[list[int], list[int]], None] | None = None
         if states is not None:
             states.on_evict = self._forget_snapshot
         for g, pool in enumerate(pools):
@@ -254,9 +260,12 @@ class PrefixIndex:
 
     def _forget(self, group: int, block_id: int) -> None:
         """Pool hook: a cached block is being reclaimed."""
-        node = self._owner[group].pop(block_id, None)
+        node = self._owner[group].get(block_id)
         if node is None:
             return
+        if self.on_spill is not None and self.windows[group] is None:
+            _spill(node, self.block_size, self.on_spill)  # it and the subtree it takes along
+        del self._owner[group][block_id]
         node.blocks[group] = None
         if self.windows[group] is None:
             self._remove(node)
@@ -299,6 +308,30 @@ class PrefixIndex:
             and all(b is None for b in node.blocks)
         ):
             self._remove(node)
+
+
+def spill_parked(index: PrefixIndex) -> None:
+    """Tell ``index.on_spill`` of every full block the index holds in every group."""
+    bs = index.block_size
+    for child in list(index._root.children.values()):
+        if len(child.key) == bs and index.on_spill is not None:
+            _spill(child, bs, index.on_spill)
+
+
+def _spill(node: _Node, bs: int, spill: Callable[[list[int], list[int]], None]) -> None:
+    """Tell ``spill`` of every full block at or under ``node`` that every group holds,
+    parents first."""
+    tokens: list[int] = []
+    up = node
+    while up.parent is not None:
+        tokens[:0] = up.key
+        up = up.parent
+    stack = [(node, tokens)]
+    while stack:
+        n, toks = stack.pop()
+        if len(n.key) == bs and all(b is not None for b in n.blocks):
+            spill(toks, list(n.blocks))
+        stack += [(c, toks + list(c.key)) for c in n.children.values() if len(c.key) == bs]
 
 
 def _node_at(root: _Node, tokens: Sequence[int], length: int, bs: int) -> _Node | None:

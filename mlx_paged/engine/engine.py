@@ -18,6 +18,7 @@ reuse prefixes through snapshots of that state (see ``Scheduler``).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import mlx.core as mx
@@ -27,6 +28,7 @@ from ..attention import route_attention
 from ..blocks import LayerKind, check_block_size
 from ..cache import PagedLayout, make_pools
 from ..storage import KVPool, StatePool, check_kv_dtype, check_kv_quant
+from .disk_tier import DiskTier
 from .distributed import Agreement
 from .request import (
     EngineStats,
@@ -52,25 +54,27 @@ class PagedEngine:
     """Runs many requests at once over one paged KV cache.
 
     Args:
-        model: An mlx-lm model: attention layers (full, sliding window, MLA,
-            sinks) are paged; recurrent layers (``ArraysCache``) keep their state
-            in slots, one per running request.
+        model: An mlx-lm model: attention layers (full, sliding window, MLA, sinks)
+            are paged; recurrent layers (``ArraysCache``) keep their state in slots.
         block_size: Token slots per block.
         num_blocks: Blocks per layer group, or ``None`` to grow on demand.
         max_batch_size: Most sequences decoding at once.
-        prefill_step_size: Most tokens per prefill forward; short suffixes are
-            batched up to it. Larger values give earlier first tokens at a higher
-            peak memory (BENCHMARKS.md, run 100).
+        prefill_step_size: Most tokens per prefill forward, padding included; short
+            suffixes are batched up to it. Larger values give earlier first tokens at
+            a higher peak memory (BENCHMARKS.md, runs 100 and 122).
         prefill_budget: Most prompt tokens admitted per step, beside its decode
-            (``None``: every request that fits is admitted and prefilled before the
-            step's decode). Each step admits at least one request.
+            (``None``: all that fit, prefilled before the step's decode; each step
+            admits one at least).
         kv_dtype: Storage dtype for K/V; ``None`` keeps the model's.
         kv_bits, kv_group_size, hot_tokens: A quantized cold tier, as in
-            ``make_paged_cache``: full-attention blocks behind each sequence's
-            last ``hot_tokens`` tokens are quantized to ``kv_bits`` and shared
-            from there. ``num_blocks`` then counts full-precision blocks.
-        cold_blocks: Capacity of the cold tier in blocks, or ``None`` to grow it
-            on demand.
+            ``make_paged_cache``: full-attention blocks behind each sequence's last
+            ``hot_tokens`` tokens are quantized to ``kv_bits`` and shared from there.
+            ``num_blocks`` then counts full-precision blocks.
+        cold_blocks: Cold-tier capacity in blocks, or ``None`` to grow it on demand.
+        kv_disk_dir, kv_disk_bytes: A disk tier (``engine/disk_tier.py``): full blocks
+            the prefix index evicts go to files in this directory, at most this many
+            bytes, and come back when a prompt needs them, in this process or a later
+            one. Not yet for sliding-window or recurrent layers or ``kv_bits``.
         state_snapshot_interval: For models with recurrent layers: a long
             prefill snapshots the recurrent state every this many tokens (a
             multiple of ``block_size``), so a later request sharing the prefix
@@ -99,6 +103,8 @@ class PagedEngine:
         state_snapshot_interval: int | None = None,
         num_state_snapshots: int | None = None,
         group: mx.distributed.Group | None = None,
+        kv_disk_dir: str | os.PathLike | None = None,
+        kv_disk_bytes: int | None = None,
     ):
         check_block_size(block_size)
         check_kv_dtype(kv_dtype)
@@ -128,6 +134,9 @@ class PagedEngine:
             state_snapshot_interval,
         )
         self.runner = ModelRunner(model, layout, pools, states)
+        self.disk = None  # a disk tier, if any: ``self.disk.spill_cached()`` keeps it all
+        if kv_disk_dir is not None:
+            self.disk = DiskTier.open(kv_disk_dir, kv_disk_bytes, model, pools, self.scheduler)
         self.agreement = Agreement(group) if group is not None and group.size() > 1 else None
         self.vocab_size = vocab_size(model)
         self.clock = StepClock()  # host time per step phase (``engine/timing.py``)
@@ -160,20 +169,20 @@ class PagedEngine:
 
         ``sampler`` maps log-probs ``(1, V)`` to a token (greedy if ``None``);
         ``logits_processors`` see ``(tokens, logits)`` first, as in mlx-lm. With
-        ``logprobs`` (0 or more), each event carries the sampled token's log-prob
-        and the ``logprobs`` most likely tokens'. A ``constraint`` (a grammar's
-        state) masks the logits before the processors and the sampler; it
-        sees every token the request samples. Other requests in the batch are
-        not changed by it.
+        ``logprobs`` (0 or more), each event carries the sampled token's log-prob and
+        the ``logprobs`` most likely tokens'. A ``constraint`` (a grammar's state)
+        masks the logits before the processors and the sampler and sees every token
+        the request samples; the batch's other requests are not changed by it.
 
         Raises:
             ValueError: for an empty prompt, a token id outside ``[0, vocab_size)``
                 (the model's embedding would read out of bounds), a bad
                 ``max_tokens``/``logprobs``, or a request the pool can never hold.
         """
+        tokens = tokens.tolist() if isinstance(tokens, mx.array) else list(tokens)
         req = make_request(
             self._next_uid,
-            tokens.tolist() if isinstance(tokens, mx.array) else list(tokens),
+            tokens,
             max_tokens,
             self.vocab_size,
             sampler=sampler,
@@ -269,7 +278,8 @@ class PagedEngine:
                 self.scheduler.index_written(req)
         if not work.fresh:
             return []
-        return self._emit(work.requests, self.runner.sample(work.requests, logits))
+        sampled = self.runner.sample(work.requests, logits)
+        return emit(self.scheduler, self.runner, work.requests, sampled)
 
     def _decode(self) -> list[Event]:
         self.runner.migrate(self.scheduler.running)  # first: it frees full-precision blocks
@@ -282,20 +292,25 @@ class PagedEngine:
         sampled = self.runner.sample(reqs, logits)
         self.clock.lap("wait")
         self.clock.decode_steps += 1
-        return self._emit(reqs, sampled)
+        return emit(self.scheduler, self.runner, reqs, sampled)
 
-    def _emit(self, reqs: list[Request], sampled: list[Sampled]) -> list[Event]:
-        events, constrained = [], []
-        for r, s in zip(reqs, sampled, strict=True):
-            if s.error is not None:
-                events.append(self.scheduler.abort(r, s.error))
-            else:
-                events.append(self.scheduler.emit(r, s.token, s.logprob, s.top_logprobs))
-                if r.constraint is not None:
-                    constrained.append((r, s.token, events[-1].finish_reason is None))
-        # Accepted, and the next masks filled, while the host builds the next step.
-        self.runner.masks.advance(constrained, self.runner.vocab)
-        return events
+
+def emit(
+    scheduler: Scheduler, runner: ModelRunner, reqs: list[Request], sampled: list[Sampled]
+) -> list[Event]:
+    """Record a step's sampled tokens (or errors) as events; constrained requests accept
+    theirs and fill their next masks in the background."""
+    events, constrained = [], []
+    for r, s in zip(reqs, sampled, strict=True):
+        if s.error is not None:
+            events.append(scheduler.abort(r, s.error))
+        else:
+            events.append(scheduler.emit(r, s.token, s.logprob, s.top_logprobs))
+            if r.constraint is not None:
+                constrained.append((r, s.token, events[-1].finish_reason is None))
+    # Accepted, and the next masks filled, while the host builds the next step.
+    runner.masks.advance(constrained, runner.vocab)
+    return events
 
 
 def snapshot_interval(interval: object, block_size: int) -> int:

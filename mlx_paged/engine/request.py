@@ -73,6 +73,7 @@ class EngineStats(PagedCacheStats):
     cold_blocks: int = 0  # quantized blocks held, of the full-attention group
     cold_bytes: int = 0
     migrations: int = 0  # blocks moved to the cold tier so far
+    disk_hit_tokens: int = 0  # prompt tokens whose blocks came back from the disk tier
     # Recurrent state (hybrid models): slots held by running requests, all slots' bytes,
     # and the snapshots the prefix index holds.
     state_slots_used: int = 0

@@ -52,6 +52,7 @@ COUNTERS = (
     "aborted",
     "failed",
     "peak_live_blocks",
+    "disk_hit_tokens",
 )
 
 
@@ -62,11 +63,10 @@ class Scheduler:
         groups: Per layer group, its block-table bookkeeping (all with one block size).
         max_batch_size: Most requests running at once.
         prefill_step_size: Most tokens per prefill forward.
-        prefill_budget: Most prompt tokens admitted per step (``None``: no limit); the
-            rest wait, and running requests decode between. Each step admits one at least.
-        states: The recurrent-state slots and snapshots of a hybrid model, or ``None``.
-        snapshot_interval: Tokens between the snapshots a long prefill takes (a
-            multiple of the block size; with ``states``).
+        prefill_budget: Most prompt tokens admitted per step (``None``: no limit; at least
+            one request a step); the rest wait, and running requests decode between.
+        states, snapshot_interval: A hybrid model's recurrent-state slots and snapshots,
+            and the tokens between a long prefill's snapshots (a block-size multiple).
     """
 
     def __init__(
@@ -93,7 +93,7 @@ class Scheduler:
             self.recurrent = RecurrentStates(states, self.index, snapshot_interval)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.counters = dict.fromkeys(COUNTERS, 0)
+        self.counters, self.disk = dict.fromkeys(COUNTERS, 0), None  # disk: a DiskTier
 
     # ---- public API -------------------------------------------------------
 
@@ -250,11 +250,12 @@ class Scheduler:
 
     def _adopt(self, req: Request, use_cache: bool = True) -> bool:
         """Give ``req`` tables holding its cached prefix and room for the rest, or wait."""
-        tokens = req.tokens
-        target = self.kv_target(req)
+        tokens, target = req.tokens, self.kv_target(req)
+        if use_cache and self.disk is not None:  # full blocks past memory's, from disk
+            self.counters["disk_hit_tokens"] += self.disk.load(tokens[: len(tokens) - 1])
         match = self.index.match(tokens[: len(tokens) - 1]) if use_cache else None
         hit = match.length if match else 0
-        tables = _adopted_tables(self.groups, match)
+        tables = adopted_tables(self.groups, match)
         # Leave each running sequence (and this one) a block to decode into.
         headroom = len(self.running) + 1
         need = {k: self._blocks_to_write(k, tables[k], hit, target) for k in self.kinds}
@@ -307,7 +308,7 @@ class Scheduler:
         self.counters["peak_live_blocks"] = max(self.counters["peak_live_blocks"], live)
 
 
-def _adopted_tables(
+def adopted_tables(
     groups: dict[LayerKind, BlockTables], match: PrefixMatch | None
 ) -> dict[LayerKind, BlockTable]:
     """Per group, a new table holding references to ``match``'s blocks (empty without one)."""

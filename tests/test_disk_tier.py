@@ -1,0 +1,131 @@
+"""The disk tier in the engine: evicted blocks come back from files, in this process or the next."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+from tiny_models import VOCAB, model_of, solo, tiny_model
+
+from mlx_paged import PagedEngine
+from mlx_paged.engine.disk_tier import chain_keys
+
+BS = 8
+MAX_TOKENS = 4
+
+
+def prompts(seed: int, n: int, length: int = 41) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(VOCAB) for _ in range(length)] for _ in range(n)]
+
+
+def run(engine: PagedEngine, prompt: list[int]) -> tuple[list[int], list[float]]:
+    """Greedy tokens and their log-probs for one request alone."""
+    uid = engine.add_request(prompt, MAX_TOKENS, logprobs=0)
+    tokens, logprobs = [], []
+    for event in engine.stream():
+        if event.uid == uid:
+            tokens.append(event.token)
+            logprobs.append(event.logprob)
+    engine.check_invariants()
+    return tokens, logprobs
+
+
+def test_evicted_blocks_come_back_with_the_same_logprobs_as_never_evicting(tmp_path):
+    model = model_of("llama")
+    a, *others = prompts(0, 4)
+    never = PagedEngine(model, block_size=BS)
+    run(never, a)
+    expected = run(never, a)  # served from memory: what an eviction must not change
+    assert never.stats().prefix_hit_tokens == 2 * 40 - 40  # the second run hit 40 tokens
+
+    engine = PagedEngine(model, block_size=BS, num_blocks=14, kv_disk_dir=tmp_path,
+                         kv_disk_bytes=10**8)  # fmt: skip
+    run(engine, a)
+    for p in others:  # each takes 6 of the 14 blocks: a's parked blocks are evicted
+        run(engine, p)
+    assert engine.scheduler.index.full_blocks_matched(a) < 40  # memory lost some of a
+    before = engine.stats()
+    got = run(engine, a)
+    after = engine.stats()
+    assert got[0] == expected[0] == solo("llama", tuple(a), MAX_TOKENS)
+    assert np.allclose(got[1], expected[1], atol=1e-6, rtol=0), (got[1], expected[1])
+    loaded = after.disk_hit_tokens - before.disk_hit_tokens
+    assert loaded > 0 and loaded % BS == 0
+    assert after.prefix_hit_tokens - before.prefix_hit_tokens == 40  # 5 full blocks
+    assert engine.disk.store.counts["hits"] == loaded // BS
+
+
+def test_a_restart_answers_a_repeated_prompt_from_disk(tmp_path):
+    (a,) = prompts(1, 1)
+    first = PagedEngine(model_of("llama"), block_size=BS, kv_disk_dir=tmp_path, kv_disk_bytes=10**8)
+    expected = run(first, a)
+    assert first.disk.spill_cached() == 5  # the 5 full blocks of a's 41 + 3 written tokens
+    assert first.disk.spill_cached() == 0  # already there
+    # A new engine, as after a restart: a fresh pool whose layers were never written.
+    second = PagedEngine(tiny_model("llama"), block_size=BS, kv_disk_dir=tmp_path,
+                         kv_disk_bytes=10**8)  # fmt: skip
+    got = run(second, a)
+    stats = second.stats()
+    assert stats.disk_hit_tokens == 40 and stats.prefix_hit_tokens == 40
+    assert got[0] == expected[0]
+    assert np.allclose(got[1], expected[1], atol=1e-6, rtol=0)
+
+
+def test_another_model_or_block_size_never_hits(tmp_path):
+    (a,) = prompts(2, 1)
+    first = PagedEngine(model_of("llama"), block_size=BS, kv_disk_dir=tmp_path, kv_disk_bytes=10**8)
+    run(first, a)
+    first.disk.spill_cached()
+    other = tiny_model("llama", seed=5)  # same shapes, other weights
+    for engine in (
+        PagedEngine(other, block_size=BS, kv_disk_dir=tmp_path, kv_disk_bytes=10**8),
+        PagedEngine(model_of("llama"), block_size=16, kv_disk_dir=tmp_path, kv_disk_bytes=10**8),
+    ):
+        tokens, _ = run(engine, a)
+        assert engine.stats().disk_hit_tokens == 0 and engine.stats().prefix_hit_tokens == 0
+
+
+def test_damaged_files_are_recomputed_and_deleted(tmp_path):
+    (a,) = prompts(3, 1)
+    first = PagedEngine(model_of("llama"), block_size=BS, kv_disk_dir=tmp_path, kv_disk_bytes=10**8)
+    expected = run(first, a)
+    first.disk.spill_cached()
+    assert len(list(tmp_path.glob("*.kv"))) == 5
+    # The third block's file: the two before it load, the rest is recomputed.
+    (third,) = tmp_path.glob(f"*-{chain_keys(a, BS)[2]}.kv")
+    data = bytearray(third.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    third.write_bytes(bytes(data))
+    second = PagedEngine(model_of("llama"), block_size=BS, kv_disk_dir=tmp_path,
+                         kv_disk_bytes=10**8)  # fmt: skip
+    got = run(second, a)
+    assert got[0] == expected[0]
+    assert second.stats().disk_hit_tokens == 2 * BS
+    assert not third.exists()
+
+
+def test_the_directory_stays_under_its_cap(tmp_path):
+    engine = PagedEngine(model_of("llama"), block_size=BS, num_blocks=14, kv_disk_dir=tmp_path,
+                         kv_disk_bytes=30_000)  # fmt: skip
+    for p in prompts(4, 6):
+        run(engine, p)
+    engine.disk.spill_cached()
+    on_disk = sum(f.stat().st_size for f in tmp_path.glob("*.kv"))
+    assert 0 < on_disk <= 30_000 and on_disk == engine.disk.store.bytes
+
+
+@pytest.mark.parametrize(
+    "family, kwargs, match",
+    [
+        ("gemma3_text", {}, "sliding-window"),
+        ("llama", {"kv_bits": 8, "hot_tokens": 16}, "cold tier"),
+        ("llama", {"kv_disk_bytes": 0}, "max_bytes"),
+        ("llama", {"kv_disk_bytes": None}, "max_bytes"),
+    ],
+)
+def test_caches_the_disk_tier_does_not_serve_are_refused(tmp_path, family, kwargs, match):
+    settings = {"kv_disk_bytes": 10**8, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        PagedEngine(model_of(family), block_size=BS, kv_disk_dir=tmp_path, **settings)
