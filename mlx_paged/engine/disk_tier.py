@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 from collections.abc import Sequence
 
 import mlx.core as mx
@@ -52,7 +53,7 @@ class DiskTier:
         self.store, self.scheduler = store, scheduler
         self.pools = [pools[k] for k in scheduler.kinds]
         self.block_size = scheduler.block_size
-        self.hit_tokens = 0
+        self.seconds = {"load": 0.0, "write": 0.0}  # loading into the pool, spilling
         scheduler.index.on_spill = self.spill
         scheduler.disk = self
 
@@ -97,8 +98,10 @@ class DiskTier:
                 model = _name(pool.input_dtypes[layer])
                 for which, stored in (("k", pool.keys[layer]), ("v", pool.values[layer])):
                     arrays[f"{g}.{layer}.{which}.{_name(stored.dtype)}.{model}"] = stored[b]
+        start = time.perf_counter()
         mx.eval(list(arrays.values()))
         self.store.put(key, {name: _to_numpy(a) for name, a in arrays.items()})
+        self.seconds["write"] += time.perf_counter() - start
 
     def spill_cached(self) -> int:
         """Write every parked full block the disk lacks; return how many were written."""
@@ -113,6 +116,12 @@ class DiskTier:
         parked blocks; return the tokens loaded."""
         if not self.store.enabled:
             return 0
+        start = time.perf_counter()
+        loaded = self._load(tokens)
+        self.seconds["load"] += time.perf_counter() - start
+        return loaded
+
+    def _load(self, tokens: Sequence[int]) -> int:
         bs, index = self.block_size, self.scheduler.index
         have = index.full_blocks_matched(tokens) // bs
         keys = chain_keys(tokens[: len(tokens) // bs * bs], bs)
@@ -143,7 +152,6 @@ class DiskTier:
         index.insert(tokens, spans, length=end, partial=False)
         for kind, table in tables.items():
             self.scheduler.groups[kind].release(table)
-        self.hit_tokens += end - start
         return end - start
 
     def _fits(self, arrays: dict[str, np.ndarray]) -> bool:

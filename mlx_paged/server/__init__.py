@@ -54,6 +54,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--kv-memory", default=None, help="KV pool size, e.g. 4GB; default: grow on demand."
     )
+    p.add_argument(
+        "--kv-disk-dir",
+        default=None,
+        help="A disk tier: full blocks the prefix cache evicts (and every cached one at "
+        "shutdown) go to files here, and come back for prompts that need them, after a "
+        "restart too. Not yet for sliding-window or recurrent layers, --kv-bits or mlx.launch.",
+    )
+    p.add_argument(
+        "--kv-disk-bytes", default="50GB", help="Most bytes the --kv-disk-dir files take."
+    )
     p.add_argument("--max-batch-size", type=int, default=64, help="Most requests decoding at once.")
     p.add_argument(
         "--prefill-step-size",
@@ -165,13 +175,14 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         v = getattr(args, name)
         if v is not None and v <= 0:
             parser.error(f"--{name.replace('_', '-')} must be a positive integer, got {v}.")
-    if args.kv_memory is not None:
-        from ..cache.memory import parse_memory
+    from ..cache.memory import parse_memory
 
+    for flag, value in (("--kv-memory", args.kv_memory), ("--kv-disk-bytes", args.kv_disk_bytes)):
         try:
-            parse_memory(args.kv_memory)
+            if value is not None and parse_memory(value) <= 0:
+                parser.error(f"{flag} must be more than 0 bytes, got {value}.")
         except ValueError as e:
-            parser.error(f"--kv-memory: {e}")
+            parser.error(f"{flag}: {e}")
     bad = {
         "temp": args.temp is not None and not 0 <= args.temp <= 2,
         "top_p": args.top_p is not None and not 0 < args.top_p <= 1,
@@ -217,6 +228,8 @@ def loader(args: argparse.Namespace, group=None):
         if args.kv_memory is not None:
             footprint = probe_footprint(model, args.block_size, kv_dtype)
             num_blocks = blocks_for_memory(parse_memory(args.kv_memory), footprint)
+        if args.kv_disk_dir is not None and sharded:
+            raise ValueError("--kv-disk-dir is not yet supported under mlx.launch.")
         engine = PagedEngine(
             model,
             block_size=args.block_size,
@@ -230,6 +243,8 @@ def loader(args: argparse.Namespace, group=None):
             state_snapshot_interval=args.state_snapshot_interval,
             num_state_snapshots=args.num_state_snapshots,
             group=group,
+            kv_disk_dir=args.kv_disk_dir,
+            kv_disk_bytes=int(parse_memory(args.kv_disk_bytes)),
         )
         if args.warm_up:
             from ..engine.warmup import warm_up

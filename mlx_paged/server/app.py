@@ -38,7 +38,10 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> FastAPI:
     xtc_special = tokenizer.encode("\n") + list(tokenizer.eos_token_ids)
     grammars = Grammars(tokenizer, worker.engine.vocab_size or tokenizer.vocab_size)
     registry, first_tokens = metrics_registry(
-        lambda: worker.stats, lambda: worker.queued, lambda: getattr(worker.engine, "clock", None)
+        lambda: worker.stats,
+        lambda: worker.queued,
+        lambda: getattr(worker.engine, "clock", None),
+        lambda: getattr(worker.engine, "disk", None),
     )
     app.state.accepting = True
 

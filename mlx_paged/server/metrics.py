@@ -33,8 +33,9 @@ class EngineCollector:
         stats: Callable[[], EngineStats],
         queued: Callable[[], int],
         clock: Callable[[], StepClock | None] = lambda: None,
+        disk: Callable[[], Any] = lambda: None,
     ):
-        self._stats, self._queued, self._clock = stats, queued, clock
+        self._stats, self._queued, self._clock, self._disk = stats, queued, clock, disk
 
     def collect(self) -> Iterator[Metric]:
         s = self._stats()
@@ -85,9 +86,26 @@ class EngineCollector:
             "requests_aborted": ("Requests aborted.", "aborted"),
             "requests_failed": ("Requests ended by an error.", "failed"),
             "kv_migrations": ("KV blocks quantized into the cold tier.", "migrations"),
+            "kv_disk_hit_tokens": (
+                "Prompt tokens whose blocks came back from the disk tier.",
+                "disk_hit_tokens",
+            ),
         }
         for name, (doc, field) in counters.items():
             yield CounterMetricFamily(f"mlx_paged_{name}", doc, value=getattr(s, field))
+        disk = self._disk()
+        if disk is not None:
+            store = disk.store
+            yield GaugeMetricFamily(
+                "mlx_paged_kv_disk_bytes", "Bytes of the disk tier's files.", value=store.bytes
+            )
+            for name, doc, value in (
+                ("kv_disk_hits", "Blocks loaded from the disk tier.", store.counts["hits"]),
+                ("kv_disk_writes", "Blocks written to the disk tier.", store.counts["writes"]),
+                ("kv_disk_load_seconds", "Seconds loading from disk.", disk.seconds["load"]),
+                ("kv_disk_write_seconds", "Seconds writing to disk.", disk.seconds["write"]),
+            ):
+                yield CounterMetricFamily(f"mlx_paged_{name}", doc, value=value)
         clock = self._clock()
         if clock is not None:
             doc = "Engine thread seconds per step phase (engine/timing.py)."
@@ -133,10 +151,11 @@ def metrics_registry(
     stats: Callable[[], EngineStats],
     queued: Callable[[], int],
     clock: Callable[[], StepClock | None] = lambda: None,
+    disk: Callable[[], Any] = lambda: None,
 ) -> tuple[CollectorRegistry, FirstTokenTimes]:
     """A registry holding only the server's metrics, and its first-token histograms."""
     registry = CollectorRegistry(auto_describe=True)
-    registry.register(EngineCollector(stats, queued, clock))
+    registry.register(EngineCollector(stats, queued, clock, disk))
     return registry, FirstTokenTimes(registry)
 
 

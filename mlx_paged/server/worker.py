@@ -179,6 +179,9 @@ class EngineWorker:
                 self._step()
             self._update_stats()
         self._fail_all("the server is shutting down", reason="abort")
+        if self.engine.disk is not None:  # what the prefix cache holds outlives the process
+            written = self.engine.disk.spill_cached()
+            logger.info("mlx_paged: %d cached blocks written to the disk tier", written)
         self.stats = self.engine.stats()
 
     def _update_stats(self) -> None:

@@ -1,0 +1,69 @@
+"""``mlx_paged.server --kv-disk-dir``: a restarted server answers a repeated prompt from disk."""
+
+from __future__ import annotations
+
+import signal
+
+import httpx
+from test_server import MODEL, start_server
+
+PROMPT = list(range(1000, 1200))  # 200 tokens: 12 full blocks of 16 before the last token
+FLAGS = ("--log-level", "info", "--kv-disk-bytes", "1GB")
+
+
+def ask(server) -> tuple[str, int]:
+    out = server.client().completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0
+    )
+    return out.choices[0].text, out.usage.prompt_tokens_details.cached_tokens
+
+
+def test_a_restarted_server_answers_from_disk_and_survives_bad_files(tmp_path):
+    disk = tmp_path / "kv"
+    first = start_server(tmp_path, "first", "--kv-disk-dir", str(disk), *FLAGS)
+    try:
+        text, cached = ask(first)
+        assert text and cached == 0
+        first.proc.send_signal(signal.SIGTERM)  # shutdown writes what the cache holds
+        assert first.proc.wait(60) == 0, first.log_tail()
+    finally:
+        first.stop()
+    files = sorted(disk.glob("*.kv"))
+    assert len(files) >= 12, first.log_tail()
+
+    second = start_server(tmp_path, "second", "--kv-disk-dir", str(disk), *FLAGS)
+    try:
+        assert ask(second) == (text, 192)  # all 12 full blocks, from disk
+        m = second.metrics()
+        assert m["mlx_paged_kv_disk_hit_tokens_total"] == 192
+        assert m["mlx_paged_kv_disk_hits_total"] == 12
+        assert m["mlx_paged_kv_disk_bytes"] == sum(f.stat().st_size for f in disk.glob("*.kv"))
+    finally:
+        second.proc.kill()  # no shutdown: nothing more is written
+        second.proc.wait()
+    for f in disk.glob("*.kv"):  # every file damaged: flipped bytes or cut short
+        data = bytearray(f.read_bytes())
+        data[len(data) // 3] ^= 0x5A
+        f.write_bytes(bytes(data[: len(data) - (len(data) % 7)]))
+
+    third = start_server(tmp_path, "third", "--kv-disk-dir", str(disk), *FLAGS)
+    try:
+        assert ask(third) == (text, 0)  # recomputed
+        assert third.metrics()["mlx_paged_kv_disk_hit_tokens_total"] == 0
+        assert "deleting the disk-tier file" in third.log_tail()
+        assert ask(third) == (text, 199)  # the memory cache: every token but the last
+    finally:
+        third.stop()
+
+
+def test_a_directory_that_cannot_be_used_leaves_the_server_serving(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    server = start_server(tmp_path, "unusable", "--kv-disk-dir", str(blocker / "kv"), *FLAGS)
+    try:
+        text, _ = ask(server)
+        assert text
+        assert "the disk tier is off" in server.log_tail()
+        assert httpx.get(f"{server.base}/health", timeout=10).status_code == 200
+    finally:
+        server.stop()
