@@ -68,30 +68,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--block-size", type=int, default=16, help="Token slots per block.")
     g.add_argument("--pipeline", action="store_true", help="Under mlx.launch: split by layers.")
-    g.add_argument(
-        "--num-blocks",
-        type=int,
-        default=None,
-        help="Blocks in the pool (default: grow on demand).",
-    )
+    g.add_argument("--num-blocks", type=int, help="Blocks in the pool (default: grow on demand).")
     g.add_argument(
         "--kv-memory",
         default=None,
         help="Size the pool by memory instead of --num-blocks, e.g. 2GB or 512MiB.",
     )
     g.add_argument(
-        "--kv-dtype",
-        choices=KV_DTYPES,
-        default=None,
-        help="Storage dtype for K/V (default: the model's).",
+        "--kv-dtype", choices=KV_DTYPES, help="K/V storage dtype (default: the model's)."
     )
     g.add_argument(
-        "--hot-tokens",
-        type=int,
-        default=256,
-        help="With --kv-bits: the last tokens of each sequence kept in full precision; "
-        "full blocks before them are quantized.",
+        "--kv-disk-dir",
+        help="With --prompts-file: a disk tier; evicted cached blocks, and all of them at the "
+        "end, go to files here and come back for later prompts and runs that need them.",
     )
+    g.add_argument("--kv-disk-bytes", default="50GB", help="Most bytes --kv-disk-dir takes.")
+    hot = "With --kv-bits: each sequence's last tokens kept in full precision (the rest quantized)."
+    g.add_argument("--hot-tokens", type=int, default=256, help=hot)
     g.add_argument(
         "--model-dtype",
         choices=MODEL_DTYPES,
@@ -106,10 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
         '{"prompt": ...} or {"messages": [...]} per line.',
     )
     g.add_argument(
-        "--max-batch-size",
-        type=int,
-        default=64,
-        help="Most sequences decoding at once with --prompts-file.",
+        "--max-batch-size", type=int, default=64, help="Sequences at once, --prompts-file."
     )
     g.add_argument(
         "--state-snapshot-interval",
@@ -142,11 +132,12 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error("--state-snapshot-interval must be a positive multiple of --block-size.")
     if args.num_blocks is not None and args.kv_memory is not None:
         parser.error("give --num-blocks or --kv-memory, not both.")
-    if args.kv_memory is not None:
-        try:
+    try:
+        args.kv_disk_bytes = int(parse_memory(args.kv_disk_bytes))
+        if args.kv_memory is not None:
             args.kv_memory_bytes = parse_memory(args.kv_memory)
-        except ValueError as e:
-            parser.error(f"--kv-memory: {e}")
+    except ValueError as e:
+        parser.error(f"--kv-memory or --kv-disk-bytes: {e}")
     if args.chat_template_config is not None:
         try:
             if not isinstance(json.loads(args.chat_template_config), dict):
@@ -277,6 +268,8 @@ def run_many(
         encoded = [encode_prompt(tokenizer, p, args) for p in prompts]
     except ValueError as e:
         raise SystemExit(f"mlx_paged.generate: error: {e}") from e
+    if args.kv_disk_dir is not None and group is not None and group.size() > 1:
+        raise SystemExit("mlx_paged.generate: error: --kv-disk-dir does not yet run sharded.")
     engine = PagedEngine(
         model,
         block_size=args.block_size,
@@ -290,6 +283,8 @@ def run_many(
         state_snapshot_interval=args.state_snapshot_interval,
         num_state_snapshots=args.num_state_snapshots,
         group=group,
+        kv_disk_dir=args.kv_disk_dir,
+        kv_disk_bytes=args.kv_disk_bytes,
     )
     sampler = None if args.temp == 0 else _sampler(args, tokenizer)
     stops = set(tokenizer.eos_token_ids)
@@ -313,6 +308,8 @@ def run_many(
                 finished += 1
                 bar.update(finished)
     elapsed = time.perf_counter() - start
+    if engine.disk is not None:
+        engine.disk.spill_cached()
     for i, (uid, prompt) in enumerate(zip(uids, prompts, strict=True)):
         shown = prompt if isinstance(prompt, str) else prompt[-1].get("content", "")
         print(f"========== [{i}] {shown}")

@@ -31,6 +31,7 @@ needs_embedded = pytest.mark.skipif(
         (["--chat-template-config", "[1]"], "must be a JSON object"),
         (["--kv-dtype", "int8"], "invalid choice"),
         (["--prompts-file", "/no/such/file"], "no such file"),
+        (["--prompts-file", "x.txt", "--kv-disk-bytes", "lots"], "--kv-disk-bytes"),
         (["--state-snapshot-interval", "24"], "a positive multiple of --block-size"),
         (["--num-state-snapshots", "0"], "--num-state-snapshots must be a positive"),
     ],
@@ -111,6 +112,24 @@ def test_prompts_file_runs_through_the_engine(tmp_path, capsys):
     assert " Paris" in out and " Rome" in out
     assert "Requests: 2, prompt tokens: 10, prefix-hit tokens: " in out
     assert "KV memory: " in out and "one dense mlx-lm cache per request" in out
+
+
+@needs_embedded
+def test_a_second_run_reads_the_prompts_blocks_from_kv_disk_dir(tmp_path, capsys):
+    f = tmp_path / "prompts.txt"
+    f.write_text(" ".join(["The history of the city of Paris is long."] * 12) + "\n")
+    argv = ["--prompts-file", str(f), "--ignore-chat-template", "--max-tokens", "3"]
+    argv += ["--kv-disk-dir", str(tmp_path / "kv"), "--kv-disk-bytes", "100MB"]
+    main(argv)
+    first = capsys.readouterr().out
+    assert "prefix-hit tokens: 0," in first
+    assert list((tmp_path / "kv").glob("*.kv"))  # the run's blocks, written at its end
+    main(argv)
+    second = capsys.readouterr().out
+    hit = int(second.split("prefix-hit tokens: ")[1].split(",")[0])
+    assert hit > 0 and hit % 16 == 0  # whole blocks, from disk
+    answer = first.split("==========")[1]  # the prompt and its answer
+    assert second.split("==========")[1] == answer
 
 
 @needs_embedded
