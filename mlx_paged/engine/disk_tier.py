@@ -133,7 +133,12 @@ class DiskTier:
             if not all(groups[k].blocks.can_allocate(len(entries) + 1) for k in groups):
                 break
             arrays = self.store.get(key)
-            if arrays is None or not self._fits(arrays):
+            if (
+                arrays is None
+                or not self._fits(arrays)
+                or entries
+                and arrays.keys() != entries[0].keys()
+            ):
                 break
             entries.append(arrays)
         if not entries:
@@ -144,9 +149,7 @@ class DiskTier:
         for g, kind in enumerate(self.scheduler.kinds):
             group, table = self.scheduler.groups[kind], tables[kind]
             group.reserve(table, start, end)
-            ids = table.blocks[have - table.first :]
-            for i, arrays in enumerate(entries):
-                self._write(g, ids[i], arrays)
+            self._write(g, table.blocks[have - table.first :], entries)
             table.lengths[:] = [end] * len(table.lengths)
         spans = [(tables[k].first, tables[k].blocks) for k in self.scheduler.kinds]
         index.insert(tokens, spans, length=end, partial=False)
@@ -165,26 +168,31 @@ class DiskTier:
         }
         return names == want
 
-    def _write(self, g: int, block: int, arrays: dict[str, np.ndarray]) -> None:
-        """Write group ``g``'s K/V of one entry into ``block``, making missing layers."""
+    def _write(self, g: int, ids: list[int], entries: list[dict[str, np.ndarray]]) -> None:
+        """Write group ``g``'s K/V of ``entries`` into blocks ``ids``, one write per layer
+        and array, making the layers a fresh pool lacks."""
         pool = self.pools[g]
-        stored = {}
-        for name, a in arrays.items():
+        names = {}
+        for name in entries[0]:
             group, layer, which, dtype, model = name.split(".")
             if int(group) == g:
-                value = mx.array(a).view(getattr(mx, dtype))  # (block_size, heads, head_dim)
-                stored[(int(layer), which)] = (value, getattr(mx, model))
+                names[(int(layer), which)] = (name, getattr(mx, dtype), getattr(mx, model))
+        at = mx.array(ids, dtype=mx.int32)
         for layer in range(pool.num_layers):
-            (k, model), (v, _) = stored[(layer, "k")], stored[(layer, "v")]
+            k, v = (
+                mx.array(np.stack([e[name] for e in entries])).view(dtype)  # (n, bs, H, D)
+                for name, dtype, _ in (names[(layer, "k")], names[(layer, "v")])
+            )
             if pool.keys[layer] is None:  # a fresh pool: the layer's arrays come first
+                model = names[(layer, "k")][2]
                 pool._create_layer(
                     layer,
-                    mx.zeros((1, k.shape[1], 1, k.shape[2]), model),
-                    mx.zeros((1, v.shape[1], 1, v.shape[2]), model),
+                    mx.zeros((1, k.shape[2], 1, k.shape[3]), model),
+                    mx.zeros((1, v.shape[2], 1, v.shape[3]), model),
                 )
                 pool.input_dtypes[layer] = model
-            pool.keys[layer][block] = k.astype(pool.keys[layer].dtype)
-            pool.values[layer][block] = v.astype(pool.values[layer].dtype)
+            pool.keys[layer][at] = k.astype(pool.keys[layer].dtype)
+            pool.values[layer][at] = v.astype(pool.values[layer].dtype)
 
 
 def chain_keys(tokens: Sequence[int], block_size: int) -> list[str]:
