@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import random
 
 import numpy as np
@@ -129,3 +130,17 @@ def test_caches_the_disk_tier_does_not_serve_are_refused(tmp_path, family, kwarg
     settings = {"kv_disk_bytes": 10**8, **kwargs}
     with pytest.raises(ValueError, match=match):
         PagedEngine(model_of(family), block_size=BS, kv_disk_dir=tmp_path, **settings)
+
+
+def test_a_directory_that_cannot_be_used_leaves_the_engine_serving(tmp_path, caplog):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    (a,) = prompts(5, 1)
+    with caplog.at_level(logging.WARNING, logger="mlx_paged.disk"):
+        engine = PagedEngine(model_of("llama"), block_size=BS, kv_disk_dir=blocker / "kv",
+                             kv_disk_bytes=10**8)  # fmt: skip
+        got = run(engine, a)
+        assert engine.disk.spill_cached() == 0
+    assert got[0] == solo("llama", tuple(a), MAX_TOKENS)
+    assert not engine.disk.store.enabled
+    assert [r.getMessage() for r in caplog.records if "the disk tier is off" in r.getMessage()]
