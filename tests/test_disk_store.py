@@ -81,7 +81,7 @@ def corrupt_empty(path):
 @pytest.mark.parametrize(
     "damage, message",
     [
-        (corrupt_truncate, "checksum"),
+        (corrupt_truncate, "truncated"),
         (corrupt_flip, "checksum"),
         (corrupt_foreign, "written for someothermodel"),
         (corrupt_old_version, "format version"),

@@ -36,8 +36,11 @@ from mlx.utils import tree_flatten
 from ..blocks import LayerKind
 from ..blocks.prefix_index import spill_parked
 from ..storage import KVPool
-from ..storage.disk import DiskStore
+from ..storage.disk import DiskStore, Run
 from .scheduler import Scheduler, adopted_tables
+
+#: Blocks ``spill_cached`` reads out of the pools per evaluation.
+SPILL_BATCH = 256
 
 
 class DiskTier:
@@ -87,27 +90,53 @@ class DiskTier:
 
     def spill(self, tokens: Sequence[int], blocks: Sequence[int]) -> None:
         """Write one full block (the last of ``tokens``), unless the disk has it."""
-        key = chain_keys(tokens, self.block_size)[-1]
-        if key in self.store or not self.store.enabled:
+        self._spill([(chain_keys(tokens, self.block_size)[-1], list(blocks))])
+
+    def spill_cached(self) -> int:
+        """Write every parked full block the disk lacks and wait for the writes; return
+        how many were written."""
+        before = self.store.counts["writes"]
+        found: list[tuple[str, list[int]]] = []
+        on_spill = self.scheduler.index.on_spill
+        self.scheduler.index.on_spill = lambda tokens, blocks: found.append(
+            (chain_keys(tokens, self.block_size)[-1], list(blocks))
+        )
+        try:
+            spill_parked(self.scheduler.index)
+        finally:
+            self.scheduler.index.on_spill = on_spill
+        for lo in range(0, len(found), SPILL_BATCH):
+            self._spill(found[lo : lo + SPILL_BATCH])
+        self.store.flush()
+        return self.store.counts["writes"] - before
+
+    def _spill(self, items: list[tuple[str, list[int]]]) -> None:
+        """Read the blocks of ``(key, block per group)`` items the disk lacks out of the
+        pools in one evaluation, and queue their files on the store's writer."""
+        items = [(key, blocks) for key, blocks in items if key not in self.store]
+        if not items or not self.store.enabled:
             return
-        arrays: dict[str, mx.array] = {}
-        for g, (pool, b) in enumerate(zip(self.pools, blocks, strict=True)):
+        start = time.perf_counter()
+        names, parts = [], []
+        for g, pool in enumerate(self.pools):
+            at = mx.array([blocks[g] for _, blocks in items], dtype=mx.int32)
             for layer in range(pool.num_layers):
                 if pool.keys[layer] is None:
                     return  # a layer never written: nothing to keep
                 model = _name(pool.input_dtypes[layer])
                 for which, stored in (("k", pool.keys[layer]), ("v", pool.values[layer])):
-                    arrays[f"{g}.{layer}.{which}.{_name(stored.dtype)}.{model}"] = stored[b]
-        start = time.perf_counter()
-        mx.eval(list(arrays.values()))
-        self.store.put(key, {name: _to_numpy(a) for name, a in arrays.items()})
+                    names.append(f"{g}.{layer}.{which}.{_name(stored.dtype)}.{model}")
+                    parts.append(stored[at].view(mx.uint8))  # (n, bs, H, D * itemsize)
+        shapes = [p.shape[1:] for p in parts]
+        rows = np.array(mx.concatenate([p.reshape(len(items), -1) for p in parts], axis=1))
+        for (key, _), row in zip(items, rows, strict=True):
+            arrays, lo = {}, 0
+            for name, shape in zip(names, shapes, strict=True):
+                hi = lo + int(np.prod(shape))
+                arrays[name] = row[lo:hi].reshape(shape)
+                lo = hi
+            self.store.put_later(key, arrays)
         self.seconds["write"] += time.perf_counter() - start
-
-    def spill_cached(self) -> int:
-        """Write every parked full block the disk lacks; return how many were written."""
-        before = self.store.counts["writes"]
-        spill_parked(self.scheduler.index)
-        return self.store.counts["writes"] - before
 
     # ---- load -------------------------------------------------------------
 
@@ -122,69 +151,65 @@ class DiskTier:
         return loaded
 
     def _load(self, tokens: Sequence[int]) -> int:
-        bs, index = self.block_size, self.scheduler.index
+        bs, index, groups = self.block_size, self.scheduler.index, self.scheduler.groups
         have = index.full_blocks_matched(tokens) // bs
-        keys = chain_keys(tokens[: len(tokens) // bs * bs], bs)
-        entries = []
-        for key in keys[have:]:
-            if key not in self.store:
-                break
-            groups = self.scheduler.groups
-            if not all(groups[k].blocks.can_allocate(len(entries) + 1) for k in groups):
-                break
-            arrays = self.store.get(key)
-            if (
-                arrays is None
-                or not self._fits(arrays)
-                or entries
-                and arrays.keys() != entries[0].keys()
-            ):
-                break
-            entries.append(arrays)
-        if not entries:
+        keys = chain_keys(tokens[: len(tokens) // bs * bs], bs)[have:]
+        n = 0
+        while n < len(keys) and keys[n] in self.store:
+            n += 1
+        while n and not all(groups[k].blocks.can_allocate(n) for k in groups):
+            n -= 1
+        run = self.store.read_run(keys[:n]) if n else None
+        if run is None:
             return 0
-        start, end = have * bs, (have + len(entries)) * bs
+        arrays = self._arrays(run)
+        if arrays is None:
+            return 0
+        start, end = have * bs, (have + len(run)) * bs
         match = index.match(tokens[:start]) if start else None
-        tables = adopted_tables(self.scheduler.groups, match)
+        tables = adopted_tables(groups, match)
         for g, kind in enumerate(self.scheduler.kinds):
-            group, table = self.scheduler.groups[kind], tables[kind]
+            group, table = groups[kind], tables[kind]
             group.reserve(table, start, end)
-            self._write(g, table.blocks[have - table.first :], entries)
+            self._write(g, table.blocks[have - table.first :], arrays)
             table.lengths[:] = [end] * len(table.lengths)
         spans = [(tables[k].first, tables[k].blocks) for k in self.scheduler.kinds]
         index.insert(tokens, spans, length=end, partial=False)
         for kind, table in tables.items():
-            self.scheduler.groups[kind].release(table)
+            groups[kind].release(table)
         return end - start
 
-    def _fits(self, arrays: dict[str, np.ndarray]) -> bool:
-        """Whether an entry holds K and V for every layer of every group."""
-        names = {n.rsplit(".", 2)[0] for n in arrays}
+    def _arrays(self, run: Run) -> dict[tuple[int, int, str], tuple[mx.array, mx.Dtype]] | None:
+        """The run's K/V per ``(group, layer, "k" or "v")``: ``(n, bs, H, D)`` arrays in the
+        stored dtype, and the model's dtype; ``None`` when the entries are not this layout."""
         want = {
-            f"{g}.{layer}.{w}"
+            (g, layer, w)
             for g, pool in enumerate(self.pools)
             for layer in range(pool.num_layers)
             for w in "kv"
         }
-        return names == want
+        parsed = {}
+        for spec in run.specs:
+            group, layer, which, dtype, model = spec.name.split(".")
+            parsed[(int(group), int(layer), which)] = (spec, getattr(mx, dtype), getattr(mx, model))
+        if parsed.keys() != want:
+            return None
+        data = mx.array(run.data)  # (n, file bytes) uint8: the one copy into MLX
+        out = {}
+        for name, (spec, dtype, model) in parsed.items():
+            lo = run.payload + spec.start
+            raw = data[:, lo : lo + spec.size].reshape(len(run), *spec.shape)
+            out[name] = (raw.view(dtype), model)  # (n, bs, H, D)
+        return out
 
-    def _write(self, g: int, ids: list[int], entries: list[dict[str, np.ndarray]]) -> None:
-        """Write group ``g``'s K/V of ``entries`` into blocks ``ids``, one write per layer
-        and array, making the layers a fresh pool lacks."""
+    def _write(self, g: int, ids: list[int], arrays: dict) -> None:
+        """Write group ``g``'s K/V into blocks ``ids``, one write per layer and array,
+        making the layers a fresh pool lacks."""
         pool = self.pools[g]
-        names = {}
-        for name in entries[0]:
-            group, layer, which, dtype, model = name.split(".")
-            if int(group) == g:
-                names[(int(layer), which)] = (name, getattr(mx, dtype), getattr(mx, model))
         at = mx.array(ids, dtype=mx.int32)
         for layer in range(pool.num_layers):
-            k, v = (
-                mx.array(np.stack([e[name] for e in entries])).view(dtype)  # (n, bs, H, D)
-                for name, dtype, _ in (names[(layer, "k")], names[(layer, "v")])
-            )
+            (k, model), (v, _) = arrays[(g, layer, "k")], arrays[(g, layer, "v")]
             if pool.keys[layer] is None:  # a fresh pool: the layer's arrays come first
-                model = names[(layer, "k")][2]
                 pool._create_layer(
                     layer,
                     mx.zeros((1, k.shape[2], 1, k.shape[3]), model),
