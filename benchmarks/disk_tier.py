@@ -23,11 +23,14 @@ import random
 import shutil
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import mlx.core as mx
 from mlx_lm.models import llama
 
 from mlx_paged import PagedEngine
+from mlx_paged.storage.disk import READ_THREADS
 
 
 def first_token(engine: PagedEngine, prompt: list[int]) -> float:
@@ -114,6 +117,14 @@ def main() -> None:
         print(
             f"{tag} {args.tokens} tokens: recompute (first engine) {recompute:.3f} s; "
             f"{written} blocks ({size / 1e6:.1f} MB) written in {spill:.3f} s",
+            flush=True,
+        )
+        start = time.perf_counter()
+        with ThreadPoolExecutor(READ_THREADS) as pool:
+            raw = sum(pool.map(lambda f: len(f.read_bytes()), Path(path).glob("*.kv")))
+        print(
+            f"{tag} raw read of the files ({READ_THREADS} threads, page cache kept): "
+            f"{raw / 1e9 / (time.perf_counter() - start):.2f} GB/s",
             flush=True,
         )
         for i in range(args.restarts):

@@ -10,6 +10,7 @@ import pytest
 from tiny_models import VOCAB, model_of, solo, tiny_model
 
 from mlx_paged import PagedEngine
+from mlx_paged.engine import disk_tier
 from mlx_paged.engine.disk_tier import chain_keys
 
 BS = 8
@@ -58,7 +59,9 @@ def test_evicted_blocks_come_back_with_the_same_logprobs_as_never_evicting(tmp_p
     assert engine.disk.store.counts["hits"] == loaded // BS
 
 
-def test_a_restart_answers_a_repeated_prompt_from_disk(tmp_path):
+@pytest.mark.parametrize("batch", [64, 2])  # blocks per read: one run, or three
+def test_a_restart_answers_a_repeated_prompt_from_disk(tmp_path, monkeypatch, batch):
+    monkeypatch.setattr(disk_tier, "LOAD_BATCH", batch)
     (a,) = prompts(1, 1)
     first = PagedEngine(model_of("llama"), block_size=BS, kv_disk_dir=tmp_path, kv_disk_bytes=10**8)
     expected = run(first, a)
@@ -88,7 +91,9 @@ def test_another_model_or_block_size_never_hits(tmp_path):
         assert engine.stats().disk_hit_tokens == 0 and engine.stats().prefix_hit_tokens == 0
 
 
-def test_damaged_files_are_recomputed_and_deleted(tmp_path):
+@pytest.mark.parametrize("batch", [64, 2])  # the third block: in the first run, or the second
+def test_damaged_files_are_recomputed_and_deleted(tmp_path, monkeypatch, batch):
+    monkeypatch.setattr(disk_tier, "LOAD_BATCH", batch)
     (a,) = prompts(3, 1)
     first = PagedEngine(model_of("llama"), block_size=BS, kv_disk_dir=tmp_path, kv_disk_bytes=10**8)
     expected = run(first, a)
@@ -105,6 +110,11 @@ def test_damaged_files_are_recomputed_and_deleted(tmp_path):
     assert got[0] == expected[0]
     assert second.stats().disk_hit_tokens == 2 * BS
     assert not third.exists()
+    # The blocks reserved past the damaged file went back: only a's own are held.
+    index = second.scheduler.index
+    assert index.full_blocks_matched(a) == 5 * BS  # 2 loaded, 3 recomputed
+    stats = second.stats()
+    assert stats.live_blocks == 0 and stats.cached_blocks == 6, stats  # 5 full, 1 partial
 
 
 def test_the_directory_stays_under_its_cap(tmp_path):

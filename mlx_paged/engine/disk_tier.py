@@ -26,7 +26,8 @@ from __future__ import annotations
 import hashlib
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -41,6 +42,8 @@ from .scheduler import Scheduler, adopted_tables
 
 #: Blocks ``spill_cached`` reads out of the pools per evaluation.
 SPILL_BATCH = 256
+#: Blocks ``load`` reads per run: two runs' files are in host memory at once.
+LOAD_BATCH = 64
 
 
 class DiskTier:
@@ -57,6 +60,7 @@ class DiskTier:
         self.pools = [pools[k] for k in scheduler.kinds]
         self.block_size = scheduler.block_size
         self.seconds = {"load": 0.0, "write": 0.0}  # loading into the pool, spilling
+        self._reader = ThreadPoolExecutor(1, "mlx_paged-disk-ahead")  # reads the next run
         scheduler.index.on_spill = self.spill
         scheduler.disk = self
 
@@ -159,25 +163,53 @@ class DiskTier:
             n += 1
         while n and not all(groups[k].blocks.can_allocate(n) for k in groups):
             n -= 1
-        run = self.store.read_run(keys[:n]) if n else None
-        if run is None:
+        if not n:
             return 0
-        arrays = self._arrays(run)
-        if arrays is None:
-            return 0
-        start, end = have * bs, (have + len(run)) * bs
+        start = have * bs
         match = index.match(tokens[:start]) if start else None
         tables = adopted_tables(groups, match)
-        for g, kind in enumerate(self.scheduler.kinds):
-            group, table = groups[kind], tables[kind]
-            group.reserve(table, start, end)
-            self._write(g, table.blocks[have - table.first :], arrays)
-            table.lengths[:] = [end] * len(table.lengths)
-        spans = [(tables[k].first, tables[k].blocks) for k in self.scheduler.kinds]
-        index.insert(tokens, spans, length=end, partial=False)
-        for kind, table in tables.items():
+        for kind in self.scheduler.kinds:
+            groups[kind].reserve(tables[kind], start, start + n * bs)
+        loaded = 0
+        for run in self._runs(keys[:n]):
+            arrays = self._arrays(run)
+            if arrays is None:
+                break
+            for g, kind in enumerate(self.scheduler.kinds):
+                lo = have + loaded - tables[kind].first
+                self._write(g, tables[kind].blocks[lo : lo + len(run)], arrays)
+            # Each run's writes finish before the next run's start: a pool write that
+            # waits on one still in flight would copy the whole pool (DESIGN.md).
+            mx.eval([a for p in self.pools for a in (*p.keys, *p.values) if a is not None])
+            loaded += len(run)
+        end = start + loaded * bs
+        if loaded:
+            for table in tables.values():
+                table.lengths[:] = [end] * len(table.lengths)
+            spans = [(tables[k].first, tables[k].blocks) for k in self.scheduler.kinds]
+            index.insert(tokens, spans, length=end, partial=False)
+        for kind, table in tables.items():  # blocks reserved past a bad file go back too
             groups[kind].release(table)
         return end - start
+
+    def _runs(self, keys: list[str]) -> Iterator[Run]:
+        """The entries of ``keys`` in runs of ``LOAD_BATCH``, each read on the store's
+        threads while the caller writes the one before; stops at the first bad file."""
+        buffers: list[np.ndarray | None] = [None, None]
+        chunks = [keys[lo : lo + LOAD_BATCH] for lo in range(0, len(keys), LOAD_BATCH)]
+        ahead = self._reader.submit(self.store.read_run, chunks[0])
+        for i, chunk in enumerate(chunks):
+            run = ahead.result()
+            if run is None:
+                return
+            buffers[i % 2] = run.data.base if run.data.base is not None else run.data
+            if len(run) == len(chunk) and i + 1 < len(chunks):
+                ahead = self._reader.submit(
+                    self.store.read_run, chunks[i + 1], buffers[(i + 1) % 2]
+                )
+            yield run
+            if len(run) < len(chunk):
+                return
 
     def _arrays(self, run: Run) -> dict[tuple[int, int, str], tuple[mx.array, mx.Dtype]] | None:
         """The run's K/V per ``(group, layer, "k" or "v")``: ``(n, bs, H, D)`` arrays in the
