@@ -154,3 +154,72 @@ def test_a_directory_that_cannot_be_used_leaves_the_engine_serving(tmp_path, cap
     assert got[0] == solo("llama", tuple(a), MAX_TOKENS)
     assert not engine.disk.store.enabled
     assert [r.getMessage() for r in caplog.records if "the disk tier is off" in r.getMessage()]
+
+
+# ---- hybrid models: recurrent-state snapshots go to disk with their blocks ----
+
+HYBRID = ["qwen3_5", "lfm2"]  # gated delta-net and short-conv recurrent layers
+
+
+def hybrid_engine(family: str, path, model=None, **kw) -> PagedEngine:
+    kw = {"block_size": BS, "state_snapshot_interval": 16, "kv_disk_dir": path,
+          "kv_disk_bytes": 10**8, **kw}  # fmt: skip
+    return PagedEngine(model if model is not None else model_of(family), **kw)
+
+
+@pytest.mark.parametrize("family", HYBRID)
+def test_a_restarted_hybrid_engine_adopts_blocks_and_a_snapshot_from_disk(tmp_path, family):
+    (a,) = prompts(6, 1)
+    first = hybrid_engine(family, tmp_path)
+    expected = run(first, a)
+    assert expected[0] == solo(family, tuple(a), MAX_TOKENS)
+    # 5 full blocks, and the snapshots at 16, 32 and 40 (the last full block before decoding).
+    assert first.disk.spill_cached() == 5 + 3
+    keys = chain_keys(a, BS)
+    for j in (2, 4, 5):
+        assert (tmp_path / f"{first.disk.store.fingerprint}-{keys[j - 1]}s.kv").exists()
+    second = hybrid_engine(family, tmp_path, model=tiny_model(family))
+    got = run(second, a)
+    stats = second.stats()
+    assert stats.disk_hit_tokens == 40 and stats.prefix_hit_tokens == 40
+    assert got[0] == expected[0]
+    assert np.allclose(got[1], expected[1], atol=1e-5, rtol=0), (got[1], expected[1])
+
+
+@pytest.mark.parametrize("family", HYBRID)
+def test_hybrid_blocks_and_snapshots_evicted_come_back(tmp_path, family):
+    a, *others = prompts(7, 4)
+    engine = hybrid_engine(family, tmp_path, num_blocks=14)
+    expected = run(engine, a)
+    for p in others:  # a's blocks, and the snapshots on them, are evicted
+        run(engine, p)
+    assert engine.scheduler.index.full_blocks_matched(a) < 40
+    before = engine.stats()
+    got = run(engine, a)
+    after = engine.stats()
+    assert got[0] == expected[0]
+    assert np.allclose(got[1], expected[1], atol=1e-5, rtol=0)
+    assert after.prefix_hit_tokens - before.prefix_hit_tokens == 40
+
+
+@pytest.mark.parametrize("family", HYBRID)
+def test_a_snapshot_the_state_pool_evicts_comes_back_from_disk(tmp_path, family):
+    """Blocks stay in memory; only the snapshots go (two held at most) and come back."""
+    a, b = prompts(8, 2)
+    kw = {"num_state_snapshots": 2, "max_batch_size": 2, "num_blocks": 64}
+    without = hybrid_engine(family, tmp_path / "none", **kw)
+    without.disk = without.scheduler.disk = None  # the same engine, no tier
+    with_disk = hybrid_engine(family, tmp_path / "disk", **kw)
+    for engine in (without, with_disk):
+        expected = run(engine, a)
+        run(engine, b)  # its snapshots push out a's
+        assert engine.scheduler.index.full_blocks_matched(a) == 40  # a's blocks stay
+        before = engine.stats().prefix_hit_tokens
+        got = run(engine, a)
+        assert got[0] == expected[0]
+        hit = engine.stats().prefix_hit_tokens - before
+        if engine is without:
+            assert hit < 40  # a snapshot deep enough was lost
+        else:
+            assert hit == 40 and engine.disk.store.counts["hits"] >= 1
+            assert np.allclose(got[1], expected[1], atol=1e-5, rtol=0)

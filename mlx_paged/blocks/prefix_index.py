@@ -19,7 +19,9 @@ evicts leaves its node.
 
 With ``on_spill`` set, an eviction in a full-attention group first tells it of
 every full block about to go (the evicted one and those below it): the tokens
-through the block and its id per group, so that a disk tier can keep them.
+through the block, its id per group and the snapshot ending there (or ``None``),
+so that a disk tier can keep them. A snapshot the state pool evicts from a full
+block's node is told of the same way, while its blocks stay.
 Pure Python: no MLX here.
 """
 
@@ -88,7 +90,7 @@ class PrefixIndex:
         self._owner: list[dict[int, _Node]] = [{} for _ in pools]
         self.states = states
         self._snapshot_owner: dict[int, _Node] = {}
-        self.on_spill: Callable[[list[int], list[int]], None] | None = None
+        self.on_spill: Callable[[list[int], list[int], int | None], None] | None = None
         if states is not None:
             states.on_evict = self._forget_snapshot
         for g, pool in enumerate(pools):
@@ -98,15 +100,16 @@ class PrefixIndex:
 
     # ---- public API -------------------------------------------------------
 
-    def match(self, tokens: Sequence[int]) -> PrefixMatch | None:
+    def match(self, tokens: Sequence[int], states: bool = True) -> PrefixMatch | None:
         """The longest prefix of ``tokens`` whose K/V is cached, at token granularity.
 
         Returns ``None`` when nothing is cached. Does not take references:
-        the caller retains the blocks it adopts.
+        the caller retains the blocks it adopts. With recurrent states, the prefix
+        ends where a snapshot does, unless ``states`` is False (blocks only).
         """
         path, length = self._walk(tokens)
         bs = self.block_size
-        if self.states is None:
+        if self.states is None or not states:
             # Try the full match, then shorter block-aligned lengths.
             candidates = [(m, None) for m in [length, *range((length - 1) // bs * bs, 0, -bs)]]
         else:  # only where a node ends with the recurrent state
@@ -248,6 +251,11 @@ class PrefixIndex:
 
     def _forget_snapshot(self, snapshot: int) -> None:
         """State hook: a snapshot is being evicted."""
+        node = self._snapshot_owner.get(snapshot)
+        if node is not None and self.on_spill is not None:
+            tokens = _tokens(node)
+            if len(node.key) == self.block_size and all(b is not None for b in node.blocks):
+                self.on_spill(tokens, list(node.blocks), snapshot)
         node = self._snapshot_owner.pop(snapshot, None)
         if node is not None:
             node.snapshot = None
@@ -318,20 +326,24 @@ def spill_parked(index: PrefixIndex) -> None:
             _spill(child, bs, index.on_spill)
 
 
-def _spill(node: _Node, bs: int, spill: Callable[[list[int], list[int]], None]) -> None:
+def _spill(node: _Node, bs: int, spill: Callable[[list[int], list[int], int | None], None]) -> None:
     """Tell ``spill`` of every full block at or under ``node`` that every group holds,
-    parents first."""
-    tokens: list[int] = []
-    up = node
-    while up.parent is not None:
-        tokens[:0] = up.key
-        up = up.parent
-    stack = [(node, tokens)]
+    parents first, with the snapshot ending there."""
+    stack = [(node, _tokens(node))]
     while stack:
         n, toks = stack.pop()
         if len(n.key) == bs and all(b is not None for b in n.blocks):
-            spill(toks, list(n.blocks))
+            spill(toks, list(n.blocks), n.snapshot)
         stack += [(c, toks + list(c.key)) for c in n.children.values() if len(c.key) == bs]
+
+
+def _tokens(node: _Node) -> list[int]:
+    """The tokens from the root through ``node``."""
+    tokens: list[int] = []
+    while node.parent is not None:
+        tokens[:0] = node.key
+        node = node.parent
+    return tokens
 
 
 def _node_at(root: _Node, tokens: Sequence[int], length: int, bs: int) -> _Node | None:

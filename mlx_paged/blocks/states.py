@@ -98,6 +98,17 @@ class StateSlots:
         self._lru[sid] = None
         return sid
 
+    def restore(self, state: object) -> int:
+        """A new snapshot holding ``state`` (read back from elsewhere, e.g. a disk tier);
+        its id. Evicts the LRU one when ``num_snapshots`` are held."""
+        while len(self._lru) >= self.num_snapshots:
+            self._evict_one()
+        sid = self._next_id
+        self._next_id += 1
+        self._put(sid, state)
+        self._lru[sid] = None
+        return sid
+
     def drop(self, snapshot: int) -> None:
         """The holder gives a snapshot up (its index node went away)."""
         self._check_snapshot(snapshot)
@@ -143,6 +154,9 @@ class StateSlots:
 
     def _copy_out(self, slot: int, snapshot: int) -> None:
         """Copy a slot into a new snapshot."""
+
+    def _put(self, snapshot: int, state: object) -> None:
+        """Hold ``state`` as a new snapshot."""
 
     def _free(self, snapshot: int) -> None:
         """Release a snapshot's memory."""

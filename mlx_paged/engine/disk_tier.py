@@ -6,19 +6,26 @@ and prefix index:
 - **Spill.** When a pool evicts a parked full-attention block, the index
   tells the tier of it and of the full blocks below it (``PrefixIndex.on_spill``);
   each one's K/V, every layer of every group, is written under the key of its
-  token prefix. ``spill_cached`` writes every parked full block (a server's
-  shutdown), so that a restart finds them.
+  token prefix, and a hybrid model's recurrent-state snapshot ending there under
+  that key plus ``STATE``. A snapshot the state pool evicts is written the same
+  way. ``spill_cached`` writes every parked full block and snapshot (a server's
+  shutdown), so that a restart finds them. The engine thread only reads the
+  arrays out of the pools; the store's writer thread writes the files.
 - **Load.** Before admission matches a prompt, ``load`` reads the full blocks
   that follow what memory holds, for as long as the disk has them and the pool
   has room, writes them into fresh blocks and parks them in the index; the
-  match then adopts them like any cached block.
+  match then adopts them like any cached block. Files are read in runs of
+  ``LOAD_BATCH`` blocks, the next run on the store's threads while this one is
+  written into the pool. For a hybrid model, the deepest snapshot on disk that
+  ends within those blocks comes back too, since a prefix is adopted only up to
+  a snapshot.
 
 Keys chain the prefix's blocks: a block's key hashes its parent's key and its own
 tokens, so one key names the whole prefix. The store's fingerprint names the
 model (its type, arguments, parameter shapes and dtypes, and samples of its
 weights) and the cache's layout (block size, groups, layers, storage dtype), so
-another model or setting never hits. Models with sliding-window layers,
-recurrent layers or a quantized cold tier are refused for now.
+another model or setting never hits. Models with sliding-window layers or a
+quantized cold tier are refused for now.
 """
 
 from __future__ import annotations
@@ -44,6 +51,8 @@ from .scheduler import Scheduler, adopted_tables
 SPILL_BATCH = 256
 #: Blocks ``load`` reads per run: two runs' files are in host memory at once.
 LOAD_BATCH = 64
+#: What a snapshot's key adds to the key of the block it ends.
+STATE = "s"
 
 
 class DiskTier:
@@ -58,6 +67,8 @@ class DiskTier:
     def __init__(self, store: DiskStore, pools: dict[LayerKind, KVPool], scheduler: Scheduler):
         self.store, self.scheduler = store, scheduler
         self.pools = [pools[k] for k in scheduler.kinds]
+        recurrent = scheduler.recurrent
+        self.states = recurrent.slots if recurrent is not None else None  # a StatePool
         self.block_size = scheduler.block_size
         self.seconds = {"load": 0.0, "write": 0.0}  # loading into the pool, spilling
         self._reader = ThreadPoolExecutor(1, "mlx_paged-disk-ahead")  # reads the next run
@@ -79,8 +90,6 @@ class DiskTier:
             ValueError: for a cache the disk tier does not serve yet (sliding-window or
                 recurrent layers, a quantized cold tier), or a bad ``max_bytes``.
         """
-        if scheduler.recurrent is not None:
-            raise ValueError("the disk tier does not yet serve models with recurrent layers.")
         for kind, pool in pools.items():
             if kind.window is not None:
                 raise ValueError("the disk tier does not yet serve sliding-window layers.")
@@ -92,25 +101,32 @@ class DiskTier:
 
     # ---- spill ------------------------------------------------------------
 
-    def spill(self, tokens: Sequence[int], blocks: Sequence[int]) -> None:
-        """Write one full block (the last of ``tokens``), unless the disk has it."""
-        self._spill([(chain_keys(tokens, self.block_size)[-1], list(blocks))])
+    def spill(self, tokens: Sequence[int], blocks: Sequence[int], snapshot: int | None = None):
+        """Write one full block (the last of ``tokens``) and the recurrent-state snapshot
+        ending there, if any, unless the disk has them."""
+        key = chain_keys(tokens, self.block_size)[-1]
+        self._spill([(key, list(blocks))])
+        if snapshot is not None:
+            self._spill_state(key, snapshot)
 
     def spill_cached(self) -> int:
-        """Write every parked full block the disk lacks and wait for the writes; return
-        how many were written."""
+        """Write every parked full block (and snapshot) the disk lacks and wait for the
+        writes; return how many files were written."""
         before = self.store.counts["writes"]
-        found: list[tuple[str, list[int]]] = []
+        found: list[tuple[str, list[int], int | None]] = []
         on_spill = self.scheduler.index.on_spill
-        self.scheduler.index.on_spill = lambda tokens, blocks: found.append(
-            (chain_keys(tokens, self.block_size)[-1], list(blocks))
+        self.scheduler.index.on_spill = lambda tokens, blocks, snapshot: found.append(
+            (chain_keys(tokens, self.block_size)[-1], list(blocks), snapshot)
         )
         try:
             spill_parked(self.scheduler.index)
         finally:
             self.scheduler.index.on_spill = on_spill
         for lo in range(0, len(found), SPILL_BATCH):
-            self._spill(found[lo : lo + SPILL_BATCH])
+            self._spill([(key, blocks) for key, blocks, _ in found[lo : lo + SPILL_BATCH]])
+        for key, _, snapshot in found:
+            if snapshot is not None:
+                self._spill_state(key, snapshot)
         self.store.flush()
         return self.store.counts["writes"] - before
 
@@ -130,34 +146,44 @@ class DiskTier:
                 model = _name(pool.input_dtypes[layer])
                 for which, stored in (("k", pool.keys[layer]), ("v", pool.values[layer])):
                     names.append(f"{g}.{layer}.{which}.{_name(stored.dtype)}.{model}")
-                    parts.append(stored[at].view(mx.uint8))  # (n, bs, H, D * itemsize)
-        shapes = [p.shape[1:] for p in parts]
-        rows = np.array(mx.concatenate([p.reshape(len(items), -1) for p in parts], axis=1))
-        for (key, _), row in zip(items, rows, strict=True):
-            arrays, lo = {}, 0
-            for name, shape in zip(names, shapes, strict=True):
-                hi = lo + int(np.prod(shape))
-                arrays[name] = row[lo:hi].reshape(shape)
-                lo = hi
+                    parts.append(stored[at])  # (n, bs, H, D)
+        for (key, _), arrays in zip(items, _to_host(names, parts), strict=True):
             self.store.put_later(key, arrays)
         self.seconds["write"] += time.perf_counter() - start
+
+    def _spill_state(self, key: str, snapshot: int) -> None:
+        """Queue the file of a snapshot taken at the end of block ``key``."""
+        if key + STATE not in self.store and self.store.enabled:
+            names, parts = [], []
+            for layer, entries in enumerate(self.states.snapshot_state(snapshot)):
+                for e, a in enumerate(entries):
+                    if a is not None:
+                        names.append(f"s.{layer}.{e}.{_name(a.dtype)}")
+                        parts.append(a)  # (1, *entry_shape)
+            self.store.put_later(key + STATE, _to_host(names, parts)[0])
 
     # ---- load -------------------------------------------------------------
 
     def load(self, tokens: Sequence[int]) -> int:
         """Bring the full blocks of ``tokens`` past what memory holds back from disk, as
-        parked blocks; return the tokens loaded."""
+        parked blocks, with the deepest snapshot past memory's for a hybrid model; return
+        the tokens loaded."""
         if not self.store.enabled:
             return 0
         start = time.perf_counter()
-        loaded = self._load(tokens)
+        keys = chain_keys(
+            tokens[: len(tokens) // self.block_size * self.block_size], self.block_size
+        )
+        loaded = self._load(tokens, keys)
+        if self.states is not None:
+            self._load_state(tokens, keys)
         self.seconds["load"] += time.perf_counter() - start
         return loaded
 
-    def _load(self, tokens: Sequence[int]) -> int:
+    def _load(self, tokens: Sequence[int], keys: list[str]) -> int:
         bs, index, groups = self.block_size, self.scheduler.index, self.scheduler.groups
         have = index.full_blocks_matched(tokens) // bs
-        keys = chain_keys(tokens[: len(tokens) // bs * bs], bs)[have:]
+        keys = keys[have:]
         n = 0
         while n < len(keys) and keys[n] in self.store:
             n += 1
@@ -166,7 +192,7 @@ class DiskTier:
         if not n:
             return 0
         start = have * bs
-        match = index.match(tokens[:start]) if start else None
+        match = index.match(tokens[:start], states=False) if start else None
         tables = adopted_tables(groups, match)
         for kind in self.scheduler.kinds:
             groups[kind].reserve(tables[kind], start, start + n * bs)
@@ -191,6 +217,32 @@ class DiskTier:
         for kind, table in tables.items():  # blocks reserved past a bad file go back too
             groups[kind].release(table)
         return end - start
+
+    def _load_state(self, tokens: Sequence[int], keys: list[str]) -> None:
+        """Give the index the deepest snapshot on disk that ends in the full blocks memory
+        holds now and past the longest prefix it can already adopt."""
+        bs, index = self.block_size, self.scheduler.index
+        match = index.match(tokens)
+        adoptable = match.length // bs if match else 0
+        for j in range(index.full_blocks_matched(tokens) // bs, adoptable, -1):
+            if keys[j - 1] + STATE not in self.store:
+                continue
+            arrays = self.store.get(keys[j - 1] + STATE)
+            state = self._state(arrays) if arrays is not None else None
+            if state is not None:
+                index.add_snapshot(tokens, j * bs, lambda state=state: self.states.restore(state))
+                return
+
+    def _state(self, arrays: dict[str, np.ndarray]) -> list[list[mx.array | None]] | None:
+        """A snapshot file's state, per layer and entry; ``None`` if it is not this model's."""
+        state: list[list[mx.array | None]] = [[None] * len(a) for a in self.states.arrays]
+        for name, raw in arrays.items():
+            kind, layer, e, dtype = name.split(".")
+            layer, e = int(layer), int(e)
+            if kind != "s" or layer >= len(state) or e >= len(state[layer]):
+                return None
+            state[layer][e] = mx.array(raw).view(getattr(mx, dtype))[None]
+        return state
 
     def _runs(self, keys: list[str]) -> Iterator[Run]:
         """The entries of ``keys`` in runs of ``LOAD_BATCH``, each read on the store's
@@ -276,6 +328,23 @@ def fingerprint(model: nn.Module, layout: object) -> str:
         sample = flat[:: max(1, n // 64)][:64]  # 64 values spread over the array
         h.update(_to_numpy(sample).tobytes())
     return h.hexdigest()
+
+
+def _to_host(names: list[str], parts: list[mx.array]) -> list[dict[str, np.ndarray]]:
+    """Per row of the ``(n, ...)`` arrays ``parts``, its arrays as numpy bytes under
+    ``names`` (the last axis counts bytes: numpy has no bfloat16), in one evaluation."""
+    n = parts[0].shape[0]
+    parts = [p.view(mx.uint8) for p in parts]
+    rows = np.array(mx.concatenate([p.reshape(n, -1) for p in parts], axis=1))
+    out = []
+    for row in rows:
+        arrays, lo = {}, 0
+        for name, part in zip(names, parts, strict=True):
+            hi = lo + part.size // n
+            arrays[name] = row[lo:hi].reshape(part.shape[1:])
+            lo = hi
+        out.append(arrays)
+    return out
 
 
 def _name(dtype: mx.Dtype) -> str:

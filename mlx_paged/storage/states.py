@@ -64,14 +64,7 @@ class StatePool(StateSlots):
         for e, new in enumerate(entries):
             if new is None:
                 continue
-            if held[e] is None:
-                held[e] = mx.zeros((self.num_slots, *new.shape[1:]), dtype=new.dtype)
-                self.bytes_per_state += held[e].nbytes // self.num_slots
-            elif held[e].shape[1:] != new.shape[1:] or held[e].dtype != new.dtype:
-                raise ValueError(
-                    f"layer {layer} state {e}: expected {held[e].shape[1:]} {held[e].dtype}, "
-                    f"got {new.shape[1:]} {new.dtype}."
-                )
+            self._ensure(layer, e, new)
             if isinstance(rows, int) and rows == self.num_slots:
                 held[e] = new  # every slot, in order: the new state is the array
             elif isinstance(rows, int):
@@ -116,6 +109,31 @@ class StatePool(StateSlots):
         state = [[None if a is None else a[at] for a in layer] for layer in self.arrays]
         mx.eval([a for layer in state for a in layer if a is not None])
         self._snapshots[snapshot] = state
+
+    def _put(self, snapshot: int, state: State) -> None:
+        """Hold ``state`` as a snapshot, making the entries a fresh pool lacks."""
+        if len(state) != self.num_layers:
+            raise ValueError(f"expected {self.num_layers} layers of state, got {len(state)}.")
+        for layer, (held, saved) in enumerate(zip(self.arrays, state, strict=True)):
+            if len(saved) != len(held):
+                raise ValueError(f"layer {layer} has {len(held)} state entries, got {len(saved)}.")
+            for e, s in enumerate(saved):
+                if s is not None:
+                    self._ensure(layer, e, s)
+        self._snapshots[snapshot] = state
+
+    def _ensure(self, layer: int, e: int, like: mx.array) -> None:
+        """Make state entry ``e`` of ``layer`` for arrays shaped ``like`` (``(B, *shape)``),
+        or check that it holds them."""
+        held = self.arrays[layer]
+        if held[e] is None:
+            held[e] = mx.zeros((self.num_slots, *like.shape[1:]), dtype=like.dtype)
+            self.bytes_per_state += held[e].nbytes // self.num_slots
+        elif held[e].shape[1:] != like.shape[1:] or held[e].dtype != like.dtype:
+            raise ValueError(
+                f"layer {layer} state {e}: expected {held[e].shape[1:]} {held[e].dtype}, "
+                f"got {like.shape[1:]} {like.dtype}."
+            )
 
     def _free(self, snapshot: int) -> None:
         del self._snapshots[snapshot]
