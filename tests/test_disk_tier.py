@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import random
+from functools import cache
 
 import numpy as np
 import pytest
@@ -131,7 +132,6 @@ def test_the_directory_stays_under_its_cap(tmp_path):
     "family, kwargs, match",
     [
         ("gemma3_text", {}, "sliding-window"),
-        ("llama", {"kv_bits": 8, "hot_tokens": 16}, "cold tier"),
         ("llama", {"kv_disk_bytes": 0}, "max_bytes"),
         ("llama", {"kv_disk_bytes": None}, "max_bytes"),
     ],
@@ -223,3 +223,59 @@ def test_a_snapshot_the_state_pool_evicts_comes_back_from_disk(tmp_path, family)
         else:
             assert hit == 40 and engine.disk.store.counts["hits"] >= 1
             assert np.allclose(got[1], expected[1], atol=1e-5, rtol=0)
+
+
+# ---- the quantized cold tier: cold blocks go to disk quantized, and come back cold ----
+
+COLD_KW = {"kv_bits": 8, "kv_group_size": 32, "hot_tokens": 16}
+
+
+@cache
+def cold_model():
+    """A llama whose head dim (32) a quantization group fits."""
+    return tiny_model("llama", head_dim=32)
+
+
+def test_cold_blocks_come_back_quantized_with_the_same_logprobs(tmp_path):
+    a, *others = prompts(9, 4, length=97)  # 12 full blocks: 8 go cold behind the hot tail
+    pools = {"num_blocks": 20, "cold_blocks": 8, **COLD_KW}
+    never = PagedEngine(cold_model(), block_size=BS, **pools)
+    run(never, a)
+    expected = run(never, a)  # 8 blocks cold, 4 hot: what the round trip must give again
+    engine = PagedEngine(cold_model(), block_size=BS, kv_disk_dir=tmp_path, kv_disk_bytes=10**8,
+                         **pools)  # fmt: skip
+    assert run(engine, a)[0] == expected[0]
+    assert engine.stats().cold_blocks == 8
+    for p in others:  # a's hot and cold blocks are evicted
+        run(engine, p)
+    assert engine.scheduler.index.full_blocks_matched(a) == 0
+    sizes = {f.stat().st_size for f in tmp_path.glob("*.kv")}
+    assert len(sizes) == 2  # a hot block's file, and a smaller quantized one
+    before = engine.stats()
+    got = run(engine, a)
+    after = engine.stats()
+    assert after.disk_hit_tokens - before.disk_hit_tokens == 96
+    assert after.prefix_hit_tokens - before.prefix_hit_tokens == 96
+    assert got[0] == expected[0]
+    assert np.allclose(got[1], expected[1], atol=1e-6, rtol=0), (got[1], expected[1])
+    assert after.cold_blocks >= 8  # the quantized blocks came back into the cold tier
+
+
+def test_a_restart_serves_cold_blocks_from_disk_and_other_bits_never_hit(tmp_path):
+    (a,) = prompts(10, 1, length=97)
+    first = PagedEngine(cold_model(), block_size=BS, kv_disk_dir=tmp_path,
+                        kv_disk_bytes=10**8, **COLD_KW)  # fmt: skip
+    run(first, a)
+    expected = run(first, a)
+    assert first.disk.spill_cached() == 12
+    second = PagedEngine(tiny_model("llama", head_dim=32), block_size=BS, kv_disk_dir=tmp_path,
+                         kv_disk_bytes=10**8, **COLD_KW)  # fmt: skip
+    got = run(second, a)
+    assert second.stats().disk_hit_tokens == 96 and second.stats().cold_blocks >= 8
+    assert got[0] == expected[0]
+    assert np.allclose(got[1], expected[1], atol=1e-6, rtol=0)
+    for other in ({**COLD_KW, "kv_bits": 4}, {}):  # other bits, or no cold tier
+        engine = PagedEngine(cold_model(), block_size=BS, kv_disk_dir=tmp_path,
+                             kv_disk_bytes=10**8, **other)  # fmt: skip
+        run(engine, a)
+        assert engine.stats().disk_hit_tokens == 0

@@ -41,7 +41,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from ..blocks import LayerKind
+from ..blocks import COLD, BlockTable, LayerKind, is_cold
 from ..blocks.prefix_index import spill_parked
 from ..storage import KVPool
 from ..storage.disk import DiskStore, Run
@@ -90,12 +90,18 @@ class DiskTier:
             ValueError: for a cache the disk tier does not serve yet (sliding-window or
                 recurrent layers, a quantized cold tier), or a bad ``max_bytes``.
         """
-        for kind, pool in pools.items():
+        for kind in pools:
             if kind.window is not None:
                 raise ValueError("the disk tier does not yet serve sliding-window layers.")
-            if pool.quant is not None:
-                raise ValueError("the disk tier does not yet serve a quantized cold tier.")
-        layout = [(k.window, p.num_layers, str(p.kv_dtype)) for k, p in pools.items()]
+        layout = [
+            (
+                k.window,
+                p.num_layers,
+                str(p.kv_dtype),
+                p.quant and (p.quant.bits, p.quant.group_size),
+            )
+            for k, p in pools.items()
+        ]
         name = fingerprint(model, (scheduler.block_size, layout))
         return cls(DiskStore(path, max_bytes, name), pools, scheduler)
 
@@ -132,23 +138,35 @@ class DiskTier:
 
     def _spill(self, items: list[tuple[str, list[int]]]) -> None:
         """Read the blocks of ``(key, block per group)`` items the disk lacks out of the
-        pools in one evaluation, and queue their files on the store's writer."""
+        pools, one evaluation per tier, and queue their files on the store's writer."""
         items = [(key, blocks) for key, blocks in items if key not in self.store]
         if not items or not self.store.enabled:
             return
         start = time.perf_counter()
-        names, parts = [], []
-        for g, pool in enumerate(self.pools):
-            at = mx.array([blocks[g] for _, blocks in items], dtype=mx.int32)
-            for layer in range(pool.num_layers):
-                if pool.keys[layer] is None:
-                    return  # a layer never written: nothing to keep
-                model = _name(pool.input_dtypes[layer])
-                for which, stored in (("k", pool.keys[layer]), ("v", pool.values[layer])):
-                    names.append(f"{g}.{layer}.{which}.{_name(stored.dtype)}.{model}")
-                    parts.append(stored[at])  # (n, bs, H, D)
-        for (key, _), arrays in zip(items, _to_host(names, parts), strict=True):
-            self.store.put_later(key, arrays)
+        tiers: dict[tuple[bool, ...], list[tuple[str, list[int]]]] = {}
+        for key, blocks in items:
+            tiers.setdefault(tuple(map(is_cold, blocks)), []).append((key, blocks))
+        for cold, same in tiers.items():
+            names, parts = [], []
+            for g, pool in enumerate(self.pools):
+                ids = [blocks[g] - COLD if cold[g] else blocks[g] for _, blocks in same]
+                at = mx.array(ids, dtype=mx.int32)
+                for layer in range(pool.num_layers):
+                    if pool.keys[layer] is None:
+                        return  # a layer never written: nothing to keep
+                    model = _name(pool.input_dtypes[layer])
+                    for which in "kv":
+                        if cold[g]:  # quantized: packed values, scales, biases
+                            held = (pool.cold.keys if which == "k" else pool.cold.values)[layer]
+                            for part, x in zip("qsb", held, strict=True):
+                                names.append(f"{g}.{layer}.{which}{part}.{_name(x.dtype)}.{model}")
+                                parts.append(x[at])  # (n, bs, H, ...)
+                        else:
+                            x = (pool.keys if which == "k" else pool.values)[layer]
+                            names.append(f"{g}.{layer}.{which}.{_name(x.dtype)}.{model}")
+                            parts.append(x[at])  # (n, bs, H, D)
+            for (key, _), arrays in zip(same, _to_host(names, parts), strict=True):
+                self.store.put_later(key, arrays)
         self.seconds["write"] += time.perf_counter() - start
 
     def _spill_state(self, key: str, snapshot: int) -> None:
@@ -171,9 +189,7 @@ class DiskTier:
         if not self.store.enabled:
             return 0
         start = time.perf_counter()
-        keys = chain_keys(
-            tokens[: len(tokens) // self.block_size * self.block_size], self.block_size
-        )
+        keys = chain_keys(tokens, self.block_size)
         loaded = self._load(tokens, keys)
         if self.states is not None:
             self._load_state(tokens, keys)
@@ -182,41 +198,59 @@ class DiskTier:
 
     def _load(self, tokens: Sequence[int], keys: list[str]) -> int:
         bs, index, groups = self.block_size, self.scheduler.index, self.scheduler.groups
+        kinds = self.scheduler.kinds
         have = index.full_blocks_matched(tokens) // bs
         keys = keys[have:]
         n = 0
         while n < len(keys) and keys[n] in self.store:
             n += 1
-        while n and not all(groups[k].blocks.can_allocate(n) for k in groups):
-            n -= 1
         if not n:
             return 0
         start = have * bs
         match = index.match(tokens[:start], states=False) if start else None
         tables = adopted_tables(groups, match)
-        for kind in self.scheduler.kinds:
-            groups[kind].reserve(tables[kind], start, start + n * bs)
-        loaded = 0
+        end = start
         for run in self._runs(keys[:n]):
-            arrays = self._arrays(run)
-            if arrays is None:
+            parsed = self._arrays(run)
+            if parsed is None:
                 break
-            for g, kind in enumerate(self.scheduler.kinds):
-                lo = have + loaded - tables[kind].first
-                self._write(g, tables[kind].blocks[lo : lo + len(run)], arrays)
+            arrays, cold = parsed
+            ids = [
+                self._blocks(groups[k], tables[k], end, len(run), c)
+                for k, c in zip(kinds, cold, strict=True)
+            ]
+            if None in ids:
+                break  # no room in memory for more
+            for g in range(len(kinds)):
+                self._write(g, ids[g], arrays, cold[g])
             # Each run's writes finish before the next run's start: a pool write that
             # waits on one still in flight would copy the whole pool (DESIGN.md).
-            mx.eval([a for p in self.pools for a in (*p.keys, *p.values) if a is not None])
-            loaded += len(run)
-        end = start + loaded * bs
-        if loaded:
+            mx.eval([a for p in self.pools for a in _arrays_of(p)])
+            end += len(run) * bs
+        if end > start:
             for table in tables.values():
                 table.lengths[:] = [end] * len(table.lengths)
-            spans = [(tables[k].first, tables[k].blocks) for k in self.scheduler.kinds]
+            spans = [(tables[k].first, tables[k].blocks) for k in kinds]
             index.insert(tokens, spans, length=end, partial=False)
-        for kind, table in tables.items():  # blocks reserved past a bad file go back too
+        for kind, table in tables.items():  # blocks taken past a bad file go back too
             groups[kind].release(table)
         return end - start
+
+    @staticmethod
+    def _blocks(pool: KVPool, table: BlockTable, at: int, n: int, cold: bool) -> list[int] | None:
+        """``n`` new blocks (cold ones for quantized entries) at token ``at`` of ``table``;
+        ``None`` when the pool cannot free them."""
+        if cold:
+            slots = pool.blocks.cold.allocate(n)
+            if slots is None:
+                return None
+            table.blocks.extend(c + COLD for c in slots)
+        else:
+            if not pool.blocks.can_allocate(n):
+                return None
+            pool.reserve(table, at, at + n * pool.block_size)
+        lo = at // pool.block_size - table.first
+        return table.blocks[lo : lo + n]
 
     def _load_state(self, tokens: Sequence[int], keys: list[str]) -> None:
         """Give the index the deepest snapshot on disk that ends in the full blocks memory
@@ -245,63 +279,77 @@ class DiskTier:
         return state
 
     def _runs(self, keys: list[str]) -> Iterator[Run]:
-        """The entries of ``keys`` in runs of ``LOAD_BATCH``, each read on the store's
-        threads while the caller writes the one before; stops at the first bad file."""
+        """The entries of ``keys`` in runs of up to ``LOAD_BATCH`` of one layout, each read
+        on the store's threads while the caller writes the one before; stops at the first
+        missing or bad file."""
         buffers: list[np.ndarray | None] = [None, None]
-        chunks = [keys[lo : lo + LOAD_BATCH] for lo in range(0, len(keys), LOAD_BATCH)]
-        ahead = self._reader.submit(self.store.read_run, chunks[0])
-        for i, chunk in enumerate(chunks):
+        ahead, pos, i = self._reader.submit(self.store.read_run, keys[:LOAD_BATCH]), 0, 0
+        while ahead is not None:
             run = ahead.result()
             if run is None:
                 return
-            buffers[i % 2] = run.data.base if run.data.base is not None else run.data
-            if len(run) == len(chunk) and i + 1 < len(chunks):
-                ahead = self._reader.submit(
-                    self.store.read_run, chunks[i + 1], buffers[(i + 1) % 2]
-                )
+            buffers[i % 2] = run.data if run.data.base is None else run.data.base
+            pos, i, ahead = pos + len(run), i + 1, None
+            if pos < len(keys):
+                chunk = keys[pos : pos + LOAD_BATCH]
+                ahead = self._reader.submit(self.store.read_run, chunk, buffers[i % 2])
             yield run
-            if len(run) < len(chunk):
-                return
 
-    def _arrays(self, run: Run) -> dict[tuple[int, int, str], tuple[mx.array, mx.Dtype]] | None:
-        """The run's K/V per ``(group, layer, "k" or "v")``: ``(n, bs, H, D)`` arrays in the
-        stored dtype, and the model's dtype; ``None`` when the entries are not this layout."""
-        want = {
-            (g, layer, w)
-            for g, pool in enumerate(self.pools)
-            for layer in range(pool.num_layers)
-            for w in "kv"
-        }
+    def _arrays(self, run: Run) -> tuple[dict, list[bool]] | None:
+        """The run's arrays per ``(group, layer, name)`` (name ``k``/``v``, or ``kq``,
+        ``ks``... for the parts of quantized ones): ``(n, bs, H, ...)`` in the stored
+        dtype, with the model's dtype; and per group whether its blocks are cold.
+        ``None`` when the entries are not of this cache's layout."""
         parsed = {}
         for spec in run.specs:
             group, layer, which, dtype, model = spec.name.split(".")
             parsed[(int(group), int(layer), which)] = (spec, getattr(mx, dtype), getattr(mx, model))
-        if parsed.keys() != want:
+        cold = [(g, 0, "kq") in parsed for g in range(len(self.pools))]
+        want = {
+            (g, layer, w + part)
+            for g, pool in enumerate(self.pools)
+            for layer in range(pool.num_layers)
+            for w in "kv"
+            for part in ("qsb" if cold[g] else [""])
+        }
+        if parsed.keys() != want or (any(cold) and self.pools[0].quant is None):
             return None
         data = mx.array(run.data)  # (n, file bytes) uint8: the one copy into MLX
         out = {}
         for name, (spec, dtype, model) in parsed.items():
             lo = run.payload + spec.start
             raw = data[:, lo : lo + spec.size].reshape(len(run), *spec.shape)
-            out[name] = (raw.view(dtype), model)  # (n, bs, H, D)
-        return out
+            out[name] = (raw.view(dtype), model)
+        return out, cold
 
-    def _write(self, g: int, ids: list[int], arrays: dict) -> None:
+    def _write(self, g: int, ids: list[int], arrays: dict, cold: bool) -> None:
         """Write group ``g``'s K/V into blocks ``ids``, one write per layer and array,
         making the layers a fresh pool lacks."""
         pool = self.pools[g]
-        at = mx.array(ids, dtype=mx.int32)
+        at = mx.array([b - COLD if cold else b for b in ids], dtype=mx.int32)
         for layer in range(pool.num_layers):
-            (k, model), (v, _) = arrays[(g, layer, "k")], arrays[(g, layer, "v")]
+            if cold:
+                k = tuple(arrays[(g, layer, "k" + p)][0] for p in "qsb")
+                v = tuple(arrays[(g, layer, "v" + p)][0] for p in "qsb")
+                model = arrays[(g, layer, "kq")][1]
+                # Heads and head dim from the scales: (n, bs, H, D / group_size).
+                (hk, dk), (hv, dv) = (x[1].shape[2:] for x in (k, v))
+                dk, dv = dk * pool.quant.group_size, dv * pool.quant.group_size
+            else:
+                (k, model), (v, _) = arrays[(g, layer, "k")], arrays[(g, layer, "v")]
+                (hk, dk), (hv, dv) = k.shape[2:], v.shape[2:]
             if pool.keys[layer] is None:  # a fresh pool: the layer's arrays come first
                 pool._create_layer(
-                    layer,
-                    mx.zeros((1, k.shape[2], 1, k.shape[3]), model),
-                    mx.zeros((1, v.shape[2], 1, v.shape[3]), model),
+                    layer, mx.zeros((1, hk, 1, dk), model), mx.zeros((1, hv, 1, dv), model)
                 )
                 pool.input_dtypes[layer] = model
-            pool.keys[layer][at] = k.astype(pool.keys[layer].dtype)
-            pool.values[layer][at] = v.astype(pool.values[layer].dtype)
+            if cold:
+                pool.cold.write(layer, k, v, at, pool.blocks.cold.capacity)
+            else:
+                pool.keys[layer][at] = k.astype(pool.keys[layer].dtype)
+                pool.values[layer][at] = v.astype(pool.values[layer].dtype)
+        if cold:
+            pool._update_bytes_per_block()
 
 
 def chain_keys(tokens: Sequence[int], block_size: int) -> list[str]:
@@ -328,6 +376,14 @@ def fingerprint(model: nn.Module, layout: object) -> str:
         sample = flat[:: max(1, n // 64)][:64]  # 64 values spread over the array
         h.update(_to_numpy(sample).tobytes())
     return h.hexdigest()
+
+
+def _arrays_of(pool: KVPool) -> list[mx.array]:
+    """Every array a pool holds, both tiers."""
+    out = [a for a in (*pool.keys, *pool.values) if a is not None]
+    if pool.cold is not None:
+        out += [x for q in (*pool.cold.keys, *pool.cold.values) if q is not None for x in q]
+    return out
 
 
 def _to_host(names: list[str], parts: list[mx.array]) -> list[dict[str, np.ndarray]]:

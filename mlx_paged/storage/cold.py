@@ -34,8 +34,14 @@ class ColdStore:
 
     def store(self, layer: int, keys: mx.array, values: mx.array, at: mx.array, slots: int) -> None:
         """Quantize ``(n, bs, H, D)`` K and V into cold slots ``at`` of a tier of ``slots``."""
-        for x, held_by in ((keys, self.keys), (values, self.values)):
-            parts = self.quant.quantize(x)
+        self.write(layer, self.quant.quantize(keys), self.quant.quantize(values), at, slots)
+
+    def write(
+        self, layer: int, keys: Quantized, values: Quantized, at: mx.array, slots: int
+    ) -> None:
+        """Put quantized ``(n, bs, H, ...)`` K and V parts into cold slots ``at`` of a
+        tier of ``slots`` (e.g. blocks read back from disk)."""
+        for parts, held_by in ((keys, self.keys), (values, self.values)):
             held = held_by[layer]
             if held is None:
                 held = tuple(mx.zeros((slots, *p.shape[1:]), dtype=p.dtype) for p in parts)
