@@ -279,3 +279,21 @@ def test_a_restart_serves_cold_blocks_from_disk_and_other_bits_never_hit(tmp_pat
                              kv_disk_bytes=10**8, **other)  # fmt: skip
         run(engine, a)
         assert engine.stats().disk_hit_tokens == 0
+
+
+@pytest.mark.parametrize("kw", [{}, {"kv_bits": 8, "kv_group_size": 32, "hot_tokens": 16}])
+def test_a_rehearsal_changes_no_byte_and_writes_no_file(tmp_path, kw):
+    model = cold_model()
+    engine = PagedEngine(model, block_size=BS, kv_disk_dir=tmp_path, kv_disk_bytes=10**8, **kw)
+    assert not engine.disk.rehearse()  # nothing cached yet
+    (a,) = prompts(11, 1, length=97)
+    run(engine, a)
+    pool = engine.disk.pools[0]
+    before = [np.array(x) for x in disk_tier._arrays_of(pool)]
+    assert engine.disk.rehearse()
+    after = [np.array(x) for x in disk_tier._arrays_of(pool)]
+    assert len(before) == len(after)
+    assert all(np.array_equal(x, y) for x, y in zip(before, after, strict=True))
+    assert not list(tmp_path.glob("*.kv")) and engine.disk.store.counts["writes"] == 0
+    engine.check_invariants()
+    assert run(engine, a)[0] == run(PagedEngine(model, block_size=BS, **kw), a)[0]

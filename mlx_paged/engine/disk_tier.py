@@ -136,6 +136,31 @@ class DiskTier:
         self.store.flush()
         return self.store.counts["writes"] - before
 
+    def rehearse(self) -> bool:
+        """Run a spill's and a load's MLX work once on a cached block, writing no file, so
+        that a fresh process builds their kernels before its first request (the block is
+        rewritten with its own bytes); whether there was a block to do it on."""
+        found: list[list[int]] = []
+        on_spill = self.scheduler.index.on_spill
+        self.scheduler.index.on_spill = lambda tokens, blocks, snapshot: found.append(blocks)
+        try:
+            spill_parked(self.scheduler.index)
+        finally:
+            self.scheduler.index.on_spill = on_spill
+        if not found:
+            return False
+        blocks = found[0]
+        cold = tuple(map(is_cold, blocks))
+        got = self._parts(cold, [blocks])
+        if got is None:
+            return False
+        arrays = _to_host(*got)[0]
+        parsed = self._arrays(Run.of(self.store.fingerprint, "rehearsal", arrays))
+        for g in range(len(self.pools)):
+            self._write(g, [blocks[g]], parsed[0], cold[g])
+        mx.eval([a for p in self.pools for a in _arrays_of(p)])
+        return True
+
     def _spill(self, items: list[tuple[str, list[int]]]) -> None:
         """Read the blocks of ``(key, block per group)`` items the disk lacks out of the
         pools, one evaluation per tier, and queue their files on the store's writer."""
@@ -147,27 +172,36 @@ class DiskTier:
         for key, blocks in items:
             tiers.setdefault(tuple(map(is_cold, blocks)), []).append((key, blocks))
         for cold, same in tiers.items():
-            names, parts = [], []
-            for g, pool in enumerate(self.pools):
-                ids = [blocks[g] - COLD if cold[g] else blocks[g] for _, blocks in same]
-                at = mx.array(ids, dtype=mx.int32)
-                for layer in range(pool.num_layers):
-                    if pool.keys[layer] is None:
-                        return  # a layer never written: nothing to keep
-                    model = _name(pool.input_dtypes[layer])
-                    for which in "kv":
-                        if cold[g]:  # quantized: packed values, scales, biases
-                            held = (pool.cold.keys if which == "k" else pool.cold.values)[layer]
-                            for part, x in zip("qsb", held, strict=True):
-                                names.append(f"{g}.{layer}.{which}{part}.{_name(x.dtype)}.{model}")
-                                parts.append(x[at])  # (n, bs, H, ...)
-                        else:
-                            x = (pool.keys if which == "k" else pool.values)[layer]
-                            names.append(f"{g}.{layer}.{which}.{_name(x.dtype)}.{model}")
-                            parts.append(x[at])  # (n, bs, H, D)
-            for (key, _), arrays in zip(same, _to_host(names, parts), strict=True):
+            got = self._parts(cold, [blocks for _, blocks in same])
+            if got is None:
+                return  # a layer never written: nothing to keep
+            for (key, _), arrays in zip(same, _to_host(*got), strict=True):
                 self.store.put_later(key, arrays)
         self.seconds["write"] += time.perf_counter() - start
+
+    def _parts(
+        self, cold: tuple[bool, ...], rows: list[list[int]]
+    ) -> tuple[list[str], list[mx.array]] | None:
+        """Entry names and ``(n, bs, H, ...)`` arrays of blocks ``rows`` (a block per group,
+        in the tiers ``cold`` says); ``None`` if a layer was never written."""
+        names, parts = [], []
+        for g, pool in enumerate(self.pools):
+            at = mx.array([r[g] - COLD if cold[g] else r[g] for r in rows], dtype=mx.int32)
+            for layer in range(pool.num_layers):
+                if pool.keys[layer] is None:
+                    return None
+                model = _name(pool.input_dtypes[layer])
+                for which in "kv":
+                    if cold[g]:  # quantized: packed values, scales, biases
+                        held = (pool.cold.keys if which == "k" else pool.cold.values)[layer]
+                        for part, x in zip("qsb", held, strict=True):
+                            names.append(f"{g}.{layer}.{which}{part}.{_name(x.dtype)}.{model}")
+                            parts.append(x[at])
+                    else:
+                        x = (pool.keys if which == "k" else pool.values)[layer]
+                        names.append(f"{g}.{layer}.{which}.{_name(x.dtype)}.{model}")
+                        parts.append(x[at])
+        return names, parts
 
     def _spill_state(self, key: str, snapshot: int) -> None:
         """Queue the file of a snapshot taken at the end of block ``key``."""

@@ -5,8 +5,10 @@ skip: MLX's kernels for new shapes, the fused attention kernels' builds and
 self-checks, and the traces of their launch shapes. ``warm_up`` runs made-up
 requests shaped like a burst that shares a system prompt (one prefills the
 prefix alone, the rest adopt it and prefill their suffixes batched, then all
-decode) at each batch size, and then zeroes the counters and the step clock. Their blocks stay
-parked in the prefix index, evicted first when the pool needs room.
+decode) at each batch size, rehearses the disk tier's spill and load on one of
+their blocks (no file is written), and then zeroes the counters and the step
+clock. Their blocks stay parked in the prefix index, evicted first when the pool
+needs room.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ def warm_up(engine: PagedEngine, batch_sizes: Sequence[int] | None = None) -> fl
             engine.add_request(prefix + suffix, 3)
         for _ in engine.stream():
             pass
+    if engine.disk is not None:
+        engine.disk.rehearse()
     engine.scheduler.counters = dict.fromkeys(COUNTERS, 0)
     engine.clock.reset()
     return time.perf_counter() - start

@@ -87,6 +87,13 @@ class Run:
     def __len__(self) -> int:
         return self.data.shape[0]
 
+    @classmethod
+    def of(cls, fingerprint: str, key: str, arrays: dict[str, np.ndarray]) -> Run:
+        """One entry's run, as if written and read back (no file)."""
+        data = np.frombuffer(encode(fingerprint, key, arrays), dtype=np.uint8)
+        specs, payload = _parse(data, fingerprint)
+        return cls(data[None], specs, payload)
+
     def arrays(self, i: int) -> dict[str, np.ndarray]:
         """Entry ``i``'s arrays (copies)."""
         row = self.data[i, self.payload :]
