@@ -79,8 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--kv-disk-dir",
-        help="With --prompts-file: a disk tier; evicted cached blocks, and all of them at the "
-        "end, go to files here and come back for later prompts and runs that need them.",
+        help="A disk tier: evicted cached blocks, and all of them at the end, go to files "
+        "here and come back for later prompts and runs that need them (runs the prompts "
+        "through PagedEngine, as --prompts-file does).",
     )
     g.add_argument("--kv-disk-bytes", default="50GB", help="Most bytes --kv-disk-dir takes.")
     hot = "With --kv-bits: each sequence's last tokens kept in full precision (the rest quantized)."
@@ -157,15 +158,16 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         for name, flag in dense_only.items():
             if getattr(args, name):
                 parser.error(f"{flag} works with mlx-lm's dense cache only; add --no-paged.")
-    elif args.prompts_file is not None:
-        parser.error("--prompts-file runs through PagedEngine; drop --no-paged.")
+    elif args.prompts_file is not None or args.kv_disk_dir is not None:
+        parser.error("--prompts-file and --kv-disk-dir run through PagedEngine; drop --no-paged.")
     elif args.kv_dtype or args.num_blocks or args.kv_memory:
         parser.error("--kv-dtype/--num-blocks/--kv-memory size the paged cache; drop --no-paged.")
-    if args.prompts_file is not None:
+    if args.prompts_file is not None or args.kv_disk_dir is not None:
         if args.max_tokens <= 0:
-            parser.error("--max-tokens must be positive with --prompts-file.")
+            parser.error("--max-tokens must be positive with --prompts-file or --kv-disk-dir.")
         if args.draft_model is not None:
-            parser.error("--draft-model is not supported with --prompts-file.")
+            parser.error("--draft-model is not supported with --prompts-file or --kv-disk-dir.")
+    if args.prompts_file is not None:
         if not Path(args.prompts_file).is_file():
             parser.error(f"--prompts-file {args.prompts_file!r}: no such file.")
 
@@ -182,9 +184,7 @@ def run_single(
     draft_model: nn.Module | None,
 ) -> None:
     """One prompt through mlx_lm's ``generate``; prints what it prints, plus cache stats."""
-    prompt = args.prompt.replace("\\n", "\n").replace("\\t", "\t")
-    prompt = sys.stdin.read() if prompt == "-" else prompt
-    tokens = encode_prompt(tokenizer, prompt, args)
+    tokens = encode_prompt(tokenizer, _prompt_text(args), args)
     sampler = _sampler(args, tokenizer)
     kwargs: dict[str, Any] = {}
     caches = None
@@ -254,6 +254,12 @@ def run_single(
         )
 
 
+def _prompt_text(args: argparse.Namespace) -> str:
+    """``--prompt`` with its escapes read, or standard input for ``-``."""
+    prompt = args.prompt.replace("\\n", "\n").replace("\\t", "\t")
+    return sys.stdin.read() if prompt == "-" else prompt
+
+
 def run_many(
     args: argparse.Namespace,
     model: nn.Module,
@@ -262,9 +268,13 @@ def run_many(
     num_blocks: int | None,
     group: mx.distributed.Group | None = None,
 ) -> None:
-    """Every prompt of ``--prompts-file`` through one ``PagedEngine``; print each answer."""
+    """Every prompt of ``--prompts-file`` (or the one ``--prompt``) through one
+    ``PagedEngine``; print each answer."""
     try:
-        prompts = read_prompts(args.prompts_file)
+        if args.prompts_file is not None:
+            prompts = read_prompts(args.prompts_file)
+        else:
+            prompts = [_prompt_text(args)]
         encoded = [encode_prompt(tokenizer, p, args) for p in prompts]
     except ValueError as e:
         raise SystemExit(f"mlx_paged.generate: error: {e}") from e
@@ -387,7 +397,7 @@ def main(argv: list[str] | None = None) -> None:
         draft_model, draft_tokenizer = load_model(args.draft_model, dtype=args.model_dtype)
         if draft_tokenizer.vocab_size != tokenizer.vocab_size:
             parser.error("the draft model's tokenizer does not match the model's.")
-    if args.prompts_file is not None:
+    if args.prompts_file is not None or args.kv_disk_dir is not None:
         run_many(args, model, tokenizer, kv_dtype, num_blocks, group)
     else:
         run_single(args, model, tokenizer, kv_dtype, num_blocks, draft_model)

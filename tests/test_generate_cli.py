@@ -28,6 +28,8 @@ needs_embedded = pytest.mark.skipif(
         (["--kv-bits", "3"], "--kv-bits must be 4 or 8"),
         (["--kv-bits", "8", "--hot-tokens", "-1"], "--hot-tokens must be 0 or more"),
         (["--no-paged", "--prompts-file", "x.txt"], "drop --no-paged"),
+        (["--no-paged", "--kv-disk-dir", "kv"], "drop --no-paged"),
+        (["--kv-disk-dir", "kv", "--max-tokens", "0"], "--max-tokens must be positive"),
         (["--chat-template-config", "[1]"], "must be a JSON object"),
         (["--kv-dtype", "int8"], "invalid choice"),
         (["--prompts-file", "/no/such/file"], "no such file"),
@@ -130,6 +132,12 @@ def test_a_second_run_reads_the_prompts_blocks_from_kv_disk_dir(tmp_path, capsys
     assert hit > 0 and hit % 16 == 0  # whole blocks, from disk
     answer = first.split("==========")[1]  # the prompt and its answer
     assert second.split("==========")[1] == answer
+    # One --prompt runs the same way, through the engine, and finds the blocks too.
+    prompt = f.read_text().strip()
+    main(["--prompt", prompt, *argv[2:]])
+    third = capsys.readouterr().out
+    assert int(third.split("prefix-hit tokens: ")[1].split(",")[0]) == hit
+    assert third.split("==========")[1] == answer
 
 
 @needs_embedded
