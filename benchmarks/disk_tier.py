@@ -88,6 +88,7 @@ def main() -> None:
     ap.add_argument("--shape", choices=SHAPES, default="small", help="a random llama's shape")
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--prefill-step-size", type=int, default=2048)
+    ap.add_argument("--block-size", type=int, default=16, help="tokens per block (and file)")
     ap.add_argument("--dir", default=None, help="the disk tier's directory (default: a temp one)")
     ap.add_argument(
         "--restarts", type=int, default=3, help="engines that read the prompt back from disk"
@@ -103,8 +104,8 @@ def main() -> None:
     rng = random.Random(0)
     prompt = [rng.randrange(vocab) for _ in range(args.tokens)]
     path = args.dir or tempfile.mkdtemp(prefix="mlx_paged_disk_")
-    kw = dict(prefill_step_size=args.prefill_step_size)
-    tag = args.model or args.shape
+    kw = dict(prefill_step_size=args.prefill_step_size, block_size=args.block_size)
+    tag = f"{args.model or args.shape} bs={args.block_size}"
     try:
         # The process's first-use work, outside the clock, as a server's warm-up does it.
         warm = PagedEngine(model, kv_disk_dir=path + "-warm", kv_disk_bytes=10**12, **kw)
@@ -141,7 +142,9 @@ def main() -> None:
                 f"{tag} restart {i + 1}: from disk {disk:.3f} s; "
                 f"{restarted.stats().disk_hit_tokens} tokens loaded in "
                 f"{tier.seconds['load']:.3f} s "
-                f"(files read and checked {tier.store.seconds['read']:.3f} s); "
+                f"(waiting on reads {tier.seconds['load_wait']:.3f} s, copies into MLX "
+                f"{tier.seconds['load_copy']:.3f} s; reads and checks took "
+                f"{tier.store.seconds['read']:.3f} s on their threads); "
                 f"page cache {'dropped' if dropped else 'kept'}",
                 flush=True,
             )

@@ -70,7 +70,9 @@ class DiskTier:
         recurrent = scheduler.recurrent
         self.states = recurrent.slots if recurrent is not None else None  # a StatePool
         self.block_size = scheduler.block_size
-        self.seconds = {"load": 0.0, "write": 0.0}  # loading into the pool, spilling
+        # Loading into the pool (of which: waiting on file reads, copying into MLX), and
+        # spilling (the engine thread's part: reading the pools out).
+        self.seconds = dict.fromkeys(("load", "load_wait", "load_copy", "write"), 0.0)
         self._reader = ThreadPoolExecutor(1, "mlx_paged-disk-ahead")  # reads the next run
         scheduler.index.on_spill = self.spill
         scheduler.disk = self
@@ -319,7 +321,9 @@ class DiskTier:
         buffers: list[np.ndarray | None] = [None, None]
         ahead, pos, i = self._reader.submit(self.store.read_run, keys[:LOAD_BATCH]), 0, 0
         while ahead is not None:
+            start = time.perf_counter()
             run = ahead.result()
+            self.seconds["load_wait"] += time.perf_counter() - start
             if run is None:
                 return
             buffers[i % 2] = run.data if run.data.base is None else run.data.base
@@ -348,7 +352,9 @@ class DiskTier:
         }
         if parsed.keys() != want or (any(cold) and self.pools[0].quant is None):
             return None
+        start = time.perf_counter()
         data = mx.array(run.data)  # (n, file bytes) uint8: the one copy into MLX
+        self.seconds["load_copy"] += time.perf_counter() - start
         out = {}
         for name, (spec, dtype, model) in parsed.items():
             lo = run.payload + spec.start
