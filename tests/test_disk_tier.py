@@ -297,3 +297,16 @@ def test_a_rehearsal_changes_no_byte_and_writes_no_file(tmp_path, kw):
     assert not list(tmp_path.glob("*.kv")) and engine.disk.store.counts["writes"] == 0
     engine.check_invariants()
     assert run(engine, a)[0] == run(PagedEngine(model, block_size=BS, **kw), a)[0]
+
+
+def test_block_keys_reused_along_a_walk_equal_the_chain_of_each_prefix(tmp_path):
+    engine = PagedEngine(model_of("llama"), block_size=BS, kv_disk_dir=tmp_path,
+                         kv_disk_bytes=10**8)  # fmt: skip
+    rng = random.Random(12)
+    trunk = [rng.randrange(VOCAB) for _ in range(6 * BS)]
+    branch = trunk[: 3 * BS] + [rng.randrange(VOCAB) for _ in range(3 * BS)]
+    # Parents first down one branch, then another, then back: as an eviction walks.
+    walk = [trunk[: i * BS] for i in range(1, 7)] + [branch[: i * BS] for i in range(4, 7)]
+    walk += [trunk[:BS], branch + [1] * (BS - 1), trunk[: 2 * BS + 3]]
+    for tokens in walk:
+        assert engine.disk._key(tokens) == chain_keys(tokens, BS)[-1]

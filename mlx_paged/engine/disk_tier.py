@@ -74,6 +74,7 @@ class DiskTier:
         # spilling (the engine thread's part: reading the pools out).
         self.seconds = dict.fromkeys(("load", "load_wait", "load_copy", "write"), 0.0)
         self._reader = ThreadPoolExecutor(1, "mlx_paged-disk-ahead")  # reads the next run
+        self._chain: tuple[list[int], list[str]] = ([], [])  # the last tokens _key saw, keys
         scheduler.index.on_spill = self.spill
         scheduler.disk = self
 
@@ -89,8 +90,8 @@ class DiskTier:
         """A tier over the directory ``path`` for this model and cache layout.
 
         Raises:
-            ValueError: for a cache the disk tier does not serve yet (sliding-window or
-                recurrent layers, a quantized cold tier), or a bad ``max_bytes``.
+            ValueError: for a cache the disk tier does not serve yet (sliding-window
+                layers), or a bad ``max_bytes``.
         """
         for kind in pools:
             if kind.window is not None:
@@ -112,7 +113,7 @@ class DiskTier:
     def spill(self, tokens: Sequence[int], blocks: Sequence[int], snapshot: int | None = None):
         """Write one full block (the last of ``tokens``) and the recurrent-state snapshot
         ending there, if any, unless the disk has them."""
-        key = chain_keys(tokens, self.block_size)[-1]
+        key = self._key(tokens)
         self._spill([(key, list(blocks))])
         if snapshot is not None:
             self._spill_state(key, snapshot)
@@ -124,7 +125,7 @@ class DiskTier:
         found: list[tuple[str, list[int], int | None]] = []
         on_spill = self.scheduler.index.on_spill
         self.scheduler.index.on_spill = lambda tokens, blocks, snapshot: found.append(
-            (chain_keys(tokens, self.block_size)[-1], list(blocks), snapshot)
+            (self._key(tokens), list(blocks), snapshot)
         )
         try:
             spill_parked(self.scheduler.index)
@@ -162,6 +163,24 @@ class DiskTier:
             self._write(g, [blocks[g]], parsed[0], cold[g])
         mx.eval([a for p in self.pools for a in _arrays_of(p)])
         return True
+
+    def _key(self, tokens: list[int]) -> str:
+        """The key of the last full block of ``tokens``, reusing the keys of the blocks it
+        shares with the last call's tokens (an eviction walks a prefix parents first)."""
+        bs, (last, keys) = self.block_size, self._chain
+        n = len(tokens) // bs
+        same = min(n, len(keys))
+        if tokens[: same * bs] != last[: same * bs]:  # not an extension: find where they part
+            same = 0
+        while same < min(n, len(keys)) and (
+            tokens[same * bs : (same + 1) * bs] == last[same * bs : (same + 1) * bs]
+        ):
+            same += 1
+        keys = keys[:same] + chain_keys(
+            tokens[same * bs : n * bs], bs, keys[same - 1] if same else ""
+        )
+        self._chain = (tokens, keys)
+        return keys[-1]
 
     def _spill(self, items: list[tuple[str, list[int]]]) -> None:
         """Read the blocks of ``(key, block per group)`` items the disk lacks out of the
@@ -392,9 +411,10 @@ class DiskTier:
             pool._update_bytes_per_block()
 
 
-def chain_keys(tokens: Sequence[int], block_size: int) -> list[str]:
-    """The key of each full block of ``tokens``: a hash of its parent's key and its tokens."""
-    keys, parent = [], b""
+def chain_keys(tokens: Sequence[int], block_size: int, parent: str = "") -> list[str]:
+    """The key of each full block of ``tokens``: a hash of its parent's key and its tokens
+    (``parent``: the key of the block before ``tokens``, if they do not start a prompt)."""
+    keys, parent = [], bytes.fromhex(parent)
     for lo in range(0, len(tokens) // block_size * block_size, block_size):
         block = np.asarray(tokens[lo : lo + block_size], dtype=np.int64).tobytes()
         parent = hashlib.blake2b(parent + block, digest_size=20).digest()
