@@ -251,13 +251,11 @@ class PrefixIndex:
 
     def _forget_snapshot(self, snapshot: int) -> None:
         """State hook: a snapshot is being evicted."""
-        node = self._snapshot_owner.get(snapshot)
-        if node is not None and self.on_spill is not None:
-            tokens = _tokens(node)
-            if len(node.key) == self.block_size and all(b is not None for b in node.blocks):
-                self.on_spill(tokens, list(node.blocks), snapshot)
         node = self._snapshot_owner.pop(snapshot, None)
         if node is not None:
+            full = len(node.key) == self.block_size and None not in node.blocks
+            if self.on_spill is not None and full:  # the state is still there to write
+                self.on_spill(_tokens(node), list(node.blocks), snapshot)
             node.snapshot = None
             self._prune(node)
 
