@@ -310,3 +310,46 @@ def test_block_keys_reused_along_a_walk_equal_the_chain_of_each_prefix(tmp_path)
     walk += [trunk[:BS], branch + [1] * (BS - 1), trunk[: 2 * BS + 3]]
     for tokens in walk:
         assert engine.disk._key(tokens) == chain_keys(tokens, BS)[-1]
+
+
+def test_while_others_decode_a_load_spreads_over_steps_and_stalls_none(tmp_path, monkeypatch):
+    monkeypatch.setattr(disk_tier, "LOAD_BATCH", 2)
+    a, b = prompts(13, 2, length=97)
+    first = PagedEngine(model_of("llama"), block_size=BS, kv_disk_dir=tmp_path, kv_disk_bytes=10**8)
+    expected = run(first, a)
+    first.disk.spill_cached()
+    engine = PagedEngine(tiny_model("llama"), block_size=BS, kv_disk_dir=tmp_path,
+                         kv_disk_bytes=10**8)  # fmt: skip
+    engine.disk.step_blocks = 4  # two runs of two blocks a step
+    other = engine.add_request(b, 12)
+    engine.step()  # b is running
+    uid = engine.add_request(a, MAX_TOKENS, logprobs=0)
+    loaded, got = [], ([], [])
+    while engine.waiting or engine.running:
+        events = engine.step()
+        engine.check_invariants()
+        loaded.append(engine.stats().disk_hit_tokens)
+        if engine.scheduler.running and not any(e.uid == uid for e in events):
+            assert any(e.uid == other for e in events)  # b decoded in every step of the load
+        for e in events:
+            if e.uid == uid:
+                got[0].append(e.token)
+                got[1].append(e.logprob)
+    assert loaded[:3] == [4 * BS, 8 * BS, 12 * BS]  # 12 blocks, 4 a step
+    assert engine.stats().prefix_hit_tokens == 96
+    assert engine.disk.store.counts["hits"] == 12  # each file read once: the read-ahead was used
+    assert got[0] == expected[0]
+    assert np.allclose(got[1], expected[1], atol=1e-6, rtol=0)
+
+
+def test_an_idle_engine_loads_a_whole_prompt_at_once(tmp_path):
+    (a,) = prompts(14, 1, length=97)
+    first = PagedEngine(model_of("llama"), block_size=BS, kv_disk_dir=tmp_path, kv_disk_bytes=10**8)
+    run(first, a)
+    first.disk.spill_cached()
+    engine = PagedEngine(tiny_model("llama"), block_size=BS, kv_disk_dir=tmp_path,
+                         kv_disk_bytes=10**8)  # fmt: skip
+    engine.disk.step_blocks = 4
+    uid = engine.add_request(a, MAX_TOKENS)
+    events = engine.step()
+    assert engine.stats().disk_hit_tokens == 96 and any(e.uid == uid for e in events)

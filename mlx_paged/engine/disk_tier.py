@@ -16,9 +16,12 @@ and prefix index:
   has room, writes them into fresh blocks and parks them in the index; the
   match then adopts them like any cached block. Files are read in runs of
   ``LOAD_BATCH`` blocks, the next run on the store's threads while this one is
-  written into the pool. For a hybrid model, the deepest snapshot on disk that
-  ends within those blocks comes back too, since a prefix is adopted only up to
-  a snapshot.
+  written into the pool. While other requests run, the scheduler asks for at
+  most ``step_blocks`` blocks a step and the request waits for the rest, whose
+  first run is read meanwhile: their decoding never stalls for a whole prompt's
+  load. For a hybrid model, the deepest snapshot on disk that ends within the
+  loaded blocks comes back with the last part, since a prefix is adopted only up
+  to a snapshot.
 
 Keys chain the prefix's blocks: a block's key hashes its parent's key and its own
 tokens, so one key names the whole prefix. The store's fingerprint names the
@@ -34,7 +37,7 @@ import hashlib
 import os
 import time
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -51,6 +54,8 @@ from .scheduler import Scheduler, adopted_tables
 SPILL_BATCH = 256
 #: Blocks ``load`` reads per run: two runs' files are in host memory at once.
 LOAD_BATCH = 64
+#: Blocks a step loads for a request while others run (``DiskTier.step_blocks``).
+STEP_BLOCKS = 128
 #: What a snapshot's key adds to the key of the block it ends.
 STATE = "s"
 
@@ -75,6 +80,8 @@ class DiskTier:
         self.seconds = dict.fromkeys(("load", "load_wait", "load_copy", "write"), 0.0)
         self._reader = ThreadPoolExecutor(1, "mlx_paged-disk-ahead")  # reads the next run
         self._chain: tuple[list[int], list[str]] = ([], [])  # the last tokens _key saw, keys
+        self._ahead: tuple[str, Future] | None = None  # (first key, its run being read)
+        self.step_blocks = STEP_BLOCKS  # most blocks a step loads while others run
         scheduler.index.on_spill = self.spill
         scheduler.disk = self
 
@@ -237,21 +244,26 @@ class DiskTier:
 
     # ---- load -------------------------------------------------------------
 
-    def load(self, tokens: Sequence[int]) -> int:
+    def load(self, tokens: Sequence[int], limit: int | None = None) -> tuple[int, bool]:
         """Bring the full blocks of ``tokens`` past what memory holds back from disk, as
-        parked blocks, with the deepest snapshot past memory's for a hybrid model; return
-        the tokens loaded."""
+        parked blocks, at most ``limit`` of them (``None``: all), with the deepest snapshot
+        past memory's for a hybrid model once no more are to come.
+
+        Returns the tokens loaded, and whether the disk holds more of the prompt's blocks
+        (the next ``limit``, read ahead on a thread meanwhile) after a load that took all
+        it could.
+        """
         if not self.store.enabled:
-            return 0
+            return 0, False
         start = time.perf_counter()
         keys = chain_keys(tokens, self.block_size)
-        loaded = self._load(tokens, keys)
-        if self.states is not None:
+        loaded, more = self._load(tokens, keys, limit)
+        if self.states is not None and not more:
             self._load_state(tokens, keys)
         self.seconds["load"] += time.perf_counter() - start
-        return loaded
+        return loaded, more
 
-    def _load(self, tokens: Sequence[int], keys: list[str]) -> int:
+    def _load(self, tokens: Sequence[int], keys: list[str], limit: int | None) -> tuple[int, bool]:
         bs, index, groups = self.block_size, self.scheduler.index, self.scheduler.groups
         kinds = self.scheduler.kinds
         have = index.full_blocks_matched(tokens) // bs
@@ -260,12 +272,13 @@ class DiskTier:
         while n < len(keys) and keys[n] in self.store:
             n += 1
         if not n:
-            return 0
+            return 0, False
+        keys, rest = keys[: min(n, limit or n)], keys[min(n, limit or n) : n]
         start = have * bs
         match = index.match(tokens[:start], states=False) if start else None
         tables = adopted_tables(groups, match)
         end = start
-        for run in self._runs(keys[:n]):
+        for run in self._runs(keys):
             parsed = self._arrays(run)
             if parsed is None:
                 break
@@ -289,7 +302,10 @@ class DiskTier:
             index.insert(tokens, spans, length=end, partial=False)
         for kind, table in tables.items():  # blocks taken past a bad file go back too
             groups[kind].release(table)
-        return end - start
+        more = bool(rest) and end - start == len(keys) * bs
+        if more:  # the next call's first run, read while the engine steps
+            self._ahead = (rest[0], self._reader.submit(self.store.read_run, rest[:LOAD_BATCH]))
+        return end - start, more
 
     @staticmethod
     def _blocks(pool: KVPool, table: BlockTable, at: int, n: int, cold: bool) -> list[int] | None:
@@ -338,7 +354,11 @@ class DiskTier:
         on the store's threads while the caller writes the one before; stops at the first
         missing or bad file."""
         buffers: list[np.ndarray | None] = [None, None]
-        ahead, pos, i = self._reader.submit(self.store.read_run, keys[:LOAD_BATCH]), 0, 0
+        ahead = None
+        if self._ahead is not None and self._ahead[0] == keys[0]:  # read ahead by the last call
+            ahead = self._ahead[1]
+        self._ahead = None
+        ahead, pos, i = ahead or self._reader.submit(self.store.read_run, keys[:LOAD_BATCH]), 0, 0
         while ahead is not None:
             start = time.perf_counter()
             run = ahead.result()

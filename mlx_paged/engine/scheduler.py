@@ -252,7 +252,13 @@ class Scheduler:
         """Give ``req`` tables holding its cached prefix and room for the rest, or wait."""
         tokens, target = req.tokens, self.kv_target(req)
         if use_cache and self.disk is not None:  # full blocks past memory's, from disk
-            self.counters["disk_hit_tokens"] += self.disk.load(tokens[: len(tokens) - 1])
+            # While others run, a step loads a bounded part and the request waits for the
+            # rest, so their decoding does not stall for the whole load.
+            limit = self.disk.step_blocks if self.running else None
+            loaded, more = self.disk.load(tokens[: len(tokens) - 1], limit)
+            self.counters["disk_hit_tokens"] += loaded
+            if more:
+                return False
         match = self.index.match(tokens[: len(tokens) - 1]) if use_cache else None
         hit = match.length if match else 0
         tables = adopted_tables(self.groups, match)
