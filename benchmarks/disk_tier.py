@@ -11,6 +11,10 @@ Usage:
     python benchmarks/disk_tier.py --shape 1b --tokens 32768      # on the GPU
     python benchmarks/disk_tier.py --tokens 4096                  # CPU: a small llama
 
+Then the prompt comes back from disk while another request decodes, loaded
+in one step or 128 blocks a step: the time to its first token, and the longest
+the other request waits for a token meanwhile.
+
 The first two restarts read the files from the page cache, as a restarted
 server would; the ones after ask the kernel to drop its page cache first
 (``/proc/sys/vm/drop_caches``, root only) and say whether it could. The first
@@ -82,6 +86,27 @@ def drop_page_cache() -> bool:
         return False
 
 
+def while_decoding(engine: PagedEngine, prompt: list[int], other: list[int]) -> tuple[float, float]:
+    """Add ``prompt`` while ``other`` decodes: seconds to ``prompt``'s first token, and the
+    longest wait between two of ``other``'s tokens meanwhile."""
+    busy = engine.add_request(other, 100_000)
+    for _ in range(3):
+        engine.step()
+    mx.synchronize()
+    start = last = time.perf_counter()
+    uid = engine.add_request(prompt, 1)
+    gap = 0.0
+    while True:
+        events = engine.step()
+        mx.synchronize()
+        now = time.perf_counter()
+        if any(e.uid == busy for e in events):
+            gap, last = max(gap, now - last), now
+        if any(e.uid == uid for e in events):
+            engine.abort(busy)
+            return now - start, gap
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="mlx-lm model directory (default: --shape)")
@@ -146,6 +171,21 @@ def main() -> None:
                 f"{tier.seconds['load_copy']:.3f} s; reads and checks took "
                 f"{tier.store.seconds['read']:.3f} s on their threads); "
                 f"page cache {'dropped' if dropped else 'kept'}",
+                flush=True,
+            )
+            del restarted
+        for step_blocks in (None, 128):  # the whole load in one step, or 128 blocks a step
+            restarted = PagedEngine(model, kv_disk_dir=path, kv_disk_bytes=10**12, **kw)
+            if step_blocks is not None:
+                restarted.disk.step_blocks = step_blocks
+            else:
+                restarted.disk.step_blocks = 1 << 30
+            other = [rng.randrange(vocab) for _ in range(64)]
+            ttft, gap = while_decoding(restarted, prompt, other)
+            print(
+                f"{tag} from disk while another request decodes, "
+                f"{step_blocks or 'all'} blocks a step: first token {ttft:.3f} s; "
+                f"the other's longest gap between tokens {gap * 1e3:.1f} ms",
                 flush=True,
             )
             del restarted
