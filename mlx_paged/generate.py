@@ -2,8 +2,8 @@
 
 Takes mlx_lm.generate's flags and adds the paged ones. One prompt runs through
 mlx-lm's own ``generate`` with ``prompt_cache=make_paged_cache(...)``, so the
-output is mlx-lm's, plus one line of cache stats. ``--prompts-file`` runs many
-prompts at once through ``PagedEngine``, which shares their common prefixes.
+output is mlx-lm's, plus one line of cache stats. ``--prompts-file`` (and
+``--kv-disk-dir``) run prompts through ``PagedEngine``, which shares prefixes.
 With no ``--model`` it runs the embedded SmolLM2-135M-Instruct.
 
     mlx_paged.generate --prompt "Write a haiku about memory."
@@ -69,20 +69,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--block-size", type=int, default=16, help="Token slots per block.")
     g.add_argument("--pipeline", action="store_true", help="Under mlx.launch: split by layers.")
     g.add_argument("--num-blocks", type=int, help="Blocks in the pool (default: grow on demand).")
-    g.add_argument(
-        "--kv-memory",
-        default=None,
-        help="Size the pool by memory instead of --num-blocks, e.g. 2GB or 512MiB.",
-    )
+    memory = "Size the pool by memory instead of --num-blocks, e.g. 2GB or 512MiB."
+    g.add_argument("--kv-memory", help=memory)
     g.add_argument(
         "--kv-dtype", choices=KV_DTYPES, help="K/V storage dtype (default: the model's)."
     )
-    g.add_argument(
-        "--kv-disk-dir",
-        help="A disk tier: evicted cached blocks, and all of them at the end, go to files "
-        "here and come back for later prompts and runs that need them (runs the prompts "
-        "through PagedEngine, as --prompts-file does).",
-    )
+    disk = "A disk tier: cached blocks go to files here for later runs (through PagedEngine)."
+    g.add_argument("--kv-disk-dir", help=disk)
     g.add_argument("--kv-disk-bytes", default="50GB", help="Most bytes --kv-disk-dir takes.")
     hot = "With --kv-bits: each sequence's last tokens kept in full precision (the rest quantized)."
     g.add_argument("--hot-tokens", type=int, default=256, help=hot)
@@ -99,9 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="Run many prompts through PagedEngine: one per line, or JSONL with a string, "
         '{"prompt": ...} or {"messages": [...]} per line.',
     )
-    g.add_argument(
-        "--max-batch-size", type=int, default=64, help="Sequences at once, --prompts-file."
-    )
+    g.add_argument("--max-batch-size", type=int, default=64, help="Sequences at once (engine).")
     g.add_argument(
         "--state-snapshot-interval",
         type=int,
@@ -158,18 +149,21 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         for name, flag in dense_only.items():
             if getattr(args, name):
                 parser.error(f"{flag} works with mlx-lm's dense cache only; add --no-paged.")
-    elif args.prompts_file is not None or args.kv_disk_dir is not None:
+    elif through_engine(args):
         parser.error("--prompts-file and --kv-disk-dir run through PagedEngine; drop --no-paged.")
     elif args.kv_dtype or args.num_blocks or args.kv_memory:
         parser.error("--kv-dtype/--num-blocks/--kv-memory size the paged cache; drop --no-paged.")
-    if args.prompts_file is not None or args.kv_disk_dir is not None:
-        if args.max_tokens <= 0:
-            parser.error("--max-tokens must be positive with --prompts-file or --kv-disk-dir.")
-        if args.draft_model is not None:
-            parser.error("--draft-model is not supported with --prompts-file or --kv-disk-dir.")
-    if args.prompts_file is not None:
-        if not Path(args.prompts_file).is_file():
-            parser.error(f"--prompts-file {args.prompts_file!r}: no such file.")
+    if through_engine(args) and args.max_tokens <= 0:
+        parser.error("--max-tokens must be positive with --prompts-file or --kv-disk-dir.")
+    if through_engine(args) and args.draft_model is not None:
+        parser.error("--draft-model is not supported with --prompts-file or --kv-disk-dir.")
+    if args.prompts_file is not None and not Path(args.prompts_file).is_file():
+        parser.error(f"--prompts-file {args.prompts_file!r}: no such file.")
+
+
+def through_engine(args: argparse.Namespace) -> bool:
+    """Whether the prompts run through ``PagedEngine`` (``run_many``)."""
+    return args.prompts_file is not None or args.kv_disk_dir is not None
 
 
 # ---- running --------------------------------------------------------------
@@ -271,10 +265,7 @@ def run_many(
     """Every prompt of ``--prompts-file`` (or the one ``--prompt``) through one
     ``PagedEngine``; print each answer."""
     try:
-        if args.prompts_file is not None:
-            prompts = read_prompts(args.prompts_file)
-        else:
-            prompts = [_prompt_text(args)]
+        prompts = read_prompts(args.prompts_file) if args.prompts_file else [_prompt_text(args)]
         encoded = [encode_prompt(tokenizer, p, args) for p in prompts]
     except ValueError as e:
         raise SystemExit(f"mlx_paged.generate: error: {e}") from e
@@ -397,7 +388,7 @@ def main(argv: list[str] | None = None) -> None:
         draft_model, draft_tokenizer = load_model(args.draft_model, dtype=args.model_dtype)
         if draft_tokenizer.vocab_size != tokenizer.vocab_size:
             parser.error("the draft model's tokenizer does not match the model's.")
-    if args.prompts_file is not None or args.kv_disk_dir is not None:
+    if through_engine(args):
         run_many(args, model, tokenizer, kv_dtype, num_blocks, group)
     else:
         run_single(args, model, tokenizer, kv_dtype, num_blocks, draft_model)

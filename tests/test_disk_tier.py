@@ -13,6 +13,7 @@ from tiny_models import VOCAB, model_of, solo, tiny_model
 from mlx_paged import PagedEngine
 from mlx_paged.engine import disk_tier
 from mlx_paged.engine.disk_tier import chain_keys
+from mlx_paged.storage.disk_entries import pool_arrays
 
 BS = 8
 MAX_TOKENS = 4
@@ -289,9 +290,9 @@ def test_a_rehearsal_changes_no_byte_and_writes_no_file(tmp_path, kw):
     (a,) = prompts(11, 1, length=97)
     run(engine, a)
     pool = engine.disk.pools[0]
-    before = [np.array(x) for x in disk_tier._arrays_of(pool)]
+    before = [np.array(x) for x in pool_arrays(pool)]
     assert engine.disk.rehearse()
-    after = [np.array(x) for x in disk_tier._arrays_of(pool)]
+    after = [np.array(x) for x in pool_arrays(pool)]
     assert len(before) == len(after)
     assert all(np.array_equal(x, y) for x, y in zip(before, after, strict=True))
     assert not list(tmp_path.glob("*.kv")) and engine.disk.store.counts["writes"] == 0

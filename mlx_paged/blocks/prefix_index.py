@@ -101,12 +101,11 @@ class PrefixIndex:
     # ---- public API -------------------------------------------------------
 
     def match(self, tokens: Sequence[int], states: bool = True) -> PrefixMatch | None:
-        """The longest prefix of ``tokens`` whose K/V is cached, at token granularity.
+        """The longest prefix of ``tokens`` whose K/V is cached, at token granularity (with
+        recurrent states, ending where a snapshot does unless ``states`` is False).
 
-        Returns ``None`` when nothing is cached. Does not take references:
-        the caller retains the blocks it adopts. With recurrent states, the prefix
-        ends where a snapshot does, unless ``states`` is False (blocks only).
-        """
+        Returns ``None`` when nothing is cached. Does not take references: the caller
+        retains the blocks it adopts."""
         path, length = self._walk(tokens)
         bs = self.block_size
         if self.states is None or not states:
@@ -124,7 +123,7 @@ class PrefixIndex:
             if m <= 0:
                 break
             hi = -(-m // bs)
-            firsts = [self._first_needed(g, m) for g in range(len(self.pools))]
+            firsts = [_first_needed(w, m, bs) for w in self.windows]
             blocks = [[path[i].blocks[g] for i in range(firsts[g], hi)] for g in range(len(firsts))]
             if all(b is not None for group in blocks for b in group):
                 return PrefixMatch(length=m, blocks=blocks, firsts=firsts, snapshot=snapshot)
@@ -252,17 +251,12 @@ class PrefixIndex:
     def _forget_snapshot(self, snapshot: int) -> None:
         """State hook: a snapshot is being evicted."""
         node = self._snapshot_owner.pop(snapshot, None)
-        if node is not None:
-            full = len(node.key) == self.block_size and None not in node.blocks
-            if self.on_spill is not None and full:  # the state is still there to write
-                self.on_spill(_tokens(node), list(node.blocks), snapshot)
-            node.snapshot = None
-            self._prune(node)
-
-    def _first_needed(self, group: int, length: int) -> int:
-        """First logical block a continuation after ``length`` tokens reads in a group."""
-        window = self.windows[group]
-        return 0 if window is None else max(0, length - window + 1) // self.block_size
+        if node is None:
+            return
+        if self.on_spill and len(node.key) == self.block_size and None not in node.blocks:
+            self.on_spill(_tokens(node), list(node.blocks), snapshot)  # the state is still here
+        node.snapshot = None
+        self._prune(node)
 
     def _forget(self, group: int, block_id: int) -> None:
         """Pool hook: a cached block is being reclaimed."""
@@ -333,6 +327,12 @@ def _spill(node: _Node, bs: int, spill: Callable[[list[int], list[int], int | No
         if len(n.key) == bs and all(b is not None for b in n.blocks):
             spill(toks, list(n.blocks), n.snapshot)
         stack += [(c, toks + list(c.key)) for c in n.children.values() if len(c.key) == bs]
+
+
+def _first_needed(window: int | None, length: int, bs: int) -> int:
+    """First logical block a continuation after ``length`` tokens reads in a group with
+    ``window``."""
+    return 0 if window is None else max(0, length - window + 1) // bs
 
 
 def _tokens(node: _Node) -> list[int]:

@@ -42,12 +42,22 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx.utils import tree_flatten
 
 from ..blocks import COLD, BlockTable, LayerKind, is_cold
 from ..blocks.prefix_index import spill_parked
 from ..storage import KVPool
-from ..storage.disk import DiskStore, Run
+from ..storage.disk import DiskStore
+from ..storage.disk_entries import (
+    block_parts,
+    fingerprint,
+    host_state,
+    pool_arrays,
+    run_blocks,
+    state_parts,
+    to_host,
+    write_blocks,
+)
+from ..storage.disk_format import Run
 from .scheduler import Scheduler, adopted_tables
 
 #: Blocks ``spill_cached`` reads out of the pools per evaluation.
@@ -129,15 +139,7 @@ class DiskTier:
         """Write every parked full block (and snapshot) the disk lacks and wait for the
         writes; return how many files were written."""
         before = self.store.counts["writes"]
-        found: list[tuple[str, list[int], int | None]] = []
-        on_spill = self.scheduler.index.on_spill
-        self.scheduler.index.on_spill = lambda tokens, blocks, snapshot: found.append(
-            (self._key(tokens), list(blocks), snapshot)
-        )
-        try:
-            spill_parked(self.scheduler.index)
-        finally:
-            self.scheduler.index.on_spill = on_spill
+        found = [(self._key(tokens), blocks, snap) for tokens, blocks, snap in self._parked()]
         for lo in range(0, len(found), SPILL_BATCH):
             self._spill([(key, blocks) for key, blocks, _ in found[lo : lo + SPILL_BATCH]])
         for key, _, snapshot in found:
@@ -150,26 +152,29 @@ class DiskTier:
         """Run a spill's and a load's MLX work once on a cached block, writing no file, so
         that a fresh process builds their kernels before its first request (the block is
         rewritten with its own bytes); whether there was a block to do it on."""
-        found: list[list[int]] = []
-        on_spill = self.scheduler.index.on_spill
-        self.scheduler.index.on_spill = lambda tokens, blocks, snapshot: found.append(blocks)
-        try:
-            spill_parked(self.scheduler.index)
-        finally:
-            self.scheduler.index.on_spill = on_spill
-        if not found:
-            return False
-        blocks = found[0]
-        cold = tuple(map(is_cold, blocks))
-        got = self._parts(cold, [blocks])
+        found = self._parked()
+        blocks = found[0][1] if found else None
+        cold = tuple(map(is_cold, blocks or ()))
+        got = block_parts(self.pools, cold, [blocks]) if blocks else None
         if got is None:
             return False
-        arrays = _to_host(*got)[0]
-        parsed = self._arrays(Run.of(self.store.fingerprint, "rehearsal", arrays))
-        for g in range(len(self.pools)):
-            self._write(g, [blocks[g]], parsed[0], cold[g])
-        mx.eval([a for p in self.pools for a in _arrays_of(p)])
+        run = Run.of(self.store.fingerprint, "rehearsal", to_host(*got)[0])
+        entries, _ = run_blocks(self.pools, run)
+        for g, pool in enumerate(self.pools):
+            write_blocks(pool, g, [blocks[g]], entries, cold[g])
+        mx.eval([a for p in self.pools for a in pool_arrays(p)])
         return True
+
+    def _parked(self) -> list[tuple[list[int], list[int], int | None]]:
+        """``(tokens, block per group, snapshot)`` of every parked full block, parents first."""
+        found: list[tuple[list[int], list[int], int | None]] = []
+        index = self.scheduler.index
+        hook, index.on_spill = index.on_spill, lambda *item: found.append(item)
+        try:
+            spill_parked(index)
+        finally:
+            index.on_spill = hook
+        return found
 
     def _key(self, tokens: list[int]) -> str:
         """The key of the last full block of ``tokens``, reusing the keys of the blocks it
@@ -200,64 +205,32 @@ class DiskTier:
         for key, blocks in items:
             tiers.setdefault(tuple(map(is_cold, blocks)), []).append((key, blocks))
         for cold, same in tiers.items():
-            got = self._parts(cold, [blocks for _, blocks in same])
+            got = block_parts(self.pools, cold, [blocks for _, blocks in same])
             if got is None:
                 return  # a layer never written: nothing to keep
-            for (key, _), arrays in zip(same, _to_host(*got), strict=True):
+            for (key, _), arrays in zip(same, to_host(*got), strict=True):
                 self.store.put_later(key, arrays)
         self.seconds["write"] += time.perf_counter() - start
-
-    def _parts(
-        self, cold: tuple[bool, ...], rows: list[list[int]]
-    ) -> tuple[list[str], list[mx.array]] | None:
-        """Entry names and ``(n, bs, H, ...)`` arrays of blocks ``rows`` (a block per group,
-        in the tiers ``cold`` says); ``None`` if a layer was never written."""
-        names, parts = [], []
-        for g, pool in enumerate(self.pools):
-            at = mx.array([r[g] - COLD if cold[g] else r[g] for r in rows], dtype=mx.int32)
-            for layer in range(pool.num_layers):
-                if pool.keys[layer] is None:
-                    return None
-                model = _name(pool.input_dtypes[layer])
-                for which in "kv":
-                    if cold[g]:  # quantized: packed values, scales, biases
-                        held = (pool.cold.keys if which == "k" else pool.cold.values)[layer]
-                        for part, x in zip("qsb", held, strict=True):
-                            names.append(f"{g}.{layer}.{which}{part}.{_name(x.dtype)}.{model}")
-                            parts.append(x[at])
-                    else:
-                        x = (pool.keys if which == "k" else pool.values)[layer]
-                        names.append(f"{g}.{layer}.{which}.{_name(x.dtype)}.{model}")
-                        parts.append(x[at])
-        return names, parts
 
     def _spill_state(self, key: str, snapshot: int) -> None:
         """Queue the file of a snapshot taken at the end of block ``key``."""
         if key + STATE not in self.store and self.store.enabled:
-            names, parts = [], []
-            for layer, entries in enumerate(self.states.snapshot_state(snapshot)):
-                for e, a in enumerate(entries):
-                    if a is not None:
-                        names.append(f"s.{layer}.{e}.{_name(a.dtype)}")
-                        parts.append(a)  # (1, *entry_shape)
-            self.store.put_later(key + STATE, _to_host(names, parts)[0])
+            state = self.states.snapshot_state(snapshot)
+            self.store.put_later(key + STATE, to_host(*state_parts(state))[0])
 
     # ---- load -------------------------------------------------------------
 
-    def load(self, tokens: Sequence[int], limit: int | None = None) -> tuple[int, bool]:
+    def load(self, tokens: Sequence[int], busy: bool = False) -> tuple[int, bool]:
         """Bring the full blocks of ``tokens`` past what memory holds back from disk, as
-        parked blocks, at most ``limit`` of them (``None``: all), with the deepest snapshot
-        past memory's for a hybrid model once no more are to come.
-
-        Returns the tokens loaded, and whether the disk holds more of the prompt's blocks
-        (the next ``limit``, read ahead on a thread meanwhile) after a load that took all
-        it could.
-        """
+        parked blocks (at most ``step_blocks`` when ``busy``: other requests are running),
+        with the deepest snapshot past memory's for a hybrid model once no more are to come.
+        Returns the tokens loaded, and whether more are on disk (the next part is being read
+        ahead) after a load that took all it could."""
         if not self.store.enabled:
             return 0, False
         start = time.perf_counter()
         keys = chain_keys(tokens, self.block_size)
-        loaded, more = self._load(tokens, keys, limit)
+        loaded, more = self._load(tokens, keys, self.step_blocks if busy else None)
         if self.states is not None and not more:
             self._load_state(tokens, keys)
         self.seconds["load"] += time.perf_counter() - start
@@ -279,21 +252,23 @@ class DiskTier:
         tables = adopted_tables(groups, match)
         end = start
         for run in self._runs(keys):
-            parsed = self._arrays(run)
+            start_copy = time.perf_counter()
+            parsed = run_blocks(self.pools, run)
+            self.seconds["load_copy"] += time.perf_counter() - start_copy
             if parsed is None:
                 break
             arrays, cold = parsed
             ids = [
-                self._blocks(groups[k], tables[k], end, len(run), c)
+                _take_blocks(groups[k], tables[k], end, len(run), c)
                 for k, c in zip(kinds, cold, strict=True)
             ]
             if None in ids:
                 break  # no room in memory for more
             for g in range(len(kinds)):
-                self._write(g, ids[g], arrays, cold[g])
+                write_blocks(self.pools[g], g, ids[g], arrays, cold[g])
             # Each run's writes finish before the next run's start: a pool write that
             # waits on one still in flight would copy the whole pool (DESIGN.md).
-            mx.eval([a for p in self.pools for a in _arrays_of(p)])
+            mx.eval([a for p in self.pools for a in pool_arrays(p)])
             end += len(run) * bs
         if end > start:
             for table in tables.values():
@@ -307,22 +282,6 @@ class DiskTier:
             self._ahead = (rest[0], self._reader.submit(self.store.read_run, rest[:LOAD_BATCH]))
         return end - start, more
 
-    @staticmethod
-    def _blocks(pool: KVPool, table: BlockTable, at: int, n: int, cold: bool) -> list[int] | None:
-        """``n`` new blocks (cold ones for quantized entries) at token ``at`` of ``table``;
-        ``None`` when the pool cannot free them."""
-        if cold:
-            slots = pool.blocks.cold.allocate(n)
-            if slots is None:
-                return None
-            table.blocks.extend(c + COLD for c in slots)
-        else:
-            if not pool.blocks.can_allocate(n):
-                return None
-            pool.reserve(table, at, at + n * pool.block_size)
-        lo = at // pool.block_size - table.first
-        return table.blocks[lo : lo + n]
-
     def _load_state(self, tokens: Sequence[int], keys: list[str]) -> None:
         """Give the index the deepest snapshot on disk that ends in the full blocks memory
         holds now and past the longest prefix it can already adopt."""
@@ -333,21 +292,10 @@ class DiskTier:
             if keys[j - 1] + STATE not in self.store:
                 continue
             arrays = self.store.get(keys[j - 1] + STATE)
-            state = self._state(arrays) if arrays is not None else None
+            state = host_state(self.states, arrays) if arrays is not None else None
             if state is not None:
                 index.add_snapshot(tokens, j * bs, lambda state=state: self.states.restore(state))
                 return
-
-    def _state(self, arrays: dict[str, np.ndarray]) -> list[list[mx.array | None]] | None:
-        """A snapshot file's state, per layer and entry; ``None`` if it is not this model's."""
-        state: list[list[mx.array | None]] = [[None] * len(a) for a in self.states.arrays]
-        for name, raw in arrays.items():
-            kind, layer, e, dtype = name.split(".")
-            layer, e = int(layer), int(e)
-            if kind != "s" or layer >= len(state) or e >= len(state[layer]):
-                return None
-            state[layer][e] = mx.array(raw).view(getattr(mx, dtype))[None]
-        return state
 
     def _runs(self, keys: list[str]) -> Iterator[Run]:
         """The entries of ``keys`` in runs of up to ``LOAD_BATCH`` of one layout, each read
@@ -372,64 +320,6 @@ class DiskTier:
                 ahead = self._reader.submit(self.store.read_run, chunk, buffers[i % 2])
             yield run
 
-    def _arrays(self, run: Run) -> tuple[dict, list[bool]] | None:
-        """The run's arrays per ``(group, layer, name)`` (name ``k``/``v``, or ``kq``,
-        ``ks``... for the parts of quantized ones): ``(n, bs, H, ...)`` in the stored
-        dtype, with the model's dtype; and per group whether its blocks are cold.
-        ``None`` when the entries are not of this cache's layout."""
-        parsed = {}
-        for spec in run.specs:
-            group, layer, which, dtype, model = spec.name.split(".")
-            parsed[(int(group), int(layer), which)] = (spec, getattr(mx, dtype), getattr(mx, model))
-        cold = [(g, 0, "kq") in parsed for g in range(len(self.pools))]
-        want = {
-            (g, layer, w + part)
-            for g, pool in enumerate(self.pools)
-            for layer in range(pool.num_layers)
-            for w in "kv"
-            for part in ("qsb" if cold[g] else [""])
-        }
-        if parsed.keys() != want or (any(cold) and self.pools[0].quant is None):
-            return None
-        start = time.perf_counter()
-        data = mx.array(run.data)  # (n, file bytes) uint8: the one copy into MLX
-        self.seconds["load_copy"] += time.perf_counter() - start
-        out = {}
-        for name, (spec, dtype, model) in parsed.items():
-            lo = run.payload + spec.start
-            raw = data[:, lo : lo + spec.size].reshape(len(run), *spec.shape)
-            out[name] = (raw.view(dtype), model)
-        return out, cold
-
-    def _write(self, g: int, ids: list[int], arrays: dict, cold: bool) -> None:
-        """Write group ``g``'s K/V into blocks ``ids``, one write per layer and array,
-        making the layers a fresh pool lacks."""
-        pool = self.pools[g]
-        at = mx.array([b - COLD if cold else b for b in ids], dtype=mx.int32)
-        for layer in range(pool.num_layers):
-            if cold:
-                k = tuple(arrays[(g, layer, "k" + p)][0] for p in "qsb")
-                v = tuple(arrays[(g, layer, "v" + p)][0] for p in "qsb")
-                model = arrays[(g, layer, "kq")][1]
-                # Heads and head dim from the scales: (n, bs, H, D / group_size).
-                (hk, dk), (hv, dv) = (x[1].shape[2:] for x in (k, v))
-                dk, dv = dk * pool.quant.group_size, dv * pool.quant.group_size
-            else:
-                (k, model), (v, _) = arrays[(g, layer, "k")], arrays[(g, layer, "v")]
-                (hk, dk), (hv, dv) = k.shape[2:], v.shape[2:]
-            if pool.keys[layer] is None:  # a fresh pool: the layer's arrays come first
-                pool._create_layer(
-                    layer, mx.zeros((1, hk, 1, dk), model), mx.zeros((1, hv, 1, dv), model)
-                )
-                pool.input_dtypes[layer] = model
-            if cold:
-                pool.cold.write(layer, k, v, at, pool.blocks.cold.capacity)
-            else:
-                pool.keys[layer][at] = k.astype(pool.keys[layer].dtype)
-                pool.values[layer][at] = v.astype(pool.values[layer].dtype)
-        if cold:
-            pool._update_bytes_per_block()
-
 
 def chain_keys(tokens: Sequence[int], block_size: int, parent: str = "") -> list[str]:
     """The key of each full block of ``tokens``: a hash of its parent's key and its tokens
@@ -442,52 +332,17 @@ def chain_keys(tokens: Sequence[int], block_size: int, parent: str = "") -> list
     return keys
 
 
-def fingerprint(model: nn.Module, layout: object) -> str:
-    """A hex digest naming the model (type, arguments, parameter shapes, dtypes and
-    samples of their values) and ``layout`` (how the cache stores it)."""
-    h = hashlib.blake2b(digest_size=16)
-    args = getattr(model, "args", None)
-    h.update(repr((type(model).__module__, sorted(vars(args).items()) if args else None)).encode())
-    h.update(repr(layout).encode())
-    for name, p in tree_flatten(model.parameters()):
-        h.update(f"{name}:{p.shape}:{p.dtype}".encode())
-        flat = p.reshape(-1)
-        n = flat.size
-        sample = flat[:: max(1, n // 64)][:64]  # 64 values spread over the array
-        h.update(_to_numpy(sample).tobytes())
-    return h.hexdigest()
-
-
-def _arrays_of(pool: KVPool) -> list[mx.array]:
-    """Every array a pool holds, both tiers."""
-    out = [a for a in (*pool.keys, *pool.values) if a is not None]
-    if pool.cold is not None:
-        out += [x for q in (*pool.cold.keys, *pool.cold.values) if q is not None for x in q]
-    return out
-
-
-def _to_host(names: list[str], parts: list[mx.array]) -> list[dict[str, np.ndarray]]:
-    """Per row of the ``(n, ...)`` arrays ``parts``, its arrays as numpy bytes under
-    ``names`` (the last axis counts bytes: numpy has no bfloat16), in one evaluation."""
-    n = parts[0].shape[0]
-    parts = [p.view(mx.uint8) for p in parts]
-    rows = np.array(mx.concatenate([p.reshape(n, -1) for p in parts], axis=1))
-    out = []
-    for row in rows:
-        arrays, lo = {}, 0
-        for name, part in zip(names, parts, strict=True):
-            hi = lo + part.size // n
-            arrays[name] = row[lo:hi].reshape(part.shape[1:])
-            lo = hi
-        out.append(arrays)
-    return out
-
-
-def _name(dtype: mx.Dtype) -> str:
-    """``mx.float16`` -> ``"float16"``."""
-    return str(dtype).rsplit(".", 1)[-1]
-
-
-def _to_numpy(a: mx.array) -> np.ndarray:
-    """``a``'s bytes as numpy (any dtype, bfloat16 included); the last axis counts bytes."""
-    return np.array(a.view(mx.uint8))
+def _take_blocks(pool: KVPool, table: BlockTable, at: int, n: int, cold: bool) -> list[int] | None:
+    """``n`` new blocks (cold ones for quantized entries) at token ``at`` of ``table``;
+    ``None`` when the pool cannot free them."""
+    if cold:
+        slots = pool.blocks.cold.allocate(n)
+        if slots is None:
+            return None
+        table.blocks.extend(c + COLD for c in slots)
+    else:
+        if not pool.blocks.can_allocate(n):
+            return None
+        pool.reserve(table, at, at + n * pool.block_size)
+    lo = at // pool.block_size - table.first
+    return table.blocks[lo : lo + n]

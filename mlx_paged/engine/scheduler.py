@@ -150,7 +150,7 @@ class Scheduler:
                 # which padding would advance).
                 key = () if len(steps) == 1 and not self.recurrent else tuple(steps)
                 batched.setdefault((key, not req.generated), []).append(req)
-            self._note_peak()
+            _note_peak(self.counters, self.groups)
         assert self.running or not self.waiting, "an idle pool cannot take the next request"
         for (steps, _), reqs in batched.items():
             yield from batched_prefills(reqs, steps, self.prefill_step_size, self.kv_target)
@@ -161,7 +161,7 @@ class Scheduler:
 
         Sliding-window blocks indexed now stay cached after the window passes them.
         """
-        self.index.insert(req.tokens, self._table_spans(req), length=req.written, partial=False)
+        self.index.insert(req.tokens, _spans(req, self.kinds), length=req.written, partial=False)
         if self.recurrent:
             self.recurrent.wrote(req)
 
@@ -184,7 +184,8 @@ class Scheduler:
             for kind, group in self.groups.items():
                 t = r.tables[kind]
                 group.reserve(t, t.lengths[0], t.lengths[0] + 1)
-        self._note_peak()  # the most blocks a step holds: all running, each with its next slot
+        # The most blocks a step holds: all running, each with its next slot.
+        _note_peak(self.counters, self.groups)
         if self.recurrent:  # in slot order, so that state is read and written in place
             return sorted(self.running, key=lambda r: r.slot)
         return list(self.running)
@@ -250,16 +251,13 @@ class Scheduler:
 
     def _adopt(self, req: Request, use_cache: bool = True) -> bool:
         """Give ``req`` tables holding its cached prefix and room for the rest, or wait."""
-        tokens, target = req.tokens, self.kv_target(req)
+        known, target = req.tokens[:-1], self.kv_target(req)  # the last token always runs
         if use_cache and self.disk is not None:  # full blocks past memory's, from disk
-            # While others run, a step loads a bounded part and the request waits for the
-            # rest, so their decoding does not stall for the whole load.
-            limit = self.disk.step_blocks if self.running else None
-            loaded, more = self.disk.load(tokens[: len(tokens) - 1], limit)
+            loaded, more = self.disk.load(known, busy=bool(self.running))
             self.counters["disk_hit_tokens"] += loaded
-            if more:
+            if more:  # the rest in later steps, while the running requests decode
                 return False
-        match = self.index.match(tokens[: len(tokens) - 1]) if use_cache else None
+        match = self.index.match(known) if use_cache else None
         hit = match.length if match else 0
         tables = adopted_tables(self.groups, match)
         # Leave each running sequence (and this one) a block to decode into.
@@ -298,7 +296,7 @@ class Scheduler:
     def _detach(self, req: Request) -> None:
         """Park a sequence's blocks (and its recurrent state) in the prefix index; drop its
         tables and state slot."""
-        self.index.insert(req.tokens, self._table_spans(req), length=req.written)
+        self.index.insert(req.tokens, _spans(req, self.kinds), length=req.written)
         if self.recurrent:
             self.recurrent.detach(req)
         for kind, table in req.tables.items():
@@ -306,12 +304,15 @@ class Scheduler:
         req.tables = None
         self.running.remove(req)
 
-    def _table_spans(self, req: Request) -> list[tuple[int, list[int]]]:
-        return [(req.tables[k].first, req.tables[k].blocks) for k in self.kinds]
 
-    def _note_peak(self) -> None:
-        live = sum(g.blocks.stats().live_blocks for g in self.groups.values())
-        self.counters["peak_live_blocks"] = max(self.counters["peak_live_blocks"], live)
+def _spans(req: Request, kinds: list[LayerKind]) -> list[tuple[int, list[int]]]:
+    """Per group, where ``req``'s table starts and its blocks."""
+    return [(req.tables[k].first, req.tables[k].blocks) for k in kinds]
+
+
+def _note_peak(counters: dict[str, int], groups: dict[LayerKind, BlockTables]) -> None:
+    live = sum(g.blocks.stats().live_blocks for g in groups.values())
+    counters["peak_live_blocks"] = max(counters["peak_live_blocks"], live)
 
 
 def adopted_tables(

@@ -1,18 +1,9 @@
-"""The disk tier's files: named arrays under a key, checked when read.
+"""The disk tier's files: entries of named arrays under keys, in one directory.
 
-One file per entry, ``<fingerprint>-<key>.kv`` in one directory:
-
-    b"MLXPGKV\\0", format version (u32), key length (u32), header length (u32),
-    the key, the header (JSON: the fingerprint and each array's name, dtype,
-    shape and byte range), the arrays' bytes, then a CRC-32 (u32) of
-    everything before it.
-
-Entries of one layout (the same arrays, shapes and dtypes under keys of one
-length) have the same header and size, so ``read_run`` reads many of them into
+One file per entry, ``<fingerprint>-<key>.kv``, in the format of
+``storage/disk_format.py``. ``read_run`` reads many entries of one layout into
 one buffer, on several threads, checking each file's length, checksum, key and
 header against the first; the caller turns the buffer into arrays in one copy.
-CRC-32 catches torn and flipped bytes at several GB/s a core; it is not a
-defence against someone forging files in the directory.
 
 A file is written under a temporary name of its writer's own and renamed, so a
 reader sees a whole file or none; a writer killed midway leaves a temporary
@@ -31,76 +22,30 @@ them. The index of files is guarded by a lock, so reads and writes can overlap.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import queue
-import struct
 import threading
 import time
 import uuid
-import zlib
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from .disk_format import FORMAT_VERSION, Run, crc_ok, encode, parse, same_header
+
+__all__ = ["FORMAT_VERSION", "DiskStore", "Run", "encode"]
+
 logger = logging.getLogger("mlx_paged.disk")
 
-MAGIC = b"MLXPGKV\0"
-FORMAT_VERSION = 2
 SUFFIX = ".kv"
-_PREFIX = struct.Struct("<8sIII")
-_CRC = struct.Struct("<I")
 #: Temporary files older than this are a dead writer's (seconds).
 STALE_TEMP_SECONDS = 600.0
 #: Threads that read (and check) files at once.
 READ_THREADS = min(16, os.cpu_count() or 1)
-
-
-@dataclass(frozen=True)
-class ArraySpec:
-    """Where one array lies in an entry's payload."""
-
-    name: str
-    dtype: np.dtype
-    shape: tuple[int, ...]
-    start: int
-    size: int
-
-
-@dataclass
-class Run:
-    """Entries read by ``DiskStore.read_run``: row ``i`` of ``data`` is file ``i``.
-
-    ``data[:, payload:payload + s.size]`` holds array ``s`` of each entry, for
-    ``s`` in ``specs``.
-    """
-
-    data: np.ndarray  # (entries, file bytes) uint8
-    specs: list[ArraySpec]
-    payload: int
-
-    def __len__(self) -> int:
-        return self.data.shape[0]
-
-    @classmethod
-    def of(cls, fingerprint: str, key: str, arrays: dict[str, np.ndarray]) -> Run:
-        """One entry's run, as if written and read back (no file)."""
-        data = np.frombuffer(encode(fingerprint, key, arrays), dtype=np.uint8)
-        specs, payload = _parse(data, fingerprint)
-        return cls(data[None], specs, payload)
-
-    def arrays(self, i: int) -> dict[str, np.ndarray]:
-        """Entry ``i``'s arrays (copies)."""
-        row = self.data[i, self.payload :]
-        return {
-            s.name: row[s.start : s.start + s.size].view(s.dtype).reshape(s.shape).copy()
-            for s in self.specs
-        }
 
 
 class DiskStore:
@@ -218,17 +163,18 @@ class DiskStore:
         for name, error in zip(names, errors, strict=True):
             if error is None and n == 0:
                 try:
-                    specs, payload = _parse(data[0], self.fingerprint)
+                    specs, payload = parse(data[0], self.fingerprint)
                 except ValueError as e:
                     error = e
-            if error is None and not np.array_equal(data[n, :payload], _with_key(data[0], name)):
+            key = name[len(self.fingerprint) + 1 : -len(SUFFIX)]
+            if error is None and not np.array_equal(data[n, :payload], same_header(data[0], key)):
                 error = ValueError("written for another key, or in another layout than the first")
             if error is not None:
-                if isinstance(error, FileNotFoundError):  # another process deleted it
-                    self._forget(name)
-                else:
+                gone = isinstance(error, FileNotFoundError)  # another process deleted it
+                if not gone:
                     logger.warning("mlx_paged: deleting the disk-tier file %s: %s", name, error)
-                    self._drop(name)
+                with self._lock:
+                    self._drop_locked(name, delete=not gone)
                 break
             n += 1
         if n == 0:
@@ -265,14 +211,13 @@ class DiskStore:
         except OSError as e:
             return e
         if got == out.size and not grown:
-            (crc,) = _CRC.unpack_from(out, out.size - _CRC.size)
-            if zlib.crc32(out[: -_CRC.size]) == crc:
+            if crc_ok(out):
                 return None
             error = ValueError("the checksum does not match (corrupted)")
         else:
             error = ValueError(f"truncated or rewritten ({got} bytes read, {out.size} indexed)")
         try:  # the header may say more: another format, version or fingerprint
-            _parse(out[:got], self.fingerprint)
+            parse(out[:got], self.fingerprint)
         except (ValueError, KeyError, UnicodeDecodeError) as e:
             error = ValueError(str(e)) if str(e) else error
         return error
@@ -290,7 +235,7 @@ class DiskStore:
             return False
         size = len(data)
         with self._lock:
-            self._forget_locked(name)
+            self._drop_locked(name, delete=False)
             self._files[name] = size
             self.bytes += size
             self.counts["writes"] += 1
@@ -334,77 +279,16 @@ class DiskStore:
 
     def _shrink_locked(self) -> None:
         while self.bytes > self.max_bytes and self._files:
-            name = next(iter(self._files))
-            self._forget_locked(name)
+            self._drop_locked(next(iter(self._files)))
+
+    def _drop_locked(self, name: str, delete: bool = True) -> None:
+        """Take a file out of the index (and delete it)."""
+        self.bytes -= self._files.pop(name, 0)
+        if delete:
             (self.path / name).unlink(missing_ok=True)
             self.counts["dropped"] += 1
-
-    def _drop(self, name: str) -> None:
-        with self._lock:
-            self._forget_locked(name)
-            self.counts["dropped"] += 1
-        (self.path / name).unlink(missing_ok=True)
-
-    def _forget(self, name: str) -> None:
-        with self._lock:
-            self._forget_locked(name)
-
-    def _forget_locked(self, name: str) -> None:
-        self.bytes -= self._files.pop(name, 0)
 
     def _disable(self, why: str) -> None:
         if self.enabled:
             logger.warning("mlx_paged: the disk tier is off: %s", why)
         self.enabled = False
-
-
-def encode(fingerprint: str, key: str, arrays: dict[str, np.ndarray]) -> bytes:
-    """An entry file's bytes."""
-    specs, chunks, offset = [], [], 0
-    for name, a in arrays.items():
-        a = np.ascontiguousarray(a)
-        specs.append([name, a.dtype.str, list(a.shape), offset, a.nbytes])
-        chunks.append(a.reshape(-1).view(np.uint8))
-        offset += a.nbytes
-    header = json.dumps({"fingerprint": fingerprint, "arrays": specs}).encode()
-    key_bytes = key.encode()
-    head = _PREFIX.pack(MAGIC, FORMAT_VERSION, len(key_bytes), len(header)) + key_bytes + header
-    crc = zlib.crc32(head)
-    for c in chunks:
-        crc = zlib.crc32(c, crc)
-    return b"".join([head, *chunks, _CRC.pack(crc)])
-
-
-def _parse(buf: np.ndarray, fingerprint: str) -> tuple[list[ArraySpec], int]:
-    """An entry's array specs and where its payload starts."""
-    if buf.size < _PREFIX.size + _CRC.size:
-        raise ValueError(f"truncated ({buf.size} bytes)")
-    magic, version, key_len, header_len = _PREFIX.unpack_from(buf)
-    if magic != MAGIC:
-        raise ValueError("not a disk-tier file")
-    if version != FORMAT_VERSION:
-        raise ValueError(f"format version {version}, this build reads {FORMAT_VERSION}")
-    payload = _PREFIX.size + key_len + header_len
-    if payload > buf.size - _CRC.size:
-        raise ValueError(f"truncated ({buf.size} bytes)")
-    header = json.loads(bytes(buf[_PREFIX.size + key_len : payload]))
-    if header["fingerprint"] != fingerprint:
-        raise ValueError(f"written for {header['fingerprint']}")
-    specs = [
-        ArraySpec(name, np.dtype(dtype), tuple(shape), start, size)
-        for name, dtype, shape, start, size in header["arrays"]
-    ]
-    want = payload + sum(s.size for s in specs) + _CRC.size
-    if want != buf.size:
-        raise ValueError(f"truncated or grown: {buf.size} bytes, the header says {want}")
-    return specs, payload
-
-
-def _with_key(first: np.ndarray, name: str) -> np.ndarray:
-    """The first entry's prefix and header with the key of file ``name``."""
-    key = name.split("-", 1)[1][: -len(SUFFIX)].encode()
-    _, _, key_len, header_len = _PREFIX.unpack_from(first)
-    out = first[: _PREFIX.size + key_len + header_len].copy()
-    if len(key) == key_len:
-        out[_PREFIX.size : _PREFIX.size + key_len] = np.frombuffer(key, dtype=np.uint8)
-    return out

@@ -1,0 +1,178 @@
+"""Pool blocks and recurrent states as the disk tier's entries, and back.
+
+An entry holds one block of every layer of every group, as named host arrays
+(``storage/disk.py`` writes them): ``"{group}.{layer}.{k|v}.{dtype}.{model dtype}"``
+for a full-precision block, and ``"{group}.{layer}.{k|v}{q|s|b}.{dtype}.{model
+dtype}"`` for the packed values, scales and biases of a quantized (cold) one. A
+recurrent-state snapshot is its own entry, ``"s.{layer}.{entry}.{dtype}"``. The
+host arrays hold bytes (their last axis counts bytes): numpy has no bfloat16.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten
+
+from ..blocks import COLD
+from .disk_format import Run
+from .kv_pool import KVPool
+from .states import State, StatePool
+
+#: Per ``(group, layer, name)``: an ``(n, bs, H, ...)`` array and the model's dtype.
+Entries = dict[tuple[int, int, str], tuple[mx.array, mx.Dtype]]
+
+
+def block_parts(
+    pools: list[KVPool], cold: tuple[bool, ...], rows: list[list[int]]
+) -> tuple[list[str], list[mx.array]] | None:
+    """Entry names and ``(n, bs, H, ...)`` arrays of blocks ``rows`` (a block per group,
+    in the tiers ``cold`` says); ``None`` if a layer was never written."""
+    names, parts = [], []
+    for g, pool in enumerate(pools):
+        at = mx.array([r[g] - COLD if cold[g] else r[g] for r in rows], dtype=mx.int32)
+        for layer in range(pool.num_layers):
+            if pool.keys[layer] is None:
+                return None
+            model = dtype_name(pool.input_dtypes[layer])
+            for which in "kv":
+                if cold[g]:  # quantized: packed values, scales, biases
+                    held = (pool.cold.keys if which == "k" else pool.cold.values)[layer]
+                    for part, x in zip("qsb", held, strict=True):
+                        names.append(f"{g}.{layer}.{which}{part}.{dtype_name(x.dtype)}.{model}")
+                        parts.append(x[at])
+                else:
+                    x = (pool.keys if which == "k" else pool.values)[layer]
+                    names.append(f"{g}.{layer}.{which}.{dtype_name(x.dtype)}.{model}")
+                    parts.append(x[at])
+    return names, parts
+
+
+def state_parts(state: State) -> tuple[list[str], list[mx.array]]:
+    """Entry names and ``(1, *entry_shape)`` arrays of a recurrent-state snapshot."""
+    names, parts = [], []
+    for layer, entries in enumerate(state):
+        for e, a in enumerate(entries):
+            if a is not None:
+                names.append(f"s.{layer}.{e}.{dtype_name(a.dtype)}")
+                parts.append(a)
+    return names, parts
+
+
+def to_host(names: list[str], parts: list[mx.array]) -> list[dict[str, np.ndarray]]:
+    """Per row of the ``(n, ...)`` arrays ``parts``, its arrays as numpy bytes under
+    ``names``, in one evaluation."""
+    n = parts[0].shape[0]
+    parts = [p.view(mx.uint8) for p in parts]
+    rows = np.array(mx.concatenate([p.reshape(n, -1) for p in parts], axis=1))
+    out = []
+    for row in rows:
+        arrays, lo = {}, 0
+        for name, part in zip(names, parts, strict=True):
+            hi = lo + part.size // n
+            arrays[name] = row[lo:hi].reshape(part.shape[1:])
+            lo = hi
+        out.append(arrays)
+    return out
+
+
+def run_blocks(pools: list[KVPool], run: Run) -> tuple[Entries, list[bool]] | None:
+    """A run of block entries in MLX, one copy, and per group whether its blocks are
+    cold; ``None`` when the entries are not of these pools' layout."""
+    parsed = {}
+    for spec in run.specs:
+        group, layer, which, dtype, model = spec.name.split(".")
+        parsed[(int(group), int(layer), which)] = (spec, getattr(mx, dtype), getattr(mx, model))
+    cold = [(g, 0, "kq") in parsed for g in range(len(pools))]
+    want = {
+        (g, layer, w + part)
+        for g, pool in enumerate(pools)
+        for layer in range(pool.num_layers)
+        for w in "kv"
+        for part in ("qsb" if cold[g] else [""])
+    }
+    if parsed.keys() != want or any(
+        c and p.quant is None for c, p in zip(cold, pools, strict=True)
+    ):
+        return None
+    data = mx.array(run.data)  # (n, file bytes) uint8: the one copy into MLX
+    out = {}
+    for name, (spec, dtype, model) in parsed.items():
+        lo = run.payload + spec.start
+        raw = data[:, lo : lo + spec.size].reshape(len(run), *spec.shape)
+        out[name] = (raw.view(dtype), model)
+    return out, cold
+
+
+def write_blocks(pool: KVPool, g: int, ids: list[int], entries: Entries, cold: bool) -> None:
+    """Write group ``g``'s K/V of ``entries`` into blocks ``ids`` of ``pool``, one write
+    per layer and array, making the layers a fresh pool lacks."""
+    at = mx.array([b - COLD if cold else b for b in ids], dtype=mx.int32)
+    for layer in range(pool.num_layers):
+        if cold:
+            k = tuple(entries[(g, layer, "k" + p)][0] for p in "qsb")
+            v = tuple(entries[(g, layer, "v" + p)][0] for p in "qsb")
+            model = entries[(g, layer, "kq")][1]
+            # Heads and head dim from the scales: (n, bs, H, D / group_size).
+            (hk, dk), (hv, dv) = (x[1].shape[2:] for x in (k, v))
+            dk, dv = dk * pool.quant.group_size, dv * pool.quant.group_size
+        else:
+            (k, model), (v, _) = entries[(g, layer, "k")], entries[(g, layer, "v")]
+            (hk, dk), (hv, dv) = k.shape[2:], v.shape[2:]
+        if pool.keys[layer] is None:  # a fresh pool: the layer's arrays come first
+            pool._create_layer(
+                layer, mx.zeros((1, hk, 1, dk), model), mx.zeros((1, hv, 1, dv), model)
+            )
+            pool.input_dtypes[layer] = model
+        if cold:
+            pool.cold.write(layer, k, v, at, pool.blocks.cold.capacity)
+        else:
+            pool.keys[layer][at] = k.astype(pool.keys[layer].dtype)
+            pool.values[layer][at] = v.astype(pool.values[layer].dtype)
+    if cold:
+        pool._update_bytes_per_block()
+
+
+def host_state(states: StatePool, arrays: dict[str, np.ndarray]) -> State | None:
+    """A snapshot entry's state, per layer and entry; ``None`` if it is not of ``states``'
+    model."""
+    state: State = [[None] * len(a) for a in states.arrays]
+    for name, raw in arrays.items():
+        kind, layer, e, dtype = name.split(".")
+        layer, e = int(layer), int(e)
+        if kind != "s" or layer >= len(state) or e >= len(state[layer]):
+            return None
+        state[layer][e] = mx.array(raw).view(getattr(mx, dtype))[None]
+    return state
+
+
+def pool_arrays(pool: KVPool) -> list[mx.array]:
+    """Every array a pool holds, both tiers."""
+    out = [a for a in (*pool.keys, *pool.values) if a is not None]
+    if pool.cold is not None:
+        out += [x for q in (*pool.cold.keys, *pool.cold.values) if q is not None for x in q]
+    return out
+
+
+def fingerprint(model: nn.Module, layout: object) -> str:
+    """A hex digest naming the model (type, arguments, parameter shapes, dtypes and
+    samples of their values) and ``layout`` (how the cache stores it)."""
+    h = hashlib.blake2b(digest_size=16)
+    args = getattr(model, "args", None)
+    h.update(repr((type(model).__module__, sorted(vars(args).items()) if args else None)).encode())
+    h.update(repr(layout).encode())
+    for name, p in tree_flatten(model.parameters()):
+        h.update(f"{name}:{p.shape}:{p.dtype}".encode())
+        flat = p.reshape(-1)
+        n = flat.size
+        sample = flat[:: max(1, n // 64)][:64]  # 64 values spread over the array
+        h.update(np.array(sample.view(mx.uint8)).tobytes())
+    return h.hexdigest()
+
+
+def dtype_name(dtype: mx.Dtype) -> str:
+    """``mx.float16`` -> ``"float16"``."""
+    return str(dtype).rsplit(".", 1)[-1]
