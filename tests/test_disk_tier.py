@@ -132,7 +132,6 @@ def test_the_directory_stays_under_its_cap(tmp_path):
 @pytest.mark.parametrize(
     "family, kwargs, match",
     [
-        ("gemma3_text", {}, "sliding-window"),
         ("llama", {"kv_disk_bytes": 0}, "max_bytes"),
         ("llama", {"kv_disk_bytes": None}, "max_bytes"),
     ],
@@ -354,3 +353,64 @@ def test_an_idle_engine_loads_a_whole_prompt_at_once(tmp_path):
     uid = engine.add_request(a, MAX_TOKENS)
     events = engine.step()
     assert engine.stats().disk_hit_tokens == 96 and any(e.uid == uid for e in events)
+
+
+# ---- sliding-window layers: a block's window K/V go with it while the group holds it ----
+
+SLIDING = ["gemma3_text", "gpt_oss"]
+
+
+@pytest.mark.parametrize("family", SLIDING)
+def test_a_restart_serves_a_sliding_window_model_from_disk(tmp_path, family):
+    (a,) = prompts(15, 1, length=97)  # 12 full blocks; windows of 24 and 20 tokens
+    first = PagedEngine(model_of(family), block_size=BS, kv_disk_dir=tmp_path,
+                        kv_disk_bytes=10**8)  # fmt: skip
+    expected = run(first, a)
+    assert expected[0] == solo(family, tuple(a), MAX_TOKENS)
+    assert first.disk.spill_cached() == 12
+    second = PagedEngine(tiny_model(family), block_size=BS, kv_disk_dir=tmp_path,
+                         kv_disk_bytes=10**8)  # fmt: skip
+    got = run(second, a)
+    assert second.stats().disk_hit_tokens == 96 and second.stats().prefix_hit_tokens == 96
+    assert got[0] == expected[0]
+    assert np.allclose(got[1], expected[1], atol=1e-5, rtol=0), (got[1], expected[1])
+
+
+@pytest.mark.parametrize("family", SLIDING)
+def test_sliding_window_blocks_evicted_come_back(tmp_path, family):
+    a, *others = prompts(16, 4, length=97)
+    engine = PagedEngine(model_of(family), block_size=BS, num_blocks=40, kv_disk_dir=tmp_path,
+                         kv_disk_bytes=10**8)  # fmt: skip
+    expected = run(engine, a)
+    for p in others:
+        run(engine, p)
+    assert engine.scheduler.index.full_blocks_matched(a) < 96
+    sizes = sorted({f.stat().st_size for f in tmp_path.glob("*.kv")})
+    before = engine.stats()
+    got = run(engine, a)
+    after = engine.stats()
+    assert got[0] == expected[0] == solo(family, tuple(a), MAX_TOKENS)
+    assert np.allclose(got[1], expected[1], atol=1e-5, rtol=0)
+    assert after.prefix_hit_tokens - before.prefix_hit_tokens == 96, sizes
+
+
+def test_entries_without_their_window_blocks_load_and_the_window_comes_from_later_ones(tmp_path):
+    """Files of the first blocks hold no sliding-window K/V (the group had given them
+    back); the match needs only the last window's, which later files hold."""
+    (a,) = prompts(17, 1, length=97)
+    first = PagedEngine(model_of("gemma3_text"), block_size=BS, kv_disk_dir=tmp_path,
+                        kv_disk_bytes=10**8)  # fmt: skip
+    expected = run(first, a)
+    first.disk.spill_cached()
+    store, sliding = first.disk.store, first.disk.windows.index(24)
+    for key in chain_keys(a, BS)[:6]:  # rewritten without the window's arrays
+        kept = {n: x for n, x in store.get(key).items() if not n.startswith(f"{sliding}.")}
+        assert store.put(key, kept)
+    sizes = sorted({f.stat().st_size for f in tmp_path.glob("*.kv")})
+    assert len(sizes) == 2
+    second = PagedEngine(tiny_model("gemma3_text"), block_size=BS, kv_disk_dir=tmp_path,
+                         kv_disk_bytes=10**8)  # fmt: skip
+    got = run(second, a)
+    assert second.stats().disk_hit_tokens == 96 and second.stats().prefix_hit_tokens == 96
+    assert got[0] == expected[0]
+    assert np.allclose(got[1], expected[1], atol=1e-5, rtol=0)

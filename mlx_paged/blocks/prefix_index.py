@@ -19,9 +19,10 @@ evicts leaves its node.
 
 With ``on_spill`` set, an eviction in a full-attention group first tells it of
 every full block about to go (the evicted one and those below it): the tokens
-through the block, its id per group and the snapshot ending there (or ``None``),
-so that a disk tier can keep them. A snapshot the state pool evicts from a full
-block's node is told of the same way, while its blocks stay.
+through the block, its id per group (``None`` for a sliding-window group that
+gave it back) and the snapshot ending there (or ``None``), so that a disk tier
+can keep them. A sliding-window block about to go, and a snapshot the state pool
+evicts, are told of the same way with their node, while its other blocks stay.
 Pure Python: no MLX here.
 """
 
@@ -90,7 +91,7 @@ class PrefixIndex:
         self._owner: list[dict[int, _Node]] = [{} for _ in pools]
         self.states = states
         self._snapshot_owner: dict[int, _Node] = {}
-        self.on_spill: Callable[[list[int], list[int], int | None], None] | None = None
+        self.on_spill: Callable[[list[int], list[int | None], int | None], None] | None = None
         if states is not None:
             states.on_evict = self._forget_snapshot
         for g, pool in enumerate(pools):
@@ -253,7 +254,7 @@ class PrefixIndex:
         node = self._snapshot_owner.pop(snapshot, None)
         if node is None:
             return
-        if self.on_spill and len(node.key) == self.block_size and None not in node.blocks:
+        if self.on_spill and _spillable(node, self.windows, self.block_size):
             self.on_spill(_tokens(node), list(node.blocks), snapshot)  # the state is still here
         node.snapshot = None
         self._prune(node)
@@ -264,7 +265,9 @@ class PrefixIndex:
         if node is None:
             return
         if self.on_spill is not None and self.windows[group] is None:
-            _spill(node, self.block_size, self.on_spill)  # it and the subtree it takes along
+            _spill(node, self.windows, self.block_size, self.on_spill)  # and its subtree
+        elif self.on_spill is not None and _spillable(node, self.windows, self.block_size):
+            self.on_spill(_tokens(node), list(node.blocks), node.snapshot)  # with the window's
         del self._owner[group][block_id]
         node.blocks[group] = None
         if self.windows[group] is None:
@@ -315,18 +318,37 @@ def spill_parked(index: PrefixIndex) -> None:
     bs = index.block_size
     for child in list(index._root.children.values()):
         if len(child.key) == bs and index.on_spill is not None:
-            _spill(child, bs, index.on_spill)
+            _spill(child, index.windows, bs, index.on_spill)
 
 
-def _spill(node: _Node, bs: int, spill: Callable[[list[int], list[int], int | None], None]) -> None:
-    """Tell ``spill`` of every full block at or under ``node`` that every group holds,
-    parents first, with the snapshot ending there."""
+def path_blocks(index: PrefixIndex, tokens: Sequence[int], n: int) -> list[list[int | None]]:
+    """The block per group of each of the first ``n`` full blocks of ``tokens`` the index
+    holds (``n`` at most what ``full_blocks_matched`` covers)."""
+    path, _ = index._walk(tokens[: n * index.block_size])
+    assert len(path) >= n, f"the index holds {len(path)} of the {n} blocks asked for"
+    return [list(node.blocks) for node in path[:n]]
+
+
+def _spill(
+    node: _Node,
+    windows: list[int | None],
+    bs: int,
+    spill: Callable[[list[int], list[int | None], int | None], None],
+) -> None:
+    """Tell ``spill`` of every full block at or under ``node`` that every full-attention
+    group holds, parents first, with the snapshot ending there."""
     stack = [(node, _tokens(node))]
     while stack:
         n, toks = stack.pop()
-        if len(n.key) == bs and all(b is not None for b in n.blocks):
+        if _spillable(n, windows, bs):
             spill(toks, list(n.blocks), n.snapshot)
         stack += [(c, toks + list(c.key)) for c in n.children.values() if len(c.key) == bs]
+
+
+def _spillable(node: _Node, windows: list[int | None], bs: int) -> bool:
+    """Whether ``node`` is a full block that every full-attention group holds."""
+    held = (b is not None for b, w in zip(node.blocks, windows, strict=True) if w is None)
+    return len(node.key) == bs and all(held)
 
 
 def _first_needed(window: int | None, length: int, bs: int) -> int:

@@ -27,8 +27,9 @@ Keys chain the prefix's blocks: a block's key hashes its parent's key and its ow
 tokens, so one key names the whole prefix. The store's fingerprint names the
 model (its type, arguments, parameter shapes and dtypes, and samples of its
 weights) and the cache's layout (block size, groups, layers, storage dtype), so
-another model or setting never hits. Models with sliding-window layers or a
-quantized cold tier are refused for now.
+another model or setting never hits. A sliding-window group's blocks go with a
+block's file while the group holds them; a load fills that group's table from
+the first file that has them.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ..blocks import COLD, BlockTable, LayerKind, is_cold
-from ..blocks.prefix_index import spill_parked
+from ..blocks.prefix_index import path_blocks, spill_parked
 from ..storage import KVPool
 from ..storage.disk import DiskStore
 from ..storage.disk_entries import (
@@ -58,7 +59,7 @@ from ..storage.disk_entries import (
     write_blocks,
 )
 from ..storage.disk_format import Run
-from .scheduler import Scheduler, adopted_tables
+from .scheduler import Scheduler
 
 #: Blocks ``spill_cached`` reads out of the pools per evaluation.
 SPILL_BATCH = 256
@@ -75,13 +76,14 @@ class DiskTier:
 
     Args:
         store: The files.
-        pools: The engine's pools, per layer group (full attention only).
+        pools: The engine's pools, per layer group.
         scheduler: The engine's scheduler (its index and block tables).
     """
 
     def __init__(self, store: DiskStore, pools: dict[LayerKind, KVPool], scheduler: Scheduler):
         self.store, self.scheduler = store, scheduler
         self.pools = [pools[k] for k in scheduler.kinds]
+        self.windows = [k.window for k in scheduler.kinds]
         recurrent = scheduler.recurrent
         self.states = recurrent.slots if recurrent is not None else None  # a StatePool
         self.block_size = scheduler.block_size
@@ -107,12 +109,8 @@ class DiskTier:
         """A tier over the directory ``path`` for this model and cache layout.
 
         Raises:
-            ValueError: for a cache the disk tier does not serve yet (sliding-window
-                layers), or a bad ``max_bytes``.
+            ValueError: for a bad ``max_bytes``.
         """
-        for kind in pools:
-            if kind.window is not None:
-                raise ValueError("the disk tier does not yet serve sliding-window layers.")
         layout = [
             (
                 k.window,
@@ -154,14 +152,15 @@ class DiskTier:
         rewritten with its own bytes); whether there was a block to do it on."""
         found = self._parked()
         blocks = found[0][1] if found else None
-        cold = tuple(map(is_cold, blocks or ()))
+        cold = _tiers(blocks or ())
         got = block_parts(self.pools, cold, [blocks]) if blocks else None
         if got is None:
             return False
         run = Run.of(self.store.fingerprint, "rehearsal", to_host(*got)[0])
-        entries, _ = run_blocks(self.pools, run)
+        entries, _ = run_blocks(self.pools, self.windows, run)
         for g, pool in enumerate(self.pools):
-            write_blocks(pool, g, [blocks[g]], entries, cold[g])
+            if cold[g] is not None:
+                write_blocks(pool, g, [blocks[g]], entries, cold[g])
         mx.eval([a for p in self.pools for a in pool_arrays(p)])
         return True
 
@@ -203,7 +202,7 @@ class DiskTier:
         start = time.perf_counter()
         tiers: dict[tuple[bool, ...], list[tuple[str, list[int]]]] = {}
         for key, blocks in items:
-            tiers.setdefault(tuple(map(is_cold, blocks)), []).append((key, blocks))
+            tiers.setdefault(_tiers(blocks), []).append((key, blocks))
         for cold, same in tiers.items():
             got = block_parts(self.pools, cold, [blocks for _, blocks in same])
             if got is None:
@@ -247,13 +246,11 @@ class DiskTier:
         if not n:
             return 0, False
         keys, rest = keys[: min(n, limit or n)], keys[min(n, limit or n) : n]
-        start = have * bs
-        match = index.match(tokens[:start], states=False) if start else None
-        tables = adopted_tables(groups, match)
-        end = start
+        start = end = have * bs
+        tables = _pinned_tables(groups, path_blocks(index, tokens, have), have)
         for run in self._runs(keys):
             start_copy = time.perf_counter()
-            parsed = run_blocks(self.pools, run)
+            parsed = run_blocks(self.pools, self.windows, run)
             self.seconds["load_copy"] += time.perf_counter() - start_copy
             if parsed is None:
                 break
@@ -265,7 +262,8 @@ class DiskTier:
             if None in ids:
                 break  # no room in memory for more
             for g in range(len(kinds)):
-                write_blocks(self.pools[g], g, ids[g], arrays, cold[g])
+                if cold[g] is not None:
+                    write_blocks(self.pools[g], g, ids[g], arrays, cold[g])
             # Each run's writes finish before the next run's start: a pool write that
             # waits on one still in flight would copy the whole pool (DESIGN.md).
             mx.eval([a for p in self.pools for a in pool_arrays(p)])
@@ -332,9 +330,17 @@ def chain_keys(tokens: Sequence[int], block_size: int, parent: str = "") -> list
     return keys
 
 
-def _take_blocks(pool: KVPool, table: BlockTable, at: int, n: int, cold: bool) -> list[int] | None:
+def _take_blocks(
+    pool: KVPool, table: BlockTable, at: int, n: int, cold: bool | None
+) -> list[int] | None:
     """``n`` new blocks (cold ones for quantized entries) at token ``at`` of ``table``;
-    ``None`` when the pool cannot free them."""
+    ``None`` when the pool cannot free them. Entries without this group's blocks (a
+    sliding window's, given back before the spill) leave the table empty past them."""
+    bs = pool.block_size
+    if cold is None:
+        pool.release(table)
+        table.first = at // bs + n
+        return []
     if cold:
         slots = pool.blocks.cold.allocate(n)
         if slots is None:
@@ -343,6 +349,28 @@ def _take_blocks(pool: KVPool, table: BlockTable, at: int, n: int, cold: bool) -
     else:
         if not pool.blocks.can_allocate(n):
             return None
-        pool.reserve(table, at, at + n * pool.block_size)
-    lo = at // pool.block_size - table.first
+        pool.reserve(table, at, at + n * bs)
+    lo = at // bs - table.first
     return table.blocks[lo : lo + n]
+
+
+def _pinned_tables(
+    groups: dict[LayerKind, KVPool], path: list[list[int | None]], have: int
+) -> dict[LayerKind, BlockTable]:
+    """Per group, a new table for blocks from ``have`` on: a full-attention one holds (and
+    so keeps from eviction) memory's blocks before it; a sliding-window one starts empty."""
+    tables = {}
+    for g, (kind, group) in enumerate(groups.items()):
+        table = tables[kind] = group.new_table()
+        if kind.window is None:
+            table.blocks.extend(node[g] for node in path)
+            for b in table.blocks:
+                group.blocks.retain(b)
+        else:
+            table.first = have
+    return tables
+
+
+def _tiers(blocks: Sequence[int | None]) -> tuple[bool | None, ...]:
+    """Per group: whether the block is cold, or ``None`` for none."""
+    return tuple(None if b is None else is_cold(b) for b in blocks)

@@ -74,8 +74,8 @@ class PagedEngine:
         kv_disk_dir, kv_disk_bytes: A disk tier (``engine/disk_tier.py``): full blocks
             the prefix index evicts go to files in this directory, at most this many
             bytes, and come back when a prompt needs them, in this process or a later
-            one; with them, a hybrid model's snapshots, and cold blocks quantized. Not
-            yet for sliding-window layers.
+            one; with them, a hybrid model's snapshots, a sliding window's blocks, and
+            cold blocks quantized.
         state_snapshot_interval: For models with recurrent layers: a long
             prefill snapshots the recurrent state every this many tokens (a
             multiple of ``block_size``), so a later request sharing the prefix

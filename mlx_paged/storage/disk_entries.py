@@ -27,12 +27,15 @@ Entries = dict[tuple[int, int, str], tuple[mx.array, mx.Dtype]]
 
 
 def block_parts(
-    pools: list[KVPool], cold: tuple[bool, ...], rows: list[list[int]]
+    pools: list[KVPool], cold: tuple[bool | None, ...], rows: list[list[int | None]]
 ) -> tuple[list[str], list[mx.array]] | None:
     """Entry names and ``(n, bs, H, ...)`` arrays of blocks ``rows`` (a block per group,
-    in the tiers ``cold`` says); ``None`` if a layer was never written."""
+    in the tiers ``cold`` says; a group of tier ``None`` has none); ``None`` if a layer
+    was never written."""
     names, parts = [], []
     for g, pool in enumerate(pools):
+        if cold[g] is None:
+            continue
         at = mx.array([r[g] - COLD if cold[g] else r[g] for r in rows], dtype=mx.int32)
         for layer in range(pool.num_layers):
             if pool.keys[layer] is None:
@@ -79,23 +82,32 @@ def to_host(names: list[str], parts: list[mx.array]) -> list[dict[str, np.ndarra
     return out
 
 
-def run_blocks(pools: list[KVPool], run: Run) -> tuple[Entries, list[bool]] | None:
+def run_blocks(
+    pools: list[KVPool], windows: list[int | None], run: Run
+) -> tuple[Entries, list[bool | None]] | None:
     """A run of block entries in MLX, one copy, and per group whether its blocks are
-    cold; ``None`` when the entries are not of these pools' layout."""
+    cold (``None``: the entries hold none, as a sliding-window group may); ``None`` when
+    the entries are not of these pools' layout."""
     parsed = {}
     for spec in run.specs:
         group, layer, which, dtype, model = spec.name.split(".")
         parsed[(int(group), int(layer), which)] = (spec, getattr(mx, dtype), getattr(mx, model))
-    cold = [(g, 0, "kq") in parsed for g in range(len(pools))]
+    cold = [
+        True if (g, 0, "kq") in parsed else False if (g, 0, "k") in parsed else None
+        for g in range(len(pools))
+    ]
     want = {
         (g, layer, w + part)
         for g, pool in enumerate(pools)
+        if cold[g] is not None
         for layer in range(pool.num_layers)
         for w in "kv"
         for part in ("qsb" if cold[g] else [""])
     }
-    if parsed.keys() != want or any(
-        c and p.quant is None for c, p in zip(cold, pools, strict=True)
+    if (
+        parsed.keys() != want
+        or any(c is None and w is None for c, w in zip(cold, windows, strict=True))
+        or any(c and p.quant is None for c, p in zip(cold, pools, strict=True))
     ):
         return None
     data = mx.array(run.data)  # (n, file bytes) uint8: the one copy into MLX
