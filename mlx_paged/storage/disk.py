@@ -70,7 +70,7 @@ class DiskStore:
         self._lock = threading.Lock()
         self._pending: set[str] = set()  # names queued by put_later, not yet written
         self._queue: queue.Queue | None = None
-        self._readers: ThreadPoolExecutor | None = None
+        self._readers = ThreadPoolExecutor(READ_THREADS, "mlx_paged-disk-read")  # lazy threads
         self.bytes = 0
         self.counts = dict.fromkeys(("hits", "misses", "writes", "dropped"), 0)
         self.seconds = {"read": 0.0, "write": 0.0}
@@ -156,8 +156,6 @@ class DiskStore:
         if len(names) == 1:
             errors = [self._read_one(names[0], data[0])]
         else:
-            if self._readers is None:
-                self._readers = ThreadPoolExecutor(READ_THREADS, "mlx_paged-disk-read")
             errors = list(self._readers.map(self._read_one, names, data))
         n, specs, payload = 0, None, 0
         for name, error in zip(names, errors, strict=True):
