@@ -7,7 +7,9 @@ an array a GPU op then reads (a sum, evaluated), as the disk tier's load does:
 - ``mx.array, one buffer``: the same, with the numpy buffer reused;
 - ``into MLX memory``: one host-made MLX array, written in place through the
   buffer protocol (numpy's ``copyto``) before each use;
-- ``whole``: one ``mx.array`` of every chunk at once.
+- ``whole``: one ``mx.array`` of every chunk at once;
+- ``pinned``: the disk tier's staging buffers (``storage/pinned.py``), pinned
+  with the CUDA driver and read by a kernel (CUDA only).
 
 Usage:
     python benchmarks/host_copy.py --mb 32 --chunks 32
@@ -20,6 +22,8 @@ import time
 
 import mlx.core as mx
 import numpy as np
+
+from mlx_paged.storage.pinned import Staging
 
 
 def timed(label: str, total: int, fn) -> None:
@@ -76,6 +80,23 @@ def main() -> None:
     if agrees:
         timed("into MLX memory", total, in_place)
     timed("whole", total, whole)
+
+    staging = Staging()
+    staging.buffer(0, 1, size)  # pins (and checks) once, outside the clock
+    print(f"pinned staging buffers: {staging.pinned}", flush=True)
+
+    def pinned() -> None:
+        for i, src in enumerate(sources):
+            buf = staging.buffer(i, 1, size)
+            np.copyto(buf[0], src)
+            mx.eval(mx.sum(staging.to_mlx(buf).view(mx.uint32)))
+
+    if staging.pinned:
+        buf = staging.buffer(0, 1, size)
+        np.copyto(buf[0], sources[0])
+        same = np.array_equal(np.array(staging.to_mlx(buf))[0], sources[0])
+        print(f"pinned copy equals the host bytes: {same}", flush=True)
+        timed("pinned, read by a kernel", total, pinned)
 
 
 if __name__ == "__main__":

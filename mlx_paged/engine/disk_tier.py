@@ -39,6 +39,7 @@ import os
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -59,6 +60,7 @@ from ..storage.disk_entries import (
     write_blocks,
 )
 from ..storage.disk_format import Run
+from ..storage.pinned import Staging
 from .scheduler import Scheduler
 
 #: Blocks ``spill_cached`` reads out of the pools per evaluation.
@@ -94,6 +96,7 @@ class DiskTier:
         self._chain: tuple[list[int], list[str]] = ([], [])  # the last tokens _key saw, keys
         self._ahead: tuple[str, Future] | None = None  # (first key, its run being read)
         self.step_blocks = STEP_BLOCKS  # most blocks a step loads while others run
+        self.staging = Staging()  # the two host buffers runs are read into
         scheduler.index.on_spill = self.spill
         scheduler.disk = self
 
@@ -157,7 +160,8 @@ class DiskTier:
         if got is None:
             return False
         run = Run.of(self.store.fingerprint, "rehearsal", to_host(*got)[0])
-        entries, _ = run_blocks(self.pools, self.windows, run)
+        run = Run(self.staging.stage(run.data), run.specs, run.payload)  # its kernel too
+        entries, _ = run_blocks(self.pools, self.windows, run, self.staging.to_mlx)
         for g, pool in enumerate(self.pools):
             if cold[g] is not None:
                 write_blocks(pool, g, [blocks[g]], entries, cold[g])
@@ -250,7 +254,7 @@ class DiskTier:
         tables = _pinned_tables(groups, path_blocks(index, tokens, have), have)
         for run in self._runs(keys):
             start_copy = time.perf_counter()
-            parsed = run_blocks(self.pools, self.windows, run)
+            parsed = run_blocks(self.pools, self.windows, run, self.staging.to_mlx)
             self.seconds["load_copy"] += time.perf_counter() - start_copy
             if parsed is None:
                 break
@@ -277,7 +281,7 @@ class DiskTier:
             groups[kind].release(table)
         more = bool(rest) and end - start == len(keys) * bs
         if more:  # the next call's first run, read while the engine steps
-            self._ahead = (rest[0], self._reader.submit(self.store.read_run, rest[:LOAD_BATCH]))
+            self._ahead = (rest[0], self._read(rest[:LOAD_BATCH], 0))
         return end - start, more
 
     def _load_state(self, tokens: Sequence[int], keys: list[str]) -> None:
@@ -297,26 +301,28 @@ class DiskTier:
 
     def _runs(self, keys: list[str]) -> Iterator[Run]:
         """The entries of ``keys`` in runs of up to ``LOAD_BATCH`` of one layout, each read
-        on the store's threads while the caller writes the one before; stops at the first
-        missing or bad file."""
-        buffers: list[np.ndarray | None] = [None, None]
+        on the store's threads (into the two staging buffers in turn) while the caller
+        writes the one before; stops at the first missing or bad file."""
         ahead = None
         if self._ahead is not None and self._ahead[0] == keys[0]:  # read ahead by the last call
             ahead = self._ahead[1]
-        self._ahead = None
-        ahead, pos, i = ahead or self._reader.submit(self.store.read_run, keys[:LOAD_BATCH]), 0, 0
+        self._ahead = None  # a stale one finishes first: the reader is one thread
+        ahead, pos, i = ahead or self._read(keys[:LOAD_BATCH], 0), 0, 0
         while ahead is not None:
             start = time.perf_counter()
             run = ahead.result()
             self.seconds["load_wait"] += time.perf_counter() - start
             if run is None:
                 return
-            buffers[i % 2] = run.data if run.data.base is None else run.data.base
             pos, i, ahead = pos + len(run), i + 1, None
             if pos < len(keys):
-                chunk = keys[pos : pos + LOAD_BATCH]
-                ahead = self._reader.submit(self.store.read_run, chunk, buffers[i % 2])
+                ahead = self._read(keys[pos : pos + LOAD_BATCH], i)
             yield run
+
+    def _read(self, keys: list[str], i: int) -> Future:
+        """``read_run(keys)`` on the reader thread, into staging buffer ``i % 2``."""
+        out = partial(self.staging.buffer, i)
+        return self._reader.submit(self.store.read_run, keys, out)
 
 
 def chain_keys(tokens: Sequence[int], block_size: int, parent: str = "") -> list[str]:

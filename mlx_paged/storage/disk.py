@@ -29,7 +29,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -127,14 +127,16 @@ class DiskStore:
         run = self.read_run([key])
         return run.arrays(0) if run is not None else None
 
-    def read_run(self, keys: Sequence[str], out: np.ndarray | None = None) -> Run | None:
+    def read_run(
+        self, keys: Sequence[str], out: Callable[[int, int], np.ndarray] | None = None
+    ) -> Run | None:
         """The longest leading run of ``keys`` whose files are valid and of one layout,
         read into one buffer; ``None`` when the first is missing or bad.
 
         Bad files in the run are deleted with a log line; the run stops before
-        the first of them, and before the first file of another size. ``out``, a
-        uint8 buffer of at least ``len(keys)`` rows of the files' size, is read
-        into instead of a new one (reusing memory spares the page faults).
+        the first of them, and before the first file of another size. ``out(rows,
+        size)``, if given, returns the ``(rows, size)`` uint8 buffer to read into
+        (reusing memory spares the page faults).
         """
         names, size = [], None
         with self._lock:
@@ -149,8 +151,8 @@ class DiskStore:
             self.counts["misses"] += 1
             return None
         start = time.perf_counter()
-        if out is not None and out.shape[0] >= len(names) and out.shape[1] == size:
-            data = out[: len(names)]
+        if out is not None:
+            data = out(len(names), size)
         else:
             data = np.empty((len(names), size), dtype=np.uint8)
         if len(names) == 1:

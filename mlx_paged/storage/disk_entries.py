@@ -11,6 +11,7 @@ host arrays hold bytes (their last axis counts bytes): numpy has no bfloat16.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -83,11 +84,14 @@ def to_host(names: list[str], parts: list[mx.array]) -> list[dict[str, np.ndarra
 
 
 def run_blocks(
-    pools: list[KVPool], windows: list[int | None], run: Run
+    pools: list[KVPool],
+    windows: list[int | None],
+    run: Run,
+    to_mlx: Callable[[np.ndarray], mx.array] = mx.array,
 ) -> tuple[Entries, list[bool | None]] | None:
-    """A run of block entries in MLX, one copy, and per group whether its blocks are
-    cold (``None``: the entries hold none, as a sliding-window group may); ``None`` when
-    the entries are not of these pools' layout."""
+    """A run of block entries in MLX, one copy (``to_mlx``), and per group whether its
+    blocks are cold (``None``: the entries hold none, as a sliding-window group may);
+    ``None`` when the entries are not of these pools' layout."""
     parsed = {}
     for spec in run.specs:
         group, layer, which, dtype, model = spec.name.split(".")
@@ -110,7 +114,7 @@ def run_blocks(
         or any(c and p.quant is None for c, p in zip(cold, pools, strict=True))
     ):
         return None
-    data = mx.array(run.data)  # (n, file bytes) uint8: the one copy into MLX
+    data = to_mlx(run.data)  # (n, file bytes) uint8: the one copy into MLX
     out = {}
     for name, (spec, dtype, model) in parsed.items():
         lo = run.payload + spec.start

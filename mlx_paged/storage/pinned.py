@@ -1,0 +1,167 @@
+"""Host buffers that MLX's CUDA backend reads at PCIe speed, for the disk tier's loads.
+
+MLX 0.32's CUDA backend puts an array made from host data (``mx.array(numpy)``)
+in managed memory, which the GPU then pages in: 1.1-2.3 GB/s on an H100
+(BENCHMARKS.md, run 130), slower than the GPU recomputes a 1B model's K/V.
+``Staging`` keeps two reusable host buffers; on CUDA it registers them with the
+driver (``cuMemHostRegister``, mapped), and ``to_mlx`` copies a buffer's rows
+into a new MLX array with a kernel that reads the host memory directly, in
+16-byte loads. The first use checks that copy against ``mx.array`` on a test
+pattern. Where it cannot run (no CUDA, no driver library, a failed call or
+check) ``to_mlx`` is ``mx.array``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+
+import mlx.core as mx
+import numpy as np
+
+logger = logging.getLogger("mlx_paged.disk")
+
+PAGE = 4096
+_REGISTER_FLAGS = 0x01 | 0x02  # CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP
+_THREADS, _BLOCKS = 256, 1024
+
+_SOURCE = """
+    const uint4* src = reinterpret_cast<const uint4*>(address[0]);
+    uint4* dst = reinterpret_cast<uint4*>(out);
+    const long n = count[0];
+    const long stride = (long)gridDim.x * blockDim.x;
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        dst[i] = src[i];
+    }
+"""
+
+
+class _Driver:
+    """The CUDA driver calls that pin host memory, made in MLX's (primary) context."""
+
+    def __init__(self) -> None:
+        self.lib = ctypes.CDLL("libcuda.so.1")
+        self._check(self.lib.cuInit(0), "cuInit")
+        device, self.context = ctypes.c_int(), ctypes.c_void_p()
+        self._check(self.lib.cuDeviceGet(ctypes.byref(device), 0), "cuDeviceGet")
+        self._check(
+            self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(self.context), device),
+            "cuDevicePrimaryCtxRetain",
+        )
+
+    def register(self, buf: np.ndarray) -> None:
+        self._in_context(
+            "cuMemHostRegister_v2",
+            ctypes.c_void_p(buf.ctypes.data),
+            ctypes.c_size_t(buf.nbytes),
+            ctypes.c_uint(_REGISTER_FLAGS),
+        )
+
+    def unregister(self, buf: np.ndarray) -> None:
+        self._in_context("cuMemHostUnregister", ctypes.c_void_p(buf.ctypes.data))
+
+    def _in_context(self, name: str, *args: object) -> None:
+        self._check(self.lib.cuCtxPushCurrent_v2(self.context), "cuCtxPushCurrent")
+        try:
+            self._check(getattr(self.lib, name)(*args), name)
+        finally:
+            self.lib.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+
+    @staticmethod
+    def _check(code: int, what: str) -> None:
+        if code != 0:
+            raise OSError(f"{what} returned CUDA error {code}")
+
+
+class Staging:
+    """Two reusable host buffers, and their copy into MLX (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._buffers: list[np.ndarray | None] = [None, None]
+        self._driver: _Driver | None = None
+        self._kernel = None
+        self.pinned: bool | None = None  # None: not tried yet
+
+    def buffer(self, i: int, rows: int, size: int) -> np.ndarray:
+        """A ``(rows, size)`` uint8 view of buffer ``i % 2``, grown (and pinned) as needed."""
+        need = -(-rows * size // 16) * 16
+        held = self._buffers[i % 2]
+        if held is None or held.size < need:
+            if held is not None and self.pinned:
+                self._driver.unregister(held)
+            raw = np.empty(need + PAGE, dtype=np.uint8)
+            held = raw[(-raw.ctypes.data) % PAGE :][:need]
+            self._buffers[i % 2] = held
+            if self._ready():
+                try:
+                    self._driver.register(held)
+                except OSError as e:
+                    self._off(f"pinning {need} bytes failed: {e}")
+        return held[: rows * size].reshape(rows, size)
+
+    def stage(self, data: np.ndarray) -> np.ndarray:
+        """``(rows, size)`` uint8 ``data`` copied into buffer 0, as a read would leave it."""
+        out = self.buffer(0, *data.shape)
+        out[:] = data
+        return out
+
+    def to_mlx(self, data: np.ndarray) -> mx.array:
+        """``data`` (rows of one of the buffers, from its start) as an MLX array."""
+        base = next((b for b in self._buffers if b is not None and _starts(data, b)), None)
+        if not self.pinned or base is None:
+            return mx.array(data)
+        return self._copy(data.ctypes.data, data.size).reshape(data.shape)
+
+    # ---- internals --------------------------------------------------------
+
+    def _ready(self) -> bool:
+        """Whether pinned copies run here: tried, and checked, once."""
+        if self.pinned is None:
+            self.pinned = False
+            if mx.default_device() != mx.gpu or not mx.cuda.is_available():
+                return False
+            try:
+                self._driver = _Driver()
+                self._kernel = mx.fast.cuda_kernel(
+                    "mlx_paged_pinned_copy", ["address", "count"], ["out"], _SOURCE
+                )
+                self.pinned = self._check()
+            except (OSError, AttributeError, RuntimeError, ValueError) as e:
+                self._off(str(e))
+        return bool(self.pinned)
+
+    def _check(self) -> bool:
+        pattern = np.random.default_rng(0).integers(0, 256, 3 * PAGE, dtype=np.uint8)
+        raw = np.empty(4 * PAGE, dtype=np.uint8)
+        buf = raw[(-raw.ctypes.data) % PAGE :][: 3 * PAGE]
+        buf[:] = pattern
+        self._driver.register(buf)
+        try:
+            got = np.array(self._copy(buf.ctypes.data, buf.size))
+        finally:
+            mx.synchronize()
+            self._driver.unregister(buf)
+        if not np.array_equal(got, pattern):
+            self._off("the pinned copy did not match mx.array on a test pattern")
+            return False
+        return True
+
+    def _copy(self, address: int, nbytes: int) -> mx.array:
+        words = -(-nbytes // 16)
+        (out,) = self._kernel(
+            inputs=[mx.array([address], dtype=mx.uint64), mx.array([words], dtype=mx.int64)],
+            grid=(_BLOCKS * _THREADS, 1, 1),
+            threadgroup=(_THREADS, 1, 1),
+            output_shapes=[(words * 16,)],
+            output_dtypes=[mx.uint8],
+        )
+        return out[:nbytes]
+
+    def _off(self, why: str) -> None:
+        logger.info("mlx_paged: disk-tier loads copy through mx.array: %s", why)
+        self.pinned = False
+
+
+def _starts(data: np.ndarray, buf: np.ndarray) -> bool:
+    """Whether ``data`` is a contiguous view from the start of ``buf``."""
+    return data.flags.c_contiguous and data.ctypes.data == buf.ctypes.data

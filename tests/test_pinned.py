@@ -1,0 +1,47 @@
+"""Staging buffers for the disk tier's loads: pinned copies on CUDA, ``mx.array`` elsewhere."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_paged.storage.pinned import PAGE, Staging
+
+
+def fill(staging: Staging, i: int, rows: int, size: int, seed: int) -> np.ndarray:
+    data = staging.buffer(i, rows, size)
+    data[:] = np.random.default_rng(seed).integers(0, 256, (rows, size), dtype=np.uint8)
+    return data
+
+
+def test_buffers_are_reused_page_aligned_and_grown():
+    staging = Staging()
+    a = fill(staging, 0, 4, 1000, 0)
+    b = fill(staging, 1, 4, 1000, 1)
+    assert a.ctypes.data % PAGE == 0 and b.ctypes.data % PAGE == 0
+    assert a.ctypes.data != b.ctypes.data
+    assert staging.buffer(2, 3, 1000).ctypes.data == a.ctypes.data  # buffer 0 again, smaller
+    bigger = staging.buffer(0, 64, 1000)
+    assert bigger.shape == (64, 1000) and bigger.ctypes.data % PAGE == 0
+
+
+def test_off_cuda_the_copy_is_mx_array():
+    staging = Staging()
+    data = fill(staging, 0, 3, 4001, 2)  # rows of a size no 16-byte load divides
+    got = staging.to_mlx(data)
+    assert staging.pinned is False  # the CPU: nothing pinned
+    assert got.shape == (3, 4001) and np.array_equal(np.array(got), data)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not mx.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_a_pinned_copy_equals_the_host_bytes():
+    staging = Staging()
+    for i, (rows, size) in enumerate([(3, 4001), (64, 4096), (1, 17), (200, 5000)]):
+        data = fill(staging, i, rows, size, i)
+        got = staging.to_mlx(data)
+        assert staging.pinned, "the pinned copy failed its check on this GPU"
+        assert got.shape == (rows, size) and np.array_equal(np.array(got), data)
+    loose = np.ones((2, 64), dtype=np.uint8)  # not a staging buffer: plain mx.array
+    assert np.array_equal(np.array(staging.to_mlx(loose)), loose)
