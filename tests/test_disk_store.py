@@ -182,3 +182,15 @@ def test_keys_and_fingerprints_are_checked(tmp_path, bad):
         DiskStore(tmp_path, 10**7, bad)
     with pytest.raises(ValueError, match="max_bytes"):
         DiskStore(tmp_path, 0, FP)
+
+
+def test_a_file_under_another_keys_name_is_a_miss(tmp_path, caplog):
+    store = DiskStore(tmp_path, 10**7, FP)
+    store.put("aaa", arrays(1))
+    store.put("bbb", arrays(2))
+    (tmp_path / f"{FP}-bbb.kv").write_bytes((tmp_path / f"{FP}-aaa.kv").read_bytes())
+    with caplog.at_level(logging.WARNING, logger="mlx_paged.disk"):
+        run = store.read_run(["aaa", "bbb"])
+    assert len(run) == 1 and same(run.arrays(0), arrays(1))  # the run stops before it
+    assert "bbb" not in store and not (tmp_path / f"{FP}-bbb.kv").exists()
+    assert any("another key" in r.getMessage() for r in caplog.records), caplog.text

@@ -167,7 +167,7 @@ class DiskStore:
                 except ValueError as e:
                     error = e
             key = name[len(self.fingerprint) + 1 : -len(SUFFIX)]
-            if error is None and not np.array_equal(data[n, :payload], same_header(data[0], key)):
+            if error is None and not same_header(data[0], data[n], key, payload):
                 error = ValueError("written for another key, or in another layout than the first")
             if error is not None:
                 gone = isinstance(error, FileNotFoundError)  # another process deleted it
@@ -180,16 +180,10 @@ class DiskStore:
         if n == 0:
             self.counts["misses"] += 1
             return None
-        now = time.time()
         with self._lock:
             for name in names[:n]:
                 if name in self._files:
                     self._files.move_to_end(name)
-        for name in names[:n]:
-            try:
-                os.utime(self.path / name, (now, now))  # most recently used, for the next process
-            except OSError:
-                pass
         self.counts["hits"] += n
         self.seconds["read"] += time.perf_counter() - start
         return Run(data[:n], specs, payload)
@@ -204,14 +198,19 @@ class DiskStore:
     def _read_one(self, name: str, out: np.ndarray) -> Exception | None:
         """Read file ``name`` into ``out`` (its whole size) and check its length and CRC;
         the error, or ``None``. Runs on reader threads: no shared state."""
+        path = self.path / name
         try:
-            with open(self.path / name, "rb", buffering=0) as f:
+            with open(path, "rb", buffering=0) as f:
                 got = f.readinto(memoryview(out))
                 grown = bool(f.read(1))
         except OSError as e:
             return e
         if got == out.size and not grown:
             if crc_ok(out):
+                try:
+                    os.utime(path)  # most recently used, for the next process too
+                except OSError:
+                    pass
                 return None
             error = ValueError("the checksum does not match (corrupted)")
         else:

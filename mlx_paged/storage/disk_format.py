@@ -111,15 +111,15 @@ def parse(buf: np.ndarray, fingerprint: str) -> tuple[list[ArraySpec], int]:
     return specs, payload
 
 
-def same_header(first: np.ndarray, key: str) -> np.ndarray:
-    """The prefix and header of entry ``first`` with ``key`` in place of its own: what
-    an entry of the same layout under ``key`` begins with."""
-    key_bytes = key.encode()
-    _, _, key_len, header_len = PREFIX.unpack_from(first)
-    out = first[: PREFIX.size + key_len + header_len].copy()
-    if len(key_bytes) == key_len:
-        out[PREFIX.size : PREFIX.size + key_len] = np.frombuffer(key_bytes, dtype=np.uint8)
-    return out
+def same_header(first: np.ndarray, entry: np.ndarray, key: str, payload: int) -> bool:
+    """Whether ``entry`` begins as ``first`` does (``payload`` bytes: the prefix and the
+    header) but for its key, which is ``key``."""
+    lo, hi = PREFIX.size, PREFIX.size + PREFIX.unpack_from(first)[2]
+    return (
+        np.array_equal(entry[:lo], first[:lo])
+        and bytes(entry[lo:hi]) == key.encode()
+        and np.array_equal(entry[hi:payload], first[hi:payload])
+    )
 
 
 def crc_ok(buf: np.ndarray) -> bool:
