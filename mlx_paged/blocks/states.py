@@ -90,24 +90,12 @@ class StateSlots:
         when ``num_snapshots`` are held)."""
         if not 0 <= slot < self.num_slots or slot in self._free_slots:
             raise ValueError(f"slot {slot} is not taken; only a running request has a state.")
-        while len(self._lru) >= self.num_snapshots:
-            self._evict_one()
-        sid = self._next_id
-        self._next_id += 1
-        self._copy_out(slot, sid)
-        self._lru[sid] = None
-        return sid
+        return self._new_snapshot(lambda sid: self._copy_out(slot, sid))
 
     def restore(self, state: object) -> int:
         """A new snapshot holding ``state`` (read back from elsewhere, e.g. a disk tier);
         its id. Evicts the LRU one when ``num_snapshots`` are held."""
-        while len(self._lru) >= self.num_snapshots:
-            self._evict_one()
-        sid = self._next_id
-        self._next_id += 1
-        self._put(sid, state)
-        self._lru[sid] = None
-        return sid
+        return self._new_snapshot(lambda sid: self._put(sid, state))
 
     def drop(self, snapshot: int) -> None:
         """The holder gives a snapshot up (its index node went away)."""
@@ -162,6 +150,17 @@ class StateSlots:
         """Release a snapshot's memory."""
 
     # ---- internals --------------------------------------------------------
+
+    def _new_snapshot(self, fill: Callable[[int], None]) -> int:
+        """A new snapshot id, evicting the LRU one when ``num_snapshots`` are held, filled
+        by ``fill(id)``."""
+        while len(self._lru) >= self.num_snapshots:
+            self._evict_one()
+        sid = self._next_id
+        self._next_id += 1
+        fill(sid)
+        self._lru[sid] = None
+        return sid
 
     def _evict_one(self) -> None:
         sid = next(iter(self._lru))
