@@ -14,9 +14,10 @@ and prefix index:
 - **Load.** Before admission matches a prompt, ``load`` reads the full blocks
   that follow what memory holds, for as long as the disk has them and the pool
   has room, writes them into fresh blocks and parks them in the index; the
-  match then adopts them like any cached block. Files are read in runs of
-  ``LOAD_BATCH`` blocks, the next run on the store's threads while this one is
-  written into the pool. While other requests run, the scheduler asks for at
+  match then adopts them like any cached block. Files are read in runs of up
+  to ``LOAD_BATCH`` blocks and ``LOAD_BYTES`` bytes, into two staging buffers
+  in turn (``storage/pinned.py``), the next run on the store's threads while
+  this one is written into the pool. While other requests run, the scheduler asks for at
   most ``step_blocks`` blocks a step and the request waits for the rest, whose
   first run is read meanwhile: their decoding never stalls for a whole prompt's
   load. For a hybrid model, the deepest snapshot on disk that ends within the
@@ -67,6 +68,8 @@ from .scheduler import Scheduler
 SPILL_BATCH = 256
 #: Blocks ``load`` reads per run: two runs' files are in host memory at once.
 LOAD_BATCH = 64
+#: ... and at most this many bytes of them (a staging buffer's size).
+LOAD_BYTES = 64 << 20
 #: Blocks a step loads for a request while others run (``DiskTier.step_blocks``).
 STEP_BLOCKS = 128
 #: What a snapshot's key adds to the key of the block it ends.
@@ -180,22 +183,9 @@ class DiskTier:
         return found
 
     def _key(self, tokens: list[int]) -> str:
-        """The key of the last full block of ``tokens``, reusing the keys of the blocks it
-        shares with the last call's tokens (an eviction walks a prefix parents first)."""
-        bs, (last, keys) = self.block_size, self._chain
-        n = len(tokens) // bs
-        same = min(n, len(keys))
-        if tokens[: same * bs] != last[: same * bs]:  # not an extension: find where they part
-            same = 0
-        while same < min(n, len(keys)) and (
-            tokens[same * bs : (same + 1) * bs] == last[same * bs : (same + 1) * bs]
-        ):
-            same += 1
-        keys = keys[:same] + chain_keys(
-            tokens[same * bs : n * bs], bs, keys[same - 1] if same else ""
-        )
-        self._chain = (tokens, keys)
-        return keys[-1]
+        """The key of the last full block of ``tokens`` (see ``_chained_key``)."""
+        key, self._chain = _chained_key(self._chain, tokens, self.block_size)
+        return key
 
     def _spill(self, items: list[tuple[str, list[int]]]) -> None:
         """Read the blocks of ``(key, block per group)`` items the disk lacks out of the
@@ -281,7 +271,7 @@ class DiskTier:
             groups[kind].release(table)
         more = bool(rest) and end - start == len(keys) * bs
         if more:  # the next call's first run, read while the engine steps
-            self._ahead = (rest[0], self._read(rest[:LOAD_BATCH], 0))
+            self._ahead = (rest[0], self._read(rest[: self._batch(rest[0])], 0))
         return end - start, more
 
     def _load_state(self, tokens: Sequence[int], keys: list[str]) -> None:
@@ -300,14 +290,14 @@ class DiskTier:
                 return
 
     def _runs(self, keys: list[str]) -> Iterator[Run]:
-        """The entries of ``keys`` in runs of up to ``LOAD_BATCH`` of one layout, each read
+        """The entries of ``keys`` in runs (``_batch``) of one layout, each read
         on the store's threads (into the two staging buffers in turn) while the caller
         writes the one before; stops at the first missing or bad file."""
         ahead = None
         if self._ahead is not None and self._ahead[0] == keys[0]:  # read ahead by the last call
             ahead = self._ahead[1]
         self._ahead = None  # a stale one finishes first: the reader is one thread
-        ahead, pos, i = ahead or self._read(keys[:LOAD_BATCH], 0), 0, 0
+        ahead, pos, i = ahead or self._read(keys[: self._batch(keys[0])], 0), 0, 0
         while ahead is not None:
             start = time.perf_counter()
             run = ahead.result()
@@ -316,8 +306,12 @@ class DiskTier:
                 return
             pos, i, ahead = pos + len(run), i + 1, None
             if pos < len(keys):
-                ahead = self._read(keys[pos : pos + LOAD_BATCH], i)
+                ahead = self._read(keys[pos : pos + self._batch(keys[pos])], i)
             yield run
+
+    def _batch(self, key: str) -> int:
+        """Files of a run from ``key`` on: ``LOAD_BATCH``, fewer where they pass ``LOAD_BYTES``."""
+        return max(1, min(LOAD_BATCH, LOAD_BYTES // (self.store.size(key) or 1)))
 
     def _read(self, keys: list[str], i: int) -> Future:
         """``read_run(keys)`` on the reader thread, into staging buffer ``i % 2``."""
@@ -334,6 +328,24 @@ def chain_keys(tokens: Sequence[int], block_size: int, parent: str = "") -> list
         parent = hashlib.blake2b(parent + block, digest_size=20).digest()
         keys.append(parent.hex())
     return keys
+
+
+def _chained_key(
+    last: tuple[list[int], list[str]], tokens: list[int], bs: int
+) -> tuple[str, tuple[list[int], list[str]]]:
+    """The key of the last full block of ``tokens``, reusing the keys of the blocks they
+    share with the ``last`` tokens asked about (an eviction walks a prefix parents first);
+    and what to pass as ``last`` next time."""
+    (seen, keys), n = last, len(tokens) // bs
+    same = min(n, len(keys))
+    if tokens[: same * bs] != seen[: same * bs]:  # not an extension: find where they part
+        same = 0
+        while same < min(n, len(keys)) and (
+            tokens[same * bs : (same + 1) * bs] == seen[same * bs : (same + 1) * bs]
+        ):
+            same += 1
+    keys = keys[:same] + chain_keys(tokens[same * bs : n * bs], bs, keys[same - 1] if same else "")
+    return keys[-1], (tokens, keys)
 
 
 def _take_blocks(

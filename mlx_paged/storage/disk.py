@@ -95,6 +95,10 @@ class DiskStore:
             names = list(self._files)
         return [n[len(head) : -len(SUFFIX)] for n in names if n.startswith(head)]
 
+    def size(self, key: str) -> int | None:
+        """The bytes of ``key``'s file, or ``None`` if the store has none."""
+        return self._files.get(self._name(key)) if self.enabled else None
+
     # ---- writes -----------------------------------------------------------
 
     def put(self, key: str, arrays: dict[str, np.ndarray]) -> bool:
