@@ -29,6 +29,7 @@ def test_buffers_are_reused_page_aligned_and_grown():
 def test_off_cuda_the_copy_is_mx_array():
     staging = Staging()
     data = fill(staging, 0, 3, 4001, 2)  # rows of a size no 16-byte load divides
+    assert staging.pinned is None  # not tried until the first copy
     got = staging.to_mlx(data)
     assert staging.pinned is False  # the CPU: nothing pinned
     assert got.shape == (3, 4001) and np.array_equal(np.array(got), data)

@@ -81,22 +81,21 @@ class Staging:
         self._driver: _Driver | None = None
         self._kernel = None
         self.pinned: bool | None = None  # None: not tried yet
+        self._registered: set[int] = set()  # addresses of the buffers pinned now
 
     def buffer(self, i: int, rows: int, size: int) -> np.ndarray:
         """A ``(rows, size)`` uint8 view of buffer ``i % 2``, grown (and pinned) as needed."""
         need = -(-rows * size // 16) * 16
         held = self._buffers[i % 2]
         if held is None or held.size < need:
-            if held is not None and self.pinned:
+            if held is not None and held.ctypes.data in self._registered:
+                self._registered.discard(held.ctypes.data)
                 self._driver.unregister(held)
             raw = np.empty(need + PAGE, dtype=np.uint8)
             held = raw[(-raw.ctypes.data) % PAGE :][:need]
             self._buffers[i % 2] = held
-            if self._ready():
-                try:
-                    self._driver.register(held)
-                except OSError as e:
-                    self._off(f"pinning {need} bytes failed: {e}")
+            if self.pinned:  # a driver call, no MLX one: any thread may grow a buffer
+                self._pin(held)
         return held[: rows * size].reshape(rows, size)
 
     def stage(self, data: np.ndarray) -> np.ndarray:
@@ -106,10 +105,15 @@ class Staging:
         return out
 
     def to_mlx(self, data: np.ndarray) -> mx.array:
-        """``data`` (rows of one of the buffers, from its start) as an MLX array."""
+        """``data`` (rows of one of the buffers, from its start) as an MLX array. Call it
+        on the thread that makes the MLX calls: the first call builds and checks the copy."""
+        if self.pinned is None and self._ready():
+            for held in self._buffers:
+                if held is not None:
+                    self._pin(held)
         base = next((b for b in self._buffers if b is not None and _starts(data, b)), None)
-        if not self.pinned or base is None:
-            return mx.array(data)
+        if not self.pinned or base is None or base.ctypes.data not in self._registered:
+            return mx.array(data)  # also a buffer a reader thread made while pinning began
         return self._copy(data.ctypes.data, data.size).reshape(data.shape)
 
     # ---- internals --------------------------------------------------------
@@ -129,6 +133,15 @@ class Staging:
             except (OSError, AttributeError, RuntimeError, ValueError) as e:
                 self._off(str(e))
         return bool(self.pinned)
+
+    def _pin(self, buf: np.ndarray) -> None:
+        if buf.ctypes.data in self._registered:
+            return
+        try:
+            self._driver.register(buf)
+            self._registered.add(buf.ctypes.data)
+        except OSError as e:
+            self._off(f"pinning {buf.nbytes} bytes failed: {e}")
 
     def _check(self) -> bool:
         pattern = np.random.default_rng(0).integers(0, 256, 3 * PAGE, dtype=np.uint8)
