@@ -95,7 +95,7 @@ def kernel(monkeypatch):
         return None
 
     monkeypatch.setattr(routing, "KERNELS", [entry])
-    set_attention_path("auto")
+    set_attention_path("kernel")  # never in place: every eligible decode call meets ``entry``
     yield calls
     set_attention_path("auto")
 
@@ -127,7 +127,7 @@ def test_deferred_decode_matches_the_dense_cache(kernel, family, take):
 def test_no_stand_ins_without_a_kernel(kernel):
     model = tiny_model("llama")
     prompt = mx.random.randint(0, VOCAB, (1, 20), key=mx.random.key(1))
-    for path, deferred in (("gather", False), ("auto", True)):
+    for path, deferred in (("gather", False), ("kernel", True)):
         set_attention_path(path)
         cache = make_paged_cache(model, block_size=8)
         decode_logits(model, cache, prompt, prompt[:, :1])

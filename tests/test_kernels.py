@@ -52,9 +52,10 @@ def test_reference_matches_sdpa_on_contiguous_kv(config, shuffle):
 
 @pytest.fixture
 def reference_kernel(monkeypatch):
-    """Offer decode calls to the reference only, as a device kernel would be offered them."""
+    """Offer decode calls to the reference only, as a device kernel would be offered them
+    (path ``kernel``: no in-place read of a fresh cache's consecutive blocks)."""
     monkeypatch.setattr(routing, "KERNELS", [reference_paged_decode])
-    set_attention_path("auto")
+    set_attention_path("kernel")
     yield
     set_attention_path("auto")
 

@@ -97,6 +97,11 @@ class PagedLayerCache:
         """Where this layer's K/V lie in the blocks, for fused kernels."""
         raise NotImplementedError
 
+    def reads_in_place(self) -> bool:
+        """Whether the last ``update_and_fetch`` returned views of the pool itself (blocks
+        lying in one stretch), which MLX's own attention reads as a dense cache."""
+        return False
+
     def deferred_read(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array] | None:
         """The real K/V if ``keys``/``values`` are stand-ins this cache returned, else ``None``.
 

@@ -20,10 +20,19 @@ host time on every layer of every token, and the kernel never evaluates it. If
 no kernel takes the call after all, attention reads the real K/V then
 (``PagedLayerCache.deferred_read``).
 
+A one-sequence decode step whose blocks are consecutive ids (a sequence alone in
+its pool, as ``make_paged_cache`` builds it) needs neither: the cache returns
+views of the pool arrays (``KVPool.run_view``) and MLX's own attention reads
+them in place, as it reads mlx-lm's dense buffer, with no custom kernel launch
+(``path_counts["in_place"]``). Tables that share or reuse blocks take the
+paths above.
+
 Which path runs is chosen by ``set_attention_path`` or the environment variable
-``MLX_PAGED_ATTENTION``: ``auto`` (default: fused kernels where the device has
-one and it passed its self-check), ``kernel`` (always offer eligible calls to
-the kernels; if none runs on this device, warn once and gather) or ``gather``.
+``MLX_PAGED_ATTENTION``: ``auto`` (default: in-place reads where the blocks
+allow, else fused kernels where the device has one and it passed its
+self-check), ``kernel`` (always offer eligible calls to the kernels, never read
+in place; if no kernel runs on this device, warn once and gather) or ``gather``
+(in-place reads or portable gathers, no kernel).
 
 Prefill calls (more than one query) read the blocks into contiguous K/V for
 SDPA; ``fused_read`` offers that read to the device kernels of ``READERS``
@@ -166,7 +175,7 @@ def paged_attention(
         if _path == "kernel":
             _warn_no_kernel()
     keys, values = cache.deferred_read(keys, values) or (keys, values)
-    path_counts["gather"] += 1
+    path_counts["in_place" if cache.reads_in_place() else "gather"] += 1
     return mx.fast.scaled_dot_product_attention(
         queries, keys, values, scale=scale, mask=mask, sinks=sinks
     )

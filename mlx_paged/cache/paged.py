@@ -18,6 +18,7 @@ from ..attention import (
     Fetched,
     PagedLayerCache,
     PagedView,
+    attention_path,
     fused_read,
     kernels_ready,
     route_attention,
@@ -53,6 +54,7 @@ class PagedKVCache(PagedLayerCache, KVCache):
         self.window = window
         self._fetched: Fetched | None = None
         self._deferred: tuple[Fetched, int, int] | None = None  # stand-ins, first, end
+        self._in_place = False  # the last fetch returned views of the pool (``run_view``)
 
     # ---- mlx-lm protocol --------------------------------------------------
 
@@ -74,7 +76,13 @@ class PagedKVCache(PagedLayerCache, KVCache):
         self.pool.write_prefill(self.table, self.layer, keys, values)
         lo = _read_start(start, self.window, self.pool.block_size)
         n, end = keys.shape[2], self.offset
-        if n == 1 and self.pool.defer_reads and kernels_ready():
+        view = None
+        if n == 1 and attention_path() != "kernel" and not self.pool.has_cold(self.table):
+            # Consecutive blocks: attention reads them in place, like mlx-lm's dense cache.
+            view = self.pool.run_view(self.table, self.layer, lo, end)
+        if view is not None:
+            keys, values = view
+        elif n == 1 and self.pool.defer_reads and kernels_ready():
             t, dtype = end - lo, self.pool.input_dtypes[self.layer]
             shapes = ((1, keys.shape[1], t, keys.shape[3]), (1, keys.shape[1], t, values.shape[3]))
             keys, values = _stand_ins(self.table, shapes, dtype)
@@ -83,7 +91,9 @@ class PagedKVCache(PagedLayerCache, KVCache):
             # A prefill chunk's attention reads the gathered K/V: let a device kernel copy them.
             read = fused_read if n > 1 else None
             keys, values = self.pool.gather(self.table, self.layer, lo, end, read)
-        self._fetched = Fetched(keys, values)
+        if view is None:  # a view goes to MLX's own attention, never to a kernel
+            self._fetched = Fetched(keys, values)
+        self._in_place = view is not None
         if self.window is not None:
             # Blocks this step's queries do not read go back now; a fused kernel
             # reads the blocks after this, so nothing it needs may go yet.
@@ -138,7 +148,7 @@ class PagedKVCache(PagedLayerCache, KVCache):
     @state.setter
     def state(self, v: tuple) -> None:
         self.pool, self.table, self.window = _restore(v)
-        self.layer, self._fetched, self._deferred = 0, None, None
+        self.layer, self._fetched, self._deferred, self._in_place = 0, None, None, False
 
     @classmethod
     def from_state(cls, state: tuple) -> PagedKVCache:
@@ -269,6 +279,10 @@ class PagedKVCache(PagedLayerCache, KVCache):
             window=self.window,
             cold=None if cold is None else ColdView(*cold),
         )
+
+    def reads_in_place(self) -> bool:
+        """Whether the last fetch returned views of the pool (``KVPool.run_view``)."""
+        return self._in_place
 
     def deferred_read(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array] | None:
         """The K/V the last decode step stood in for, if these are its stand-ins."""

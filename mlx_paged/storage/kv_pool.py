@@ -172,6 +172,27 @@ class KVPool(LayerArrays):
         dtype = self.input_dtypes[layer]
         return (k, v) if k.dtype == dtype else (k.astype(dtype), v.astype(dtype))
 
+    def run_view(
+        self, table: BlockTable, layer: int, start: int, end: int
+    ) -> tuple[mx.array, mx.array] | None:
+        """Tokens ``[start, end)`` of one layer as ``(1, H, T, D)`` views of the pool, or ``None``.
+
+        Only where their blocks are consecutive hot ids and the pool stores the layer's
+        input dtype (a fresh sequence in its own pool, as ``make_paged_cache`` gives):
+        then they fill one stretch of each pool array, and attention reads it in place,
+        as it reads mlx-lm's dense buffer. No gather, no copy, no custom kernel.
+        """
+        bs = self.block_size
+        lo, hi = start // bs - table.first, -(-end // bs) - table.first
+        first = table.derived(
+            "run", (table.version, lo, hi), lambda: consecutive_start(table.blocks[lo:hi])
+        )
+        keys, values = self.keys[layer], self.values[layer]
+        if first is None or keys.dtype != self.input_dtypes[layer]:
+            return None
+        at = first * bs + start % bs
+        return slot_view(keys, at, end - start), slot_view(values, at, end - start)
+
     def table_ids(self, table: BlockTable) -> mx.array:
         """The retained block ids of a table as an int32 array (cached until it changes)."""
         return self._block_ids(table, table.first, table.first + len(table.blocks))
@@ -218,3 +239,18 @@ class KVPool(LayerArrays):
             (table.version, lo, hi),
             lambda: mx.array(table.blocks[lo - table.first : hi - table.first], dtype=mx.int32),
         )
+
+
+def consecutive_start(ids: list[int]) -> int | None:
+    """``ids[0]`` if ``ids`` are consecutive hot block ids, else ``None``."""
+    if not ids or ids[0] < 0 or ids[-1] >= COLD:
+        return None
+    first = ids[0]
+    return first if ids == list(range(first, first + len(ids))) else None
+
+
+def slot_view(pool: mx.array, slot: int, n: int) -> mx.array:
+    """Flat slots ``[slot, slot + n)`` of a row-contiguous ``[blocks, block_size, H, D]`` pool
+    array as a ``(1, H, n, D)`` view (head stride ``D``, token stride ``H * D``)."""
+    h, d = pool.shape[2], pool.shape[3]
+    return mx.as_strided(pool, (1, h, n, d), (n * h * d, d, h * d, 1), slot * h * d)

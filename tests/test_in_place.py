@@ -1,0 +1,159 @@
+"""In-place decode reads: a sequence whose blocks are consecutive ids is read as views of
+the pool (``KVPool.run_view``), as mlx-lm reads its dense buffer; every other table
+gathers or meets a kernel."""
+
+from __future__ import annotations
+
+import copy
+
+import mlx.core as mx
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from mlx_lm.models.cache import make_prompt_cache
+from test_parity import BLOCK, DECODE_STEPS, max_diff, prompt_tokens, run_generate_step
+from tiny_models import tiny_model
+
+from mlx_paged import install_paged_cache, make_paged_cache, uninstall_paged_cache
+from mlx_paged.attention import path_counts, set_attention_path
+from mlx_paged.blocks import COLD, HOLE
+from mlx_paged.storage import KVPool
+from mlx_paged.storage.kv_pool import consecutive_start
+
+
+@pytest.fixture(autouse=True)
+def auto_path():
+    set_attention_path("auto")
+    yield
+    set_attention_path("auto")
+
+
+def counts() -> dict[str, int]:
+    return dict(path_counts)
+
+
+def grown(before: dict[str, int], path: str) -> int:
+    return path_counts[path] - before.get(path, 0)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "deepseek_v3"])
+def test_a_fresh_cache_decodes_in_place_like_the_dense_cache(family):
+    model = tiny_model(family)
+    prompt = prompt_tokens(45)
+    dense_tokens, dense = run_generate_step(model, prompt, make_prompt_cache(model))
+    before = counts()
+    cache = make_paged_cache(model, BLOCK)
+    tokens, paged = run_generate_step(model, prompt, cache)
+    assert tokens == dense_tokens
+    assert max_diff(dense, paged) == 0.0
+    # generate_step runs one step ahead; the prefill chunks gather
+    assert grown(before, "in_place") == len(cache) * (DECODE_STEPS + 1)
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "gpt_oss"])
+def test_windows_read_in_place_until_their_blocks_are_reused(family):
+    """Sliding layers give blocks back and take them again: from then on they gather."""
+    model = tiny_model(family)
+    prompt = prompt_tokens(45)
+    dense_tokens, dense = run_generate_step(model, prompt, make_prompt_cache(model), steps=30)
+    before = counts()
+    tokens, paged = run_generate_step(model, prompt, make_paged_cache(model, BLOCK), steps=30)
+    assert tokens == dense_tokens
+    assert max_diff(dense, paged) <= 1e-4
+    assert grown(before, "in_place") > 0 and grown(before, "gather") > 0
+
+
+def test_interleaved_tables_gather():
+    """Two sequences writing into one pool in turn hold every other block: no view."""
+    model = tiny_model("llama")
+    install_paged_cache(model, block_size=4)
+    try:
+        a, b = make_prompt_cache(model), make_prompt_cache(model)
+    finally:
+        uninstall_paged_cache(model)
+    dense = make_prompt_cache(model)
+    for t in prompt_tokens(12, seed=3).tolist():  # one token each, in turn
+        for cache in (a, b, dense):
+            model(mx.array([[t]]), cache=cache)
+    assert a[0].table.blocks == [0, 2, 4] and b[0].table.blocks == [1, 3, 5]
+    before = counts()
+    got, want = model(mx.array([[7]]), cache=a), model(mx.array([[7]]), cache=dense)
+    assert grown(before, "in_place") == 0 and grown(before, "gather") == len(a)
+    assert max_diff(got, want) == 0.0
+
+
+def test_a_fork_reads_shared_blocks_in_place_until_copy_on_write_moves_its_tail():
+    model = tiny_model("llama")
+    cache = make_paged_cache(model, block_size=BLOCK)
+    model(prompt_tokens(20)[None], cache=cache)  # 20 tokens: the tail block is partial
+    fork = copy.deepcopy(cache)
+    assert fork[0].table.blocks == cache[0].table.blocks
+    before = counts()
+    model(mx.array([[5]]), cache=fork)  # its tail block is copied, to a new id
+    assert fork[0].table.blocks[:-1] == cache[0].table.blocks[:-1]
+    assert fork[0].table.blocks[-1] != cache[0].table.blocks[-1]
+    assert grown(before, "in_place") == 0
+    before = counts()
+    model(mx.array([[5]]), cache=cache)  # the original's blocks are still consecutive
+    assert grown(before, "in_place") == len(cache)
+
+
+@pytest.mark.parametrize("path", ["kernel", "gather"])
+def test_the_kernel_path_never_reads_in_place(path):
+    set_attention_path(path)
+    model = tiny_model("llama")
+    before = counts()
+    run_generate_step(model, prompt_tokens(20), make_paged_cache(model, BLOCK), steps=3)
+    assert (grown(before, "in_place") > 0) is (path == "gather")
+
+
+@pytest.mark.parametrize(
+    "kwargs", [dict(kv_dtype=mx.float16), dict(kv_bits=8, hot_tokens=16, kv_group_size=32)]
+)
+def test_other_storage_is_not_read_in_place(kwargs):
+    """A storage dtype other than the model's, or cold blocks, cannot be a view."""
+    model = tiny_model("llama", head_dim=64)  # mx.quantize needs groups of 32 or more
+    prompt = prompt_tokens(100)
+    dense_tokens, _ = run_generate_step(model, prompt, make_prompt_cache(model), steps=3)
+    before = counts()
+    cache = make_paged_cache(model, BLOCK, **kwargs)
+    tokens, _ = run_generate_step(model, prompt, cache, steps=3)
+    assert grown(before, "in_place") == 0
+    if "kv_bits" in kwargs:
+        assert cache[0].pool.has_cold(cache[0].table)
+    else:
+        assert tokens == dense_tokens
+
+
+@given(
+    st.lists(st.integers(0, 40), max_size=12),
+    st.integers(0, 30),
+    st.integers(0, 12),
+)
+def test_consecutive_start(ids, first, n):
+    run = list(range(first, first + n))
+    assert consecutive_start(run) == (first if n else None)
+    expected = ids[0] if ids and ids == list(range(ids[0], ids[0] + len(ids))) else None
+    assert consecutive_start(ids) == expected
+    assert consecutive_start([HOLE, *run]) is None
+    assert consecutive_start([*run, COLD]) is None
+
+
+@pytest.mark.parametrize(("start", "end"), [(0, 1), (0, 37), (8, 37), (16, 48), (24, 25)])
+def test_run_view_holds_the_gathered_tokens(start, end):
+    pool = KVPool(1, 8, 16)
+    table = pool.new_table()
+    k = mx.random.normal((1, 3, 48, 5), key=mx.random.key(1))
+    v = mx.random.normal((1, 3, 48, 7), key=mx.random.key(2))
+    pool.blocks.allocate(2)  # the table's blocks start at id 2
+    pool.write_prefill(table, 0, k, v)
+    assert table.blocks == [2, 3, 4, 5, 6, 7]
+    got = pool.run_view(table, 0, start, end)
+    want = pool.gather(table, 0, start, end)
+    assert got[0].shape == want[0].shape == (1, 3, end - start, 5)
+    assert mx.array_equal(got[0], want[0]).item() and mx.array_equal(got[1], want[1]).item()
+    assert mx.array_equal(got[0], k[:, :, start:end]).item()
+    table.blocks[3], table.version = 9, table.version + 1  # a gap (ids are not checked here)
+    assert pool.run_view(table, 0, 0, 48) is None
+    assert pool.run_view(table, 0, 0, 24) is not None
+    table.blocks[3], table.version = 5, table.version + 1
