@@ -12,6 +12,7 @@ Usage:
     python benchmarks/decode.py --dtype float16 --steps 100 --repeats 3   # on a GPU
     python benchmarks/decode.py --contexts 1024 --steps 8 --layers 2   # quick look
     python benchmarks/decode.py --dtype float16 --steps 20 --interleave 15 --eager-read
+    python benchmarks/decode.py --dtype float16 --steps 20 --interleave 10 --kernel-case --breakdown
     python benchmarks/decode.py --shape smollm2 --bits 4 --dtype float16   # the embedded model's
         # shape and 4-bit weights (random values)
 """
@@ -30,7 +31,7 @@ from mlx_lm.models import llama
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_paged import make_paged_cache
-from mlx_paged.attention import path_counts
+from mlx_paged.attention import path_counts, set_attention_path
 from mlx_paged.attention.kernels import compiled_variants
 
 KV_HEADS = 8  # of the model built (set in main)
@@ -157,6 +158,12 @@ def main() -> None:
         "(no deferred read)",
     )
     parser.add_argument(
+        "--kernel-case",
+        action="store_true",
+        help="with --interleave: also time a paged cache whose decode attention is forced "
+        "to the fused kernel (attention path 'kernel': no in-place read)",
+    )
+    parser.add_argument(
         "--breakdown",
         action="store_true",
         help="with --interleave: also print each case's median host time per step building "
@@ -212,9 +219,11 @@ def main() -> None:
         parts = {name: {"build": [], "dispatch": [], "wait": []} for name in cases}
         for _ in range(args.interleave):
             for name, cache in caches.items():
+                set_attention_path("kernel" if name == "paged-kernel" else "auto")
                 times[name].append(
                     decode_seconds_per_step(model, cache, args.steps, warmup=2, parts=parts[name])
                 )
+        set_attention_path("auto")
         out = {name: statistics.median(t) for name, t in times.items()}
         if args.breakdown:
             for name, p in parts.items():
@@ -232,6 +241,8 @@ def main() -> None:
             }
             if args.eager_read:
                 cases["paged-eager-read"] = eager
+            if args.kernel_case:
+                cases["paged-kernel"] = cases["paged"]
             med = interleaved(context, cases)
             line = "  ".join(
                 f"{name} {1 / s:7.1f} tok/s ({med['dense'] / s:.3f})" for name, s in med.items()
