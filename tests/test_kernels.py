@@ -336,6 +336,14 @@ def test_cuda_launch_parameters_without_a_gpu(monkeypatch, batch, length, splits
     assert call["inputs"][6] is None and call["inputs"][8:] == [None] * 6
 
 
+@pytest.fixture
+def kernel_path():
+    """Path ``kernel``: eligible decode calls meet the kernels, never an in-place read."""
+    set_attention_path("kernel")
+    yield
+    set_attention_path("auto")
+
+
 def cuda_only(test):
     """Run ``test`` on a CUDA GPU; skip it elsewhere."""
     test = pytest.mark.skipif(not mx.cuda.is_available(), reason="needs a CUDA GPU")(test)
@@ -391,10 +399,10 @@ def test_cuda_split_launches_evaluated_together_keep_their_own_counters():
 
 @cuda_only
 @pytest.mark.parametrize("family", ["llama", "gemma3_text", "gpt_oss"])
-def test_models_through_the_cuda_kernels_match_dense(family):
+def test_models_through_the_cuda_kernels_match_dense(family, kernel_path):
     """mlx-lm's generate_step on the GPU: every prefill read and decode attention call goes
-    through the CUDA kernels, and the logits match mlx-lm's dense cache on the same GPU."""
-    set_attention_path("auto")
+    through the CUDA kernels, and the logits match mlx-lm's dense cache on the same GPU.
+    (Path ``kernel``: under ``auto`` a fresh cache's consecutive blocks are read in place.)"""
     model = tiny_model(family)
     prompt = prompt_tokens(45)
     gpu = mx.new_stream(mx.gpu)
@@ -407,6 +415,24 @@ def test_models_through_the_cuda_kernels_match_dense(family):
     assert attention.read_counts["cuda_block_read"] - reads == layers * 3  # 16 + 16 + 12 tokens
     assert tokens == dense_tokens
     assert max_diff(dense, paged) <= TOL  # conftest turns TF32 off
+
+
+@cuda_only
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3_text", "deepseek_v3"])
+def test_in_place_reads_on_the_gpu_match_dense(family):
+    """Under ``auto``, a fresh cache's decode reads views of the pool with MLX's own SDPA
+    on the GPU (strided K/V: token stride ``H * D``); the logits match mlx-lm's dense
+    cache on the same GPU."""
+    set_attention_path("auto")
+    model = tiny_model(family)
+    prompt = prompt_tokens(45)
+    gpu = mx.new_stream(mx.gpu)
+    dense_tokens, dense = run_generate_step(model, prompt, make_prompt_cache(model), stream=gpu)
+    in_place = path_counts["in_place"]
+    tokens, paged = run_generate_step(model, prompt, make_paged_cache(model, BLOCK), stream=gpu)
+    assert path_counts["in_place"] > in_place
+    assert tokens == dense_tokens
+    assert max_diff(dense, paged) <= TOL
 
 
 @cuda_only
