@@ -76,10 +76,7 @@ class PagedKVCache(PagedLayerCache, KVCache):
         self.pool.write_prefill(self.table, self.layer, keys, values)
         lo = _read_start(start, self.window, self.pool.block_size)
         n, end = keys.shape[2], self.offset
-        view = None
-        if n == 1 and attention_path() != "kernel" and not self.pool.has_cold(self.table):
-            # Consecutive blocks: attention reads them in place, like mlx-lm's dense cache.
-            view = self.pool.run_view(self.table, self.layer, lo, end)
+        view = _in_place_view(self.pool, self.table, self.layer, n, lo, end)
         if view is not None:
             keys, values = view
         elif n == 1 and self.pool.defer_reads and kernels_ready():
@@ -110,16 +107,10 @@ class PagedKVCache(PagedLayerCache, KVCache):
             if N == 1:
                 return None
             return create_causal_mask(N, self.offset) if return_array else "causal"
-        # A wider window sees no more: the layer holds no keys older than its own.
-        window = min(window_size or self.window, self.window)
-        # keys older than the queries
-        before = self.offset - _read_start(self.offset, self.window, self.pool.block_size)
-        if not return_array and before + N <= window:
-            mask = None if N == 1 else "causal"
-        else:
-            mask = create_causal_mask(N, before, window_size=window)
-        self.table.mask = mask
-        return mask
+        self.table.mask = _window_mask(
+            N, self.offset, self.window, self.pool.block_size, window_size, return_array
+        )
+        return self.table.mask
 
     @property
     def state(self) -> tuple:
@@ -267,18 +258,7 @@ class PagedKVCache(PagedLayerCache, KVCache):
 
     def paged_view(self) -> PagedView:
         """This layer's blocks as a batch of one, for fused kernels."""
-        p, t = self.pool, self.table
-        block_tables, starts, lengths = _view_arrays(p, t, self.offset)
-        cold = p.cold_arrays(self.layer) if p.has_cold(t) else None
-        return PagedView(
-            keys=p.keys[self.layer],
-            values=p.values[self.layer],
-            block_tables=block_tables,
-            starts=starts,
-            lengths=lengths,
-            window=self.window,
-            cold=None if cold is None else ColdView(*cold),
-        )
+        return _paged_view(self.pool, self.table, self.layer, self.offset, self.window)
 
     def reads_in_place(self) -> bool:
         """Whether the last fetch returned views of the pool (``KVPool.run_view``)."""
@@ -302,6 +282,45 @@ def _read_start(offset: int, window: int | None, block_size: int) -> int:
         return 0
     oldest = max(0, offset - window + 1)
     return oldest - oldest % block_size
+
+
+def _in_place_view(
+    pool: KVPool, table: BlockTable, layer: int, n: int, start: int, end: int
+) -> tuple[mx.array, mx.array] | None:
+    """For a decode step (``n == 1``) over consecutive blocks, tokens ``[start, end)`` as
+    views of the pool, which attention reads in place like mlx-lm's dense cache; else
+    ``None`` (path ``kernel``, cold blocks, or blocks that do not lie in one stretch)."""
+    if n != 1 or attention_path() == "kernel" or pool.has_cold(table):
+        return None
+    return pool.run_view(table, layer, start, end)
+
+
+def _window_mask(
+    n: int, offset: int, window: int, block_size: int, window_size: int | None, as_array: bool
+) -> mx.array | str | None:
+    """A sliding layer's mask for ``n`` queries from ``offset`` against the keys it reads
+    (from the start of the block holding the oldest key they see)."""
+    # A wider window sees no more: the layer holds no keys older than its own.
+    seen = min(window_size or window, window)
+    before = offset - _read_start(offset, window, block_size)  # keys older than the queries
+    if not as_array and before + n <= seen:
+        return None if n == 1 else "causal"
+    return create_causal_mask(n, before, window_size=seen)
+
+
+def _paged_view(p: KVPool, t: BlockTable, layer: int, offset: int, window: int | None) -> PagedView:
+    """One layer of one sequence as a ``PagedView`` of the pool (a kernel's input)."""
+    block_tables, starts, lengths = _view_arrays(p, t, offset)
+    cold = p.cold_arrays(layer) if p.has_cold(t) else None
+    return PagedView(
+        keys=p.keys[layer],
+        values=p.values[layer],
+        block_tables=block_tables,
+        starts=starts,
+        lengths=lengths,
+        window=window,
+        cold=None if cold is None else ColdView(*cold),
+    )
 
 
 def _view_arrays(pool: KVPool, table: BlockTable, offset: int) -> tuple[mx.array, ...]:
