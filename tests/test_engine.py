@@ -453,7 +453,16 @@ def test_warm_up_leaves_the_engine_as_good_as_new():
     from mlx_paged.engine.warmup import warm_up
 
     engine = PagedEngine(model_of("llama"), block_size=BS, max_batch_size=4)
+    decode, batch_sizes = engine.runner.decode, []
+
+    def recording(reqs):
+        batch_sizes.append(len(reqs))
+        return decode(reqs)
+
+    engine.runner.decode = recording
     assert warm_up(engine) > 0
+    assert batch_sizes == [4, 3, 2, 1], "the burst decodes once at every batch size"
+    engine.runner.decode = decode
     stats = engine.stats()
     assert stats.prompt_tokens == stats.generated_tokens == stats.prefix_hit_tokens == 0
     assert stats.live_blocks == 0 and stats.cached_blocks > 0 and stats.peak_live_blocks == 0

@@ -1,13 +1,16 @@
 """A throwaway burst through a new engine, so real requests find its first-use work done.
 
 A fresh process pays, on its first requests, for work that later requests
-skip: MLX's kernels for new shapes, the fused attention kernels' builds and
-self-checks, and the traces of their launch shapes. ``warm_up`` runs made-up
-requests shaped like a burst that shares a system prompt (one prefills the
-prefix alone, the rest adopt it and prefill their suffixes batched, then all
-decode) at each batch size, rehearses the disk tier's spill and load on one of
-their blocks (no file is written), and then zeroes the counters and the step
-clock. Their blocks stay parked in the prefix index, evicted first when the pool
+skip: MLX's kernels and graphs for each new batch size, the fused attention
+kernels' builds and self-checks, and the traces of their launch shapes.
+``warm_up`` runs made-up requests shaped like a burst that shares a system
+prompt (one prefills the prefix alone, the rest adopt it and prefill their
+suffixes batched, then all decode). By default one burst of ``max_batch_size``
+requests asks for staggered numbers of tokens, so its decode batch shrinks
+through every size from ``max_batch_size`` to 1: a server's traffic meets every
+one of them. Then it rehearses the disk tier's spill and load on one of their
+blocks (no file is written) and zeroes the counters and the step clock. The
+made-up blocks stay parked in the prefix index, evicted first when the pool
 needs room.
 """
 
@@ -21,14 +24,15 @@ from .scheduler import COUNTERS
 
 
 def warm_up(engine: PagedEngine, batch_sizes: Sequence[int] | None = None) -> float:
-    """Run a made-up burst at each of ``batch_sizes`` (default: 1, 8 and the engine's
-    ``max_batch_size``) with a few decode steps; return the seconds it took.
+    """Decode at every batch size from the engine's ``max_batch_size`` down to 1 (or, with
+    ``batch_sizes``, run a burst at each of them with a few decode steps); return the
+    seconds it took.
 
     Raises:
         ValueError: for a batch size that is not a positive int up to ``max_batch_size``.
     """
     most = engine.scheduler.max_batch_size
-    sizes = sorted({1, min(8, most), most}) if batch_sizes is None else list(batch_sizes)
+    sizes = [most] if batch_sizes is None else list(batch_sizes)
     for b in sizes:
         if isinstance(b, bool) or not isinstance(b, int) or not 0 < b <= most:
             raise ValueError(f"warm-up batch sizes must be ints in 1..{most}, got {b!r}.")
@@ -40,7 +44,9 @@ def warm_up(engine: PagedEngine, batch_sizes: Sequence[int] | None = None) -> fl
         prefix = [(vocab - 1 - 3 * (j + round_)) % vocab for j in range(2 * bs)]
         for i in range(b):
             suffix = [(7 * i + 11 * j + round_) % vocab for j in range(bs // 2 + 1)]
-            engine.add_request(prefix + suffix, 3)
+            # Request i decodes i + 1 steps (its first token comes from its prefill), so
+            # decode step k runs the b - k + 1 requests still going: every size once.
+            engine.add_request(prefix + suffix, i + 2 if batch_sizes is None else 3)
         for _ in engine.stream():
             pass
     if engine.disk is not None:

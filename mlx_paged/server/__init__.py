@@ -147,8 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--warm-up",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="Before /health reports ready, run a made-up burst at batch sizes 1, 8 and "
-        "--max-batch-size, so the first requests find kernels built and checked (default).",
+        help="Before /health reports ready, run a made-up burst that decodes once at every "
+        "batch size up to --max-batch-size, so the first requests find kernels built and "
+        "checked (default).",
     )
     p.add_argument(
         "--pipeline",
