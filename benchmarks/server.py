@@ -24,6 +24,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -69,13 +70,20 @@ def start(kind: str, model: str, port: int, args: argparse.Namespace) -> subproc
             cmd += ["--no-warm-up"]
         if getattr(args, "prefill_step_size", None):
             cmd += ["--prefill-step-size", str(args.prefill_step_size)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # The server's log goes to a file (a pipe nobody reads would fill and stall it).
+    log = tempfile.TemporaryFile("w+")
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, text=True)
     deadline = time.time() + 300
     while time.time() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(f"{kind} server exited: {proc.stderr.read()[-2000:]}")
+            log.seek(0)
+            raise SystemExit(f"{kind} server exited: {log.read()[-2000:]}")
         try:
             urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2)
+            log.seek(0)
+            for line in log:
+                if "warmed up" in line:
+                    print(f"{kind}: {line.strip()}")
             return proc
         except OSError:
             time.sleep(1)
@@ -211,7 +219,7 @@ async def bench(
         base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=5, timeout=3600
     )
     await load(client, model, prompts[:2], 1, 4)  # warm-up
-    for c, n in zip(args.concurrency, requests, strict=True):
+    for level, (c, n) in enumerate(zip(args.concurrency, requests, strict=True)):
         before = scrape(port) if kind == "mlx_paged" else {}
         with GpuMemory(None if getattr(args, "ranks", 1) > 1 else pid) as mem:
             try:
@@ -235,7 +243,7 @@ async def bench(
         )
         if after:
             print(breakdown(before, after), flush=True)
-        results[(kind, c)] = out / wall
+        results[(kind, level)] = out / wall
     await client.close()
 
 
@@ -315,7 +323,7 @@ def main() -> None:
         f"question ~{args.question}, max_tokens {args.max_tokens}",
         flush=True,
     )
-    results: dict[tuple[str, int], float] = {}
+    results: dict[tuple[str, int], float] = {}  # (server, level) -> tok/s
     for kind in args.servers:
         port = free_port()
         t0 = time.perf_counter()
@@ -335,10 +343,10 @@ def main() -> None:
 
     base = args.servers[0]
     for kind in args.servers[1:]:
-        for c in args.concurrency:
-            if (base, c) in results and (kind, c) in results:
-                ratio = results[(kind, c)] / results[(base, c)]
-                print(f"{kind} / {base} c={c}: {ratio:.2f}x tok/s", flush=True)
+        for level, c in enumerate(args.concurrency):  # a level given twice: its own ratio
+            if (base, level) in results and (kind, level) in results:
+                ratio = results[(kind, level)] / results[(base, level)]
+                print(f"{kind} / {base} c={c} (level {level + 1}): {ratio:.2f}x tok/s")
 
 
 if __name__ == "__main__":
