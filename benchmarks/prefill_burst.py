@@ -11,6 +11,7 @@ and the prefill forwards a burst took.
 Usage:
     python benchmarks/prefill_burst.py --model /root/l1b --prefill-step-size 512 2048
     python benchmarks/prefill_burst.py --model DIR --system 64 --n 4 --rounds 2   # CPU
+    python benchmarks/prefill_burst.py --model /root/l1b --prefill-step-size 512 --breakdown
 """
 
 from __future__ import annotations
@@ -25,10 +26,42 @@ from mlx_lm import load
 from mlx_paged import PagedEngine
 
 
-def burst(engine: PagedEngine, prompts: list[list[int]]) -> tuple[float, int]:
+class Split:
+    """Host seconds of a burst's prefill forwards: building their graphs (``build``), the
+    whole forward with its evaluation (``forward``), and the rest of ``_prefill``
+    (sampling, indexing) as ``other``."""
+
+    def __init__(self, engine: PagedEngine):
+        self.build = self.forward = 0.0
+        runner = engine.runner
+        batched, forward = runner._batched, runner._forward
+
+        def timed_batched(*a, **k):
+            t = time.perf_counter()
+            out = batched(*a, **k)
+            self.build += time.perf_counter() - t
+            return out
+
+        def timed_forward(*a, **k):
+            t = time.perf_counter()
+            out = forward(*a, **k)
+            self.forward += time.perf_counter() - t
+            return out
+
+        runner._batched, runner._forward = timed_batched, timed_forward
+
+    def reset(self) -> None:
+        self.build = self.forward = 0.0
+
+
+def burst(
+    engine: PagedEngine, prompts: list[list[int]], split: Split | None = None
+) -> tuple[float, int]:
     """Milliseconds to prefill ``prompts`` (first tokens sampled), and the forwards taken."""
     uids = [engine.add_request(p, 4) for p in prompts]
     mx.synchronize()
+    if split is not None:
+        split.reset()
     start, forwards = time.perf_counter(), 0
     for work in engine.scheduler.admit():
         engine._prefill(work)
@@ -49,6 +82,12 @@ def main() -> None:
     ap.add_argument("--ragged", type=int, nargs=2, default=[60, 80], help="ragged suffix range")
     ap.add_argument("--n", type=int, nargs="+", default=[32, 1], help="requests per burst")
     ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="also print the last burst's ms building the forwards' graphs, in the forwards "
+        "with their evaluation, and in the rest (sampling, indexing)",
+    )
     args = ap.parse_args()
     model, _ = load(args.model)
     for step in args.prefill_step_size:
@@ -57,6 +96,7 @@ def main() -> None:
         rng = random.Random(0)
         system = [rng.randrange(vocab) for _ in range(args.system)]
         engine.generate([system + [1]], max_tokens=1)  # cache the prefix
+        split = Split(engine) if args.breakdown else None
         for n in args.n:
             for kind in ("equal", "ragged"):
                 times = []
@@ -64,13 +104,17 @@ def main() -> None:
                     lo, hi = (args.suffix, args.suffix) if kind == "equal" else args.ragged
                     lengths = [rng.randint(lo, hi) for _ in range(n)]
                     prompts = [system + [rng.randrange(vocab) for _ in range(k)] for k in lengths]
-                    times.append(burst(engine, prompts))
+                    times.append(burst(engine, prompts, split))
                 ms = " ".join(f"{t:.1f}" for t, _ in times)
-                print(
-                    f"prefill_step_size {step} n={n} {kind}: ms per burst {ms}; "
-                    f"forwards {times[-1][1]}",
-                    flush=True,
-                )
+                line = f"prefill_step_size {step} n={n} {kind}: ms per burst {ms}; "
+                line += f"forwards {times[-1][1]}"
+                if split is not None:
+                    other = times[-1][0] - 1e3 * split.forward
+                    line += (
+                        f"; last burst: build {1e3 * split.build:.1f} ms, forwards with "
+                        f"their evaluation {1e3 * split.forward:.1f} ms, other {other:.1f} ms"
+                    )
+                print(line, flush=True)
 
 
 if __name__ == "__main__":
