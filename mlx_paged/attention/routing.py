@@ -35,10 +35,11 @@ in place; if no kernel runs on this device, warn once and gather) or ``gather``
 (in-place reads or portable gathers, no kernel).
 
 Prefill calls (more than one query) read the blocks into contiguous K/V for
-SDPA; ``fused_read`` offers that read to the device kernels of ``READERS``
-(one 16-byte-wide copy of K and V) unless the path is ``gather``, which keeps
-every read in portable MLX ops. The CUDA and Metal kernels of
-``mlx_paged.attention.kernels`` are registered at import.
+SDPA; on CUDA, small ones compute it in plain MLX ops instead (``prefill``), since
+cuDNN's fused attention builds a graph for every new shape. ``fused_read`` offers
+the read to the device kernels of ``READERS`` (one 16-byte-wide copy of K and V)
+unless the path is ``gather``, which keeps every read in portable MLX ops. The
+CUDA and Metal kernels of ``mlx_paged.attention.kernels`` are registered at import.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ import mlx.core as mx
 from mlx_lm.models import base
 
 from .kernels import DEVICE_KERNELS, DEVICE_READERS
+from .prefill import attention_by_ops, use_ops
 from .records import PagedLayerCache, PagedView
 
 _original_sdpa = base.scaled_dot_product_attention
@@ -67,7 +69,8 @@ ATTENTION_PATHS = ("auto", "kernel", "gather")
 #: and returns ``(B, n_heads, 1, v_head_dim)`` or ``None`` to decline.
 KERNELS: list[Callable[[mx.array, PagedView, float, mx.array | None], mx.array | None]] = []
 
-#: How many attention calls each path served, e.g. ``{"gather": 96}``.
+#: How many attention calls each path served, e.g. ``{"gather": 96}``; ``prefill_ops`` counts
+#: the CUDA prefill calls among them that ran in plain MLX ops (``prefill.use_ops``).
 path_counts: Counter[str] = Counter()
 
 #: Fused block reads for prefill, tried in order by ``fused_read``. Each is called as
@@ -176,6 +179,9 @@ def paged_attention(
             _warn_no_kernel()
     keys, values = cache.deferred_read(keys, values) or (keys, values)
     path_counts["in_place" if cache.reads_in_place() else "gather"] += 1
+    if use_ops(queries, keys, sinks):  # a CUDA prefill: no fused-kernel graph to build
+        path_counts["prefill_ops"] += 1
+        return attention_by_ops(queries, keys, values, scale, mask)
     return mx.fast.scaled_dot_product_attention(
         queries, keys, values, scale=scale, mask=mask, sinks=sinks
     )
