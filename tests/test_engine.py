@@ -460,9 +460,17 @@ def test_warm_up_leaves_the_engine_as_good_as_new():
         return decode(reqs)
 
     engine.runner.decode = recording
+    forward, padded = engine.runner.forward, []
+
+    def spy(reqs, n, logits=False, counts=None):
+        padded.append(counts is not None and len(set(counts)) > 1)
+        return forward(reqs, n, logits, counts)
+
+    engine.runner.forward = spy
     assert warm_up(engine) > 0
     assert batch_sizes == [4, 3, 2, 1], "the burst decodes once at every batch size"
-    engine.runner.decode = decode
+    assert any(padded), "the burst's suffixes share a padded forward, as a real burst's do"
+    engine.runner.decode, engine.runner.forward = decode, forward
     stats = engine.stats()
     assert stats.prompt_tokens == stats.generated_tokens == stats.prefix_hit_tokens == 0
     assert stats.live_blocks == 0 and stats.cached_blocks > 0 and stats.peak_live_blocks == 0

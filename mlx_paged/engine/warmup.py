@@ -5,8 +5,9 @@ skip: MLX's kernels and graphs for each new batch size, the fused attention
 kernels' builds and self-checks, and the traces of their launch shapes.
 ``warm_up`` runs made-up requests shaped like a burst that shares a system
 prompt (one prefills the prefix alone, the rest adopt it and prefill their
-suffixes batched, then all decode). By default one burst of ``max_batch_size``
-requests asks for staggered numbers of tokens, so its decode batch shrinks
+suffixes of a few lengths in padded batches, as a real burst's are, then all
+decode). By default one burst of ``max_batch_size`` requests asks for
+staggered numbers of tokens, so its decode batch shrinks
 through every size from ``max_batch_size`` to 1: a server's traffic meets every
 one of them. Then it rehearses the disk tier's spill and load on one of their
 blocks (no file is written) and zeroes the counters and the step clock. The
@@ -43,7 +44,8 @@ def warm_up(engine: PagedEngine, batch_sizes: Sequence[int] | None = None) -> fl
         # Token ids unlikely to begin a real prompt; one prefix per round.
         prefix = [(vocab - 1 - 3 * (j + round_)) % vocab for j in range(2 * bs)]
         for i in range(b):
-            suffix = [(7 * i + 11 * j + round_) % vocab for j in range(bs // 2 + 1)]
+            # Suffixes of four lengths: the batched prefill pads rows, as a real burst's does.
+            suffix = [(7 * i + 11 * j + round_) % vocab for j in range(bs // 2 + 1 + i % 4)]
             # Request i decodes i + 1 steps (its first token comes from its prefill), so
             # decode step k runs the b - k + 1 requests still going: every size once.
             engine.add_request(prefix + suffix, i + 2 if batch_sizes is None else 3)
