@@ -12,6 +12,7 @@ Usage:
     python benchmarks/prefill_burst.py --model /root/l1b --prefill-step-size 512 2048
     python benchmarks/prefill_burst.py --model DIR --system 64 --n 4 --rounds 2   # CPU
     python benchmarks/prefill_burst.py --model /root/l1b --prefill-step-size 512 --breakdown
+    python benchmarks/prefill_burst.py --model /root/l1b --prefill-step-size 512 --warm-up
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import mlx.core as mx
 from mlx_lm import load
 
 from mlx_paged import PagedEngine
+from mlx_paged.engine.warmup import warm_up
 
 
 class Split:
@@ -88,10 +90,13 @@ def main() -> None:
         help="also print the last burst's ms building the forwards' graphs, in the forwards "
         "with their evaluation, and in the rest (sampling, indexing)",
     )
+    ap.add_argument("--warm-up", action="store_true", help="run the server's warm-up first")
     args = ap.parse_args()
     model, _ = load(args.model)
     for step in args.prefill_step_size:
         engine = PagedEngine(model, max_batch_size=max(args.n), prefill_step_size=step)
+        if args.warm_up:
+            print(f"warm-up: {warm_up(engine):.2f} s", flush=True)
         vocab = engine.vocab_size or 256
         rng = random.Random(0)
         system = [rng.randrange(vocab) for _ in range(args.system)]

@@ -70,6 +70,7 @@ def start(kind: str, model: str, port: int, args: argparse.Namespace) -> subproc
             cmd += ["--no-warm-up"]
         if getattr(args, "prefill_step_size", None):
             cmd += ["--prefill-step-size", str(args.prefill_step_size)]
+        cmd += getattr(args, "paged_args", "").split()
     # The server's log goes to a file (a pipe nobody reads would fill and stall it).
     log = tempfile.TemporaryFile("w+")
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, text=True)
@@ -255,13 +256,18 @@ async def bursts(kind: str, port: int, model: str, prompts: list[str], args, rea
     )
     c = max(args.concurrency)
     for i in range(2):
+        before = scrape(port) if kind == "mlx_paged" else {}
         wall, res = await load(client, model, prompts[i * c : (i + 1) * c], c, args.max_tokens)
+        after = scrape(port) if kind == "mlx_paged" else {}
         ttft = [r[0] for r in res]
         print(
             f"{kind:9s} burst {i + 1} of {c}: TTFT p50 {pct(ttft, 0.5):.3f}s "
             f"p99 {pct(ttft, 0.99):.3f}s, wall {wall:.2f}s (ready after {ready:.1f}s)",
             flush=True,
         )
+        if after:
+            blocks = after.get("mlx_paged_kv_blocks_total", 0)
+            print(f"{breakdown(before, after)}; pool {blocks:.0f} blocks", flush=True)
     await client.close()
 
 
@@ -291,6 +297,9 @@ def main() -> None:
     )
     ap.add_argument("--no-warm-up", action="store_true", help="mlx_paged.server --no-warm-up")
     ap.add_argument("--prefill-step-size", type=int, help="mlx_paged.server's (default: its own)")
+    ap.add_argument(
+        "--paged-args", default="", help="more mlx_paged.server flags, e.g. '--kv-memory 4GB'"
+    )
     ap.add_argument(
         "--table",
         action="store_true",
