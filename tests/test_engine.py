@@ -14,10 +14,9 @@ from tiny_models import VOCAB, model_of
 from tiny_models import solo as dense_solo
 
 from mlx_paged import PagedEngine, attention
-from mlx_paged.attention import routing, table_width
+from mlx_paged.attention import routing
 from mlx_paged.attention.kernels.reference import reference_paged_decode
 from mlx_paged.engine import Event
-from mlx_paged.engine import runner as runner_module
 
 BS = 8
 MAX_TOKENS = 10
@@ -106,63 +105,6 @@ def test_suffixes_of_different_lengths_share_one_padded_forward(family, monkeypa
     for prompt, got in zip(prompts, outputs, strict=True):
         assert got == solo(family, tuple(prompt))
     assert engine.stats().live_blocks == 0
-
-
-def on_granule(engine: PagedEngine, granule: int) -> PagedEngine:
-    """``engine`` padding its prefill rows to a multiple of ``granule``, as on CUDA."""
-    engine.scheduler.granule = engine.runner.granule = granule
-    return engine
-
-
-@pytest.mark.parametrize("family", FAMILIES)
-def test_prefills_on_a_granule_generate_what_each_would_alone(family, monkeypatch):
-    """With rows padded to a multiple of 8 and reads in ``table_width`` buckets (CUDA's
-    rule), every prefill forward, alone or batched, is a multiple of 8 tokens a row, and
-    each request generates what it would alone on mlx-lm's dense cache."""
-    shapes = []
-
-    class Recording(runner_module.DecodeBatch):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            shapes.append((self.n_new, self.block_tables.shape[1]))
-
-    monkeypatch.setattr(runner_module, "DecodeBatch", Recording)
-    rng = random.Random(5)
-    long = [rng.randrange(VOCAB) for _ in range(140)]  # 18 blocks: widths past 16 have buckets
-    prompts = [*mixed_prompts(seed=11), long, long[:131] + [1, 2], long[:60]]
-    model = model_of(family)
-    engine = PagedEngine(model, block_size=BS, max_batch_size=6, prefill_step_size=24)
-    on_granule(engine, 8)
-    outputs = run_all(engine, prompts, late=[long + [7, 7, 7]])
-    for prompt, got in zip([*prompts, long + [7, 7, 7]], outputs, strict=True):
-        assert got == solo(family, tuple(prompt))
-    prefills = [(n, width) for n, width in shapes if n > 1]
-    assert prefills and all(n % 8 == 0 for n, _ in prefills), prefills
-    assert all(table_width(width) == width for _, width in prefills), prefills
-    assert any(width > 16 for _, width in prefills), "no read long enough to be bucketed"
-
-
-def test_warm_up_on_a_granule_runs_every_forward_size():
-    from mlx_paged.engine.warmup import warm_up
-
-    engine = PagedEngine(model_of("llama"), block_size=BS, max_batch_size=3, prefill_step_size=40)
-    on_granule(engine, 8)
-    forward, tokens = engine.runner.forward, set()
-
-    def spy(reqs, n, logits=False, counts=None):
-        tokens.add(len(reqs) * n)
-        return forward(reqs, n, logits, counts)
-
-    engine.runner.forward = spy
-    warm_up(engine)
-    assert {8, 16, 24, 32, 40} <= tokens, "a forward size a prefill can have was not run"
-    assert all(n % 8 == 0 for n in tokens), tokens
-    engine.runner.forward = forward
-    assert engine.stats().live_blocks == 0
-    engine.check_invariants()
-    prompts = mixed_prompts(seed=8)[:3]
-    for prompt, got in zip(prompts, run_all(engine, prompts), strict=True):
-        assert got == solo("llama", tuple(prompt))
 
 
 def test_a_prefill_budget_changes_when_tokens_come_not_which():

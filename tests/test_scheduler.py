@@ -112,24 +112,6 @@ def test_short_prompts_share_padded_forwards_with_blocks_reserved_at_admission()
     assert refcounts(sched) == [1, 1, 1, 1, 1]  # the growable pool holds just these
 
 
-def test_a_granule_pads_every_forward_to_a_multiple_of_it():
-    sched = make(max_batch_size=9)  # 64 tokens per forward, padding included
-    sched.granule = 8
-    for uid, n in enumerate([5, 37, 3, 30, 2, 2, 4, 28, 16]):
-        sched.add(request(uid, [uid + 1] * n))
-    works = [([r.uid for r in w.requests], w.steps, w.counts) for w in sched.admit()]
-    # Grouped as without a granule (at most a quarter padding to the longest), then each
-    # forward padded to a multiple of 8; rows of 16 and 28 take 32 each, 64 in all, so
-    # 30 goes on alone, and 37 pads to 40.
-    assert works == [
-        ([4, 5, 2], [8], (2, 2, 3)),
-        ([6, 0], [8], (4, 5)),
-        ([8, 7], [32], (16, 28)),
-        ([3], [32], (30,)),
-        ([1], [40], (37,)),
-    ]
-
-
 def test_padded_forwards_group_lengths_alike_within_the_token_budget():
     sched = make()  # 64 tokens per forward, padding included
     for uid, n in enumerate([5, 40, 3, 30, 2, 2, 4, 28]):

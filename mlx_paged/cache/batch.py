@@ -43,9 +43,6 @@ class DecodeBatch:
         offsets: Position of each sequence's first new token (default: what
             layer 0 of its table has written).
         counts: Real new tokens per sequence (default: ``n_new`` each).
-        bucket: Read ``table_width`` blocks per sequence instead of the fewest that
-            hold every sequence's keys (the extra keys are masked): fewer distinct
-            attention shapes, for a backend that pays per new shape.
     """
 
     def __init__(
@@ -56,7 +53,6 @@ class DecodeBatch:
         n_new: int = 1,
         offsets: list[int] | None = None,
         counts: list[int] | None = None,
-        bucket: bool = False,
     ):
         bs = self.block_size = pool.block_size
         self.tables, self.n_new = tables, n_new
@@ -72,7 +68,6 @@ class DecodeBatch:
             write_ids.append([t.blocks[p // bs - t.first] for p in range(n, n + c)])
             write_rows.extend(range(i * n_new, i * n_new + c))
         width = max(len(r) for r in rows)
-        width = table_width(width) if bucket else width
         # Pad rows with a real id; the mask (and kernels, by ``lengths``) ignore them.
         table = [r + [r[-1] if r else 0] * (width - len(r)) for r in rows]
         self.block_tables = mx.array(table, dtype=mx.int32)  # (B, width)

@@ -30,7 +30,6 @@ from ..cache import PagedLayout, make_pools
 from ..storage import KVPool, StatePool, check_kv_dtype, check_kv_quant
 from .disk_tier import DiskTier
 from .distributed import Agreement
-from .prefills import padded, prefill_granule
 from .request import (
     EngineStats,
     Event,
@@ -127,7 +126,6 @@ class PagedEngine:
         if layout.entries:
             snapshots = num_state_snapshots or 2 * max_batch_size
             states = StatePool(layout.entries, max_batch_size, snapshots)
-        granule = prefill_granule(recurrent=states is not None)
         self.scheduler = Scheduler(
             pools,
             max_batch_size,
@@ -135,9 +133,8 @@ class PagedEngine:
             prefill_budget,
             states,
             state_snapshot_interval,
-            granule,
         )
-        self.runner = ModelRunner(model, layout, pools, states, granule)
+        self.runner = ModelRunner(model, layout, pools, states)
         self.disk = None  # a disk tier, if any: ``self.disk.spill_cached()`` keeps it all
         if kv_disk_dir is not None:
             self.disk = DiskTier.open(kv_disk_dir, kv_disk_bytes, model, pools, self.scheduler)
@@ -275,8 +272,7 @@ class PagedEngine:
         for i, n in enumerate(work.steps):
             want = work.fresh and i == len(work.steps) - 1
             if work.alone:
-                width = padded(n, self.scheduler.granule, self.scheduler.prefill_step_size)
-                logits = self.runner.prefill(work.requests[0], n, want, width)
+                logits = self.runner.prefill(work.requests[0], n, logits=want)
             else:
                 logits = self.runner.forward(work.requests, n, want, work.counts)
             for req in work.requests:

@@ -28,9 +28,6 @@ class ModelRunner:
         layout: Which of the model's caches are paged, in which group.
         pools: Per layer group, the K/V storage.
         states: The recurrent-state slots of a hybrid model, or ``None``.
-        granule: Prefill forwards come padded to a multiple of this many tokens per row
-            (``prefills.prefill_granule``); above 1, their reads come in ``table_width``
-            buckets too.
     """
 
     def __init__(
@@ -39,32 +36,26 @@ class ModelRunner:
         layout: PagedLayout,
         pools: dict[LayerKind, KVPool],
         states: StatePool | None = None,
-        granule: int = 1,
     ):
         self.model = model
-        self.granule = granule
         self.layout = layout
         self.pools = pools
         self.states = states
         self.masks = MaskWork()
         self.vocab = 0  # columns of the logits, once a step has sampled
 
-    def prefill(
-        self, req: Request, n: int, logits: bool = False, width: int | None = None
-    ) -> mx.array | None:
-        """Run ``req``'s next ``n`` tokens through its own caches; with ``width > n``, in a
-        forward of ``width`` tokens, the rest padding.
+    def prefill(self, req: Request, n: int, logits: bool = False) -> mx.array | None:
+        """Run ``req``'s next ``n`` tokens through its own caches.
 
-        Returns the last real position's logits ``(1, V)`` if asked, else ``None`` (left
+        Returns the last position's logits ``(1, V)`` if asked, else ``None`` (left
         unevaluated, so the head over the chunk is not computed).
         """
-        width = width or n
         # Recurrent layers read and write state slots; a model with no paged layer writes
-        # no K/V, so only the batched step records its tokens; so does a padded forward.
-        if self.states is not None or not self.layout.counts or width != n:
+        # no K/V, so only the batched step records its tokens.
+        if self.states is not None or not self.layout.counts:
             for kind, pool in self.pools.items():  # as a PagedKVCache write would
                 pool.reserve(req.tables[kind], req.written, req.written + n)
-            return self._forward([req], width, logits, (n,) if width != n else None)
+            return self._forward([req], n, logits)
         start = req.written
         caches = self.layout.bind(self.pools, req.tables, PagedKVCache)
         out = self.model(mx.array(req.tokens[start : start + n])[None], cache=caches)
@@ -126,7 +117,6 @@ class ModelRunner:
                 kind.window,
                 n,
                 counts=list(counts) if padded else None,
-                bucket=n > 1 and self.granule > 1,
             )
             for kind in self.pools
         }

@@ -67,8 +67,6 @@ class Scheduler:
             one request a step); the rest wait, and running requests decode between.
         states, snapshot_interval: A hybrid model's recurrent-state slots and snapshots,
             and the tokens between a long prefill's snapshots (a block-size multiple).
-        granule: Prefill forwards pad each row to a multiple of this many tokens
-            (``prefills.prefill_granule``).
     """
 
     def __init__(
@@ -79,10 +77,8 @@ class Scheduler:
         prefill_budget: int | None = None,
         states: StateSlots | None = None,
         snapshot_interval: int | None = None,
-        granule: int = 1,
     ):
         self.groups = groups
-        self.granule = granule
         self.kinds = list(groups)
         self.block_size = groups[self.kinds[0]].block_size
         self.max_batch_size = max_batch_size
@@ -157,9 +153,7 @@ class Scheduler:
             _note_peak(self.counters, self.groups)
         assert self.running or not self.waiting, "an idle pool cannot take the next request"
         for (steps, _), reqs in batched.items():
-            yield from batched_prefills(
-                reqs, steps, self.prefill_step_size, self.kv_target, self.granule
-            )
+            yield from batched_prefills(reqs, steps, self.prefill_step_size, self.kv_target)
 
     def index_written(self, req: Request) -> None:
         """Index the full blocks ``req`` has written, so running requests can share them,

@@ -9,13 +9,10 @@ suffixes of a few lengths in padded batches, as a real burst's are, then all
 decode). By default one burst of ``max_batch_size`` requests asks for
 staggered numbers of tokens, so its decode batch shrinks
 through every size from ``max_batch_size`` to 1: a server's traffic meets every
-one of them. Where prefill rows are padded to a granule (CUDA, see
-``prefills``), one made-up prompt per multiple of it up to ``prefill_step_size``
-runs every forward size a prefill can have, so that no projection meets a new
-matmul shape while serving. Then it rehearses the disk tier's spill and load on
-one of their blocks (no file is written) and zeroes the counters and the step
-clock. The made-up blocks stay parked in the prefix index, evicted first when
-the pool needs room.
+one of them. Then it rehearses the disk tier's spill and load on one of their
+blocks (no file is written) and zeroes the counters and the step clock. The
+made-up blocks stay parked in the prefix index, evicted first when the pool
+needs room.
 """
 
 from __future__ import annotations
@@ -54,13 +51,6 @@ def warm_up(engine: PagedEngine, batch_sizes: Sequence[int] | None = None) -> fl
             engine.add_request(prefix + suffix, i + 2 if batch_sizes is None else 3)
         for _ in engine.stream():
             pass
-    granule, most = engine.scheduler.granule, engine.scheduler.prefill_step_size
-    if granule > 1:
-        for k, width in enumerate(range(granule, most + 1, granule)):
-            # One forward of ``width`` tokens: a prompt no other warm-up prompt begins.
-            engine.add_request([(7919 * k + 31 * j + 5) % vocab for j in range(width)], 1)
-            for _ in engine.stream():
-                pass
     if engine.disk is not None:
         engine.disk.rehearse()
     engine.scheduler.counters = dict.fromkeys(COUNTERS, 0)
