@@ -910,21 +910,3 @@ def test_bad_flags_are_usage_errors(argv, message, capsys):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("usage: mlx_paged.server") and message in err
-
-
-def test_a_server_process_on_cuda_starts_again_with_cuda_modules_loaded_eagerly(monkeypatch):
-    from mlx_paged import server
-
-    execs = []
-    monkeypatch.setattr(server.os, "execv", lambda path, args: execs.append((path, args)))
-    monkeypatch.setenv("CUDA_MODULE_LOADING", "unset below; restored after the test")
-    monkeypatch.delenv("CUDA_MODULE_LOADING")
-    monkeypatch.setattr(mx.cuda, "is_available", lambda: False)
-    server.load_cuda_modules_eagerly()  # not CUDA: nothing to do
-    assert execs == [] and "CUDA_MODULE_LOADING" not in server.os.environ
-    monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
-    server.load_cuda_modules_eagerly()
-    assert server.os.environ["CUDA_MODULE_LOADING"] == "EAGER"
-    assert execs == [(sys.executable, [sys.executable, *sys.orig_argv[1:]])]
-    server.load_cuda_modules_eagerly()  # set, here or by the user: left as it is
-    assert len(execs) == 1

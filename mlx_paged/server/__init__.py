@@ -293,27 +293,6 @@ def context_length(engine) -> int | None:
     return n if isinstance(n, int) and n > 0 else None
 
 
-def load_cuda_modules_eagerly() -> None:
-    """On MLX's CUDA backend, unless ``CUDA_MODULE_LOADING`` is set, start this process again
-    (same pid and arguments) with it set to ``EAGER``.
-
-    By default CUDA loads each library kernel on its first launch, and a fresh server's
-    first requests paid for it: their first tokens came 20-40 % later than with every
-    kernel loaded at start, which takes about 2 s (BENCHMARKS.md, run 148). Set
-    ``CUDA_MODULE_LOADING=LAZY`` to keep CUDA's default.
-    """
-    if "CUDA_MODULE_LOADING" in os.environ:
-        return
-    import mlx.core as mx
-
-    if not mx.cuda.is_available():
-        return
-    os.environ["CUDA_MODULE_LOADING"] = "EAGER"
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
-
-
 def main(argv: list[str] | None = None) -> None:
     """Entry point of ``mlx_paged.server`` (and ``python -m mlx_paged.server``)."""
     parser = build_parser()
@@ -323,8 +302,6 @@ def main(argv: list[str] | None = None) -> None:
         import uvicorn
     except ImportError:
         parser.error("the server needs its extra: pip install 'mlx-paged[server]'.")
-    if argv is None:  # a process of its own
-        load_cuda_modules_eagerly()
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
     import mlx.core as mx
 
