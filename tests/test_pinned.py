@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -33,6 +35,37 @@ def test_off_cuda_the_copy_is_mx_array():
     got = staging.to_mlx(data)
     assert staging.pinned is False  # the CPU: nothing pinned
     assert got.shape == (3, 4001) and np.array_equal(np.array(got), data)
+
+
+class RecordingDriver:
+    """Stands in for the CUDA driver: records which addresses are pinned, and checks that a
+    buffer is still alive (its bytes readable) when it is unpinned."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int]] = []
+
+    def register(self, buf: np.ndarray) -> None:
+        self.calls.append(("register", buf.ctypes.data))
+
+    def unregister(self, buf: np.ndarray) -> None:
+        assert buf.base is not None and int(buf[:1].sum()) >= 0
+        self.calls.append(("unregister", buf.ctypes.data))
+
+
+def test_a_pinned_buffer_is_unpinned_before_its_memory_can_be_freed():
+    """A buffer freed while still pinned leaves the driver a stale mapping, on which later
+    allocations fail; growing a buffer and dropping the staging unpin first."""
+    staging = Staging()
+    driver = staging._pins.driver = RecordingDriver()
+    staging.pinned = True  # as after a passed check on CUDA
+    a = staging.buffer(0, 4, 1000).ctypes.data
+    b = staging.buffer(1, 4, 1000).ctypes.data
+    grown = staging.buffer(0, 64, 1000).ctypes.data  # buffer 0 grows: the old one goes
+    want = [("register", a), ("register", b), ("unregister", a), ("register", grown)]
+    assert driver.calls == want
+    del staging  # its finalizer unpins what is still pinned
+    gc.collect()
+    assert sorted(driver.calls[4:]) == sorted([("unregister", b), ("unregister", grown)])
 
 
 @pytest.mark.gpu

@@ -9,12 +9,18 @@ into a new MLX array with a kernel that reads the host memory directly, in
 16-byte loads. The first use checks that copy against ``mx.array`` on a test
 pattern. Where it cannot run (no CUDA, no driver library, a failed call or
 check) ``to_mlx`` is ``mx.array``.
+
+A pinned buffer is unpinned before its memory can go back to the system (when a
+buffer grows, and when its ``Staging`` is collected): memory freed while still
+registered leaves the driver a stale mapping, on which later allocations in the
+process fail ("resource already mapped", BENCHMARKS.md run 152).
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import weakref
 
 import mlx.core as mx
 import numpy as np
@@ -73,24 +79,50 @@ class _Driver:
             raise OSError(f"{what} returned CUDA error {code}")
 
 
+class _Pins:
+    """The buffers pinned with ``driver``, each held here until it is unpinned."""
+
+    def __init__(self) -> None:
+        self.driver: _Driver | None = None
+        self.buffers: dict[int, np.ndarray] = {}  # address -> buffer
+
+    def __contains__(self, buf: np.ndarray) -> bool:
+        return buf.ctypes.data in self.buffers
+
+    def pin(self, buf: np.ndarray) -> None:
+        self.driver.register(buf)
+        self.buffers[buf.ctypes.data] = buf
+
+    def unpin(self, buf: np.ndarray) -> None:
+        if self.buffers.pop(buf.ctypes.data, None) is not None:
+            self.driver.unregister(buf)
+
+    def unpin_all(self) -> None:
+        for buf in list(self.buffers.values()):
+            try:
+                self.unpin(buf)
+            except OSError as e:
+                logger.warning("mlx_paged: unpinning a staging buffer failed: %s", e)
+
+
 class Staging:
     """Two reusable host buffers, and their copy into MLX (see the module docstring)."""
 
     def __init__(self) -> None:
         self._buffers: list[np.ndarray | None] = [None, None]
-        self._driver: _Driver | None = None
         self._kernel = None
         self.pinned: bool | None = None  # None: not tried yet
-        self._registered: set[int] = set()  # addresses of the buffers pinned now
+        self._pins = _Pins()  # the buffers pinned now
+        # Unpinned when this staging goes (at exit the process's mappings go with it).
+        weakref.finalize(self, self._pins.unpin_all).atexit = False
 
     def buffer(self, i: int, rows: int, size: int) -> np.ndarray:
         """A ``(rows, size)`` uint8 view of buffer ``i % 2``, grown (and pinned) as needed."""
         need = -(-rows * size // 16) * 16
         held = self._buffers[i % 2]
         if held is None or held.size < need:
-            if held is not None and held.ctypes.data in self._registered:
-                self._registered.discard(held.ctypes.data)
-                self._driver.unregister(held)
+            if held is not None:
+                self._pins.unpin(held)
             raw = np.empty(need + PAGE, dtype=np.uint8)
             held = raw[(-raw.ctypes.data) % PAGE :][:need]
             self._buffers[i % 2] = held
@@ -112,7 +144,7 @@ class Staging:
                 if held is not None:
                     self._pin(held)
         base = next((b for b in self._buffers if b is not None and _starts(data, b)), None)
-        if not self.pinned or base is None or base.ctypes.data not in self._registered:
+        if not self.pinned or base is None or base not in self._pins:
             return mx.array(data)  # also a buffer a reader thread made while pinning began
         return self._copy(data.ctypes.data, data.size).reshape(data.shape)
 
@@ -125,7 +157,7 @@ class Staging:
             if mx.default_device() != mx.gpu or not mx.cuda.is_available():
                 return False
             try:
-                self._driver = _Driver()
+                self._pins.driver = _Driver()
                 self._kernel = mx.fast.cuda_kernel(
                     "mlx_paged_pinned_copy", ["address", "count"], ["out"], _SOURCE
                 )
@@ -135,11 +167,10 @@ class Staging:
         return bool(self.pinned)
 
     def _pin(self, buf: np.ndarray) -> None:
-        if buf.ctypes.data in self._registered:
+        if buf in self._pins:
             return
         try:
-            self._driver.register(buf)
-            self._registered.add(buf.ctypes.data)
+            self._pins.pin(buf)
         except OSError as e:
             self._off(f"pinning {buf.nbytes} bytes failed: {e}")
 
@@ -148,12 +179,12 @@ class Staging:
         raw = np.empty(4 * PAGE, dtype=np.uint8)
         buf = raw[(-raw.ctypes.data) % PAGE :][: 3 * PAGE]
         buf[:] = pattern
-        self._driver.register(buf)
+        self._pins.driver.register(buf)
         try:
             got = np.array(self._copy(buf.ctypes.data, buf.size))
         finally:
             mx.synchronize()
-            self._driver.unregister(buf)
+            self._pins.driver.unregister(buf)
         if not np.array_equal(got, pattern):
             self._off("the pinned copy did not match mx.array on a test pattern")
             return False
