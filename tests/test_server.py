@@ -756,9 +756,9 @@ def test_requests_past_the_timeout_are_aborted(tmp_path):
 
 
 def test_a_pool_under_pressure_preempts_and_loses_nothing(server, tmp_path):
-    """Five requests fit a 10-block pool at admission and need 15 blocks by their end:
-    requests are preempted and resumed, and every text equals the one from a pool that
-    never runs short."""
+    """Six requests of 6 prompt tokens fit a 10-block pool at admission and need 18 blocks
+    of 16 by their end (38 tokens each): requests are preempted and resumed, and every text
+    equals the one from a pool that never runs short."""
     prompts = [f"{i}. {STORY}" for i in range(6)]
 
     async def run_all(target: Server) -> list[str]:
@@ -766,7 +766,7 @@ def test_a_pool_under_pressure_preempts_and_loses_nothing(server, tmp_path):
         try:
             outs = await asyncio.gather(
                 *(
-                    client.completions.create(model=MODEL, prompt=p, max_tokens=40, temperature=0)
+                    client.completions.create(model=MODEL, prompt=p, max_tokens=32, temperature=0)
                     for p in prompts
                 )
             )
@@ -825,15 +825,16 @@ def test_kv_bits_quantizes_old_blocks_and_reports_them(tmp_path):
     s = start_server(tmp_path, "kv-bits", *flags)
     try:
         client = s.client()
-        prompt = list(range(1000, 1200))  # 200 tokens: 10 full blocks behind the hot tail
+        prompt = list(range(1000, 1104))  # 104 tokens
         out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
         assert out.usage.completion_tokens == 8 and out.choices[0].text
         m = s.metrics()
-        # The prompt's last token runs alone, after 199: (199 - 16) // 16 = 11 blocks lie
-        # behind the hot tail then, and move together; the 8 new tokens add none.
-        assert m["mlx_paged_kv_migrations_total"] == 11
+        # The prompt's last token runs alone, after 103: (103 - 16) // 16 = 5 blocks lie
+        # behind the hot tail then, 80 tokens, and move together (a batch is 64 tokens at
+        # least); the 8 new tokens add none.
+        assert m["mlx_paged_kv_migrations_total"] == 5
         # Parked in the prefix index when the request ended, still quantized.
-        assert m["mlx_paged_kv_blocks_cold"] == 11 and m["mlx_paged_kv_cold_bytes"] > 0
+        assert m["mlx_paged_kv_blocks_cold"] == 5 and m["mlx_paged_kv_cold_bytes"] > 0
         assert m["mlx_paged_kv_blocks_active"] == 0
     finally:
         s.stop()
