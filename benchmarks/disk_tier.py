@@ -10,6 +10,12 @@ Time to first token counts from ``add_request`` to the first token's event.
 Usage:
     python benchmarks/disk_tier.py --shape 1b --tokens 32768      # on the GPU
     python benchmarks/disk_tier.py --tokens 4096                  # CPU: a small llama
+    python benchmarks/disk_tier.py --shape 1b --tokens 32768 --kv-bits 4   # the cold tier
+
+With ``--kv-bits`` every engine keeps a quantized cold tier: the prompt's blocks
+behind its last ``--hot-tokens`` tokens are quantized, go to disk quantized and
+come back into the cold tier, so the disk holds fewer bytes per token. The
+recompute in the same configuration and a full-precision one are both printed.
 
 Then the prompt comes back from disk while another request decodes, loaded
 in one step or 128 blocks a step: the time to its first token, and the longest
@@ -39,15 +45,18 @@ from mlx_paged import PagedEngine
 from mlx_paged.storage.disk import READ_THREADS
 
 
-def first_token(engine: PagedEngine, prompt: list[int]) -> float:
-    """Seconds from adding ``prompt`` to its first token."""
+def first_token(engine: PagedEngine, prompt: list[int], max_tokens: int = 1) -> float:
+    """Seconds from adding ``prompt`` to its first token; the request then runs to its end."""
     start = time.perf_counter()
-    uid = engine.add_request(prompt, 1)
+    uid = engine.add_request(prompt, max_tokens)
+    seconds = None
     for event in engine.stream():
-        if event.uid == uid:
+        if event.uid == uid and seconds is None:
             mx.synchronize()
-            return time.perf_counter() - start
-    raise RuntimeError("no token came")
+            seconds = time.perf_counter() - start
+    if seconds is None:
+        raise RuntimeError("no token came")
+    return seconds
 
 
 SHAPES = {  # llama shapes with random weights: (hidden, layers, heads, KV heads, MLP, dtype)
@@ -118,6 +127,9 @@ def main() -> None:
     ap.add_argument(
         "--restarts", type=int, default=3, help="engines that read the prompt back from disk"
     )
+    ap.add_argument("--kv-bits", type=int, choices=(4, 8), default=None, help="a cold tier's bits")
+    ap.add_argument("--kv-group-size", type=int, default=64)
+    ap.add_argument("--hot-tokens", type=int, default=256)
     args = ap.parse_args()
     if args.model:
         from mlx_lm import load
@@ -129,25 +141,34 @@ def main() -> None:
     rng = random.Random(0)
     prompt = [rng.randrange(vocab) for _ in range(args.tokens)]
     path = args.dir or tempfile.mkdtemp(prefix="mlx_paged_disk_")
-    kw = dict(prefill_step_size=args.prefill_step_size, block_size=args.block_size)
+    full = dict(prefill_step_size=args.prefill_step_size, block_size=args.block_size)
+    kw = dict(full)
     tag = f"{args.model or args.shape} bs={args.block_size}"
+    if args.kv_bits:
+        kw.update(
+            kv_bits=args.kv_bits, kv_group_size=args.kv_group_size, hot_tokens=args.hot_tokens
+        )
+        tag += f" kv_bits={args.kv_bits}"
     try:
         # The process's first-use work, outside the clock, as a server's warm-up does it.
         warm = PagedEngine(model, kv_disk_dir=path + "-warm", kv_disk_bytes=10**12, **kw)
-        first_token(warm, [rng.randrange(vocab) for _ in range(args.prefill_step_size + 100)])
+        warm_prompt = [rng.randrange(vocab) for _ in range(args.prefill_step_size + 100)]
+        first_token(warm, warm_prompt, 2 if args.kv_bits else 1)
         warm.disk.rehearse()
         del warm
         shutil.rmtree(path + "-warm", ignore_errors=True)
         first = PagedEngine(model, kv_disk_dir=path, kv_disk_bytes=10**12, **kw)
-        recompute = first_token(first, prompt)
+        # With a cold tier, a second token's step quantizes the blocks behind the hot tail,
+        # as a served request's decode does, so that they are parked (and spilled) cold.
+        recompute = first_token(first, prompt, 2 if args.kv_bits else 1)
         start = time.perf_counter()
         written = first.disk.spill_cached()
         spill = time.perf_counter() - start
-        size = first.disk.store.bytes
+        size, cold = first.disk.store.bytes, first.stats().cold_blocks
         del first
         print(
             f"{tag} {args.tokens} tokens: recompute (first engine) {recompute:.3f} s; "
-            f"{written} blocks ({size / 1e6:.1f} MB) written in {spill:.3f} s",
+            f"{written} blocks ({cold} cold, {size / 1e6:.1f} MB) written in {spill:.3f} s",
             flush=True,
         )
         start = time.perf_counter()
@@ -170,7 +191,8 @@ def main() -> None:
                 f"(waiting on reads {tier.seconds['load_wait']:.3f} s, copies into MLX "
                 f"{tier.seconds['load_copy']:.3f} s; reads and checks took "
                 f"{tier.store.seconds['read']:.3f} s on their threads); "
-                f"page cache {'dropped' if dropped else 'kept'}",
+                f"page cache {'dropped' if dropped else 'kept'}; "
+                f"{restarted.stats().cold_blocks} cold blocks",
                 flush=True,
             )
             del restarted
@@ -195,6 +217,13 @@ def main() -> None:
             f"{disk / min(recompute, cold):.3f}x of the faster recompute",
             flush=True,
         )
+        if args.kv_bits:
+            plain = first_token(PagedEngine(model, **full), prompt)
+            print(
+                f"{tag} recompute at full precision (no cold tier) {plain:.3f} s; last from "
+                f"disk {disk / plain:.3f}x of it",
+                flush=True,
+            )
     finally:
         if args.dir is None:
             shutil.rmtree(path, ignore_errors=True)
