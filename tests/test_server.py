@@ -22,6 +22,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -227,6 +228,40 @@ def error_of(exc: openai.APIStatusError) -> dict:
     assert isinstance(error["message"], str) and error["message"]
     assert isinstance(error["type"], str) and error["type"]
     return error
+
+
+# ---- the engine thread's hand-off -------------------------------------------
+
+
+def test_mailbox_wakes_the_loop_once_per_batch_and_keeps_each_queues_order():
+    from mlx_paged.server.run import mailbox
+
+    loop = asyncio.new_event_loop()
+    try:
+        wakes = []
+        schedule = loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda *a: (wakes.append(a), schedule(*a))
+        box = mailbox(loop)
+        assert mailbox(loop) is box
+        queues = [asyncio.Queue() for _ in range(3)]
+
+        def post(start: int) -> None:  # another thread: a step's outputs for every stream
+            for k in range(start, start + 50):
+                box.post(queues[k % 3], k)
+
+        def drained() -> list[list[int]]:
+            loop.run_until_complete(asyncio.sleep(0))
+            return [[q.get_nowait() for _ in range(q.qsize())] for q in queues]
+
+        for batch, start in enumerate((0, 50)):
+            thread = threading.Thread(target=post, args=(start,))
+            thread.start()
+            thread.join()
+            assert len(wakes) == batch + 1  # one wake-up for the whole batch
+            ks = range(start, start + 50)
+            assert drained() == [[k for k in ks if k % 3 == j] for j in range(3)]
+    finally:
+        loop.close()
 
 
 # ---- discovery -------------------------------------------------------------

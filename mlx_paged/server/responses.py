@@ -139,6 +139,7 @@ async def stream_chunks(
         "created": run.created,
         "model": config.model_id,
     }
+    head = _sse_head(base)
     want_logprobs = run.jobs[0].logprobs is not None
     calls_made = [0] * len(run.jobs)
     deadline = None if config.request_timeout is None else time.monotonic() + config.request_timeout
@@ -187,7 +188,7 @@ async def stream_chunks(
                 choice = {"index": i, "text": out.text}
             choice.update(logprobs=lp, finish_reason=finish)
             if choice.get("delta") or out.text or finish is not None or lp is not None:
-                yield _sse(base, [choice])
+                yield f"{head}{_json([choice])}}}\n\n"
         if body.stream_options is not None and body.stream_options.include_usage:
             yield _sse(base, [], usage=run.usage())
         yield "data: [DONE]\n\n"
@@ -197,6 +198,12 @@ async def stream_chunks(
 
 def _sse(base: dict, choices: list, **extra) -> str:
     return f"data: {_json({**base, 'choices': choices, **extra})}\n\n"
+
+
+def _sse_head(base: dict) -> str:
+    """What ``_sse(base, choices)`` writes before its choices' JSON, which a closing
+    brace and the blank line then end: one stream's chunks share it, encoded once."""
+    return f"data: {_json({**base, 'choices': None})[: -len('null}')]}"
 
 
 def _json(obj: Any) -> str:

@@ -2,14 +2,19 @@
 
 A ``Run`` is the ``n`` jobs (choices) of one HTTP request: it submits them to
 the ``EngineWorker``, gathers what they produce from an ``asyncio.Queue`` the
-engine thread feeds, and aborts them when the client goes away.
+engine thread feeds, and aborts them when the client goes away. The engine
+thread posts outputs through the event loop's ``Mailbox``, which wakes the loop
+once for all the outputs it has gathered by then (a step's tokens for every
+stream) instead of once per token.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 import uuid
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +45,46 @@ class ChatShape:
     schema: dict | None = None  # the constraints' JSON schema (other ranks rebuild them)
 
 
+class Mailbox:
+    """Carries items from other threads into one event loop's ``asyncio.Queue``s.
+
+    ``post`` may be called from any thread. The first item posted since the
+    loop last drained the mailbox schedules one drain; later ones ride along.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._items: list[tuple[asyncio.Queue, Any]] = []
+
+    def post(self, queue: asyncio.Queue, item: Any) -> None:
+        """Put ``item`` into ``queue`` on the loop's thread, soon."""
+        with self._lock:
+            self._items.append((queue, item))
+            if len(self._items) > 1:
+                return  # a drain is already scheduled
+        self._loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:
+        with self._lock:
+            items, self._items = self._items, []
+        for queue, item in items:
+            queue.put_nowait(item)
+
+
+_mailboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Mailbox] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def mailbox(loop: asyncio.AbstractEventLoop) -> Mailbox:
+    """The ``Mailbox`` of ``loop`` (made on first use, by the loop's own thread)."""
+    box = _mailboxes.get(loop)
+    if box is None:
+        box = _mailboxes[loop] = Mailbox(loop)
+    return box
+
+
 class Run:
     """The ``n`` jobs of one HTTP request and what they have produced so far."""
 
@@ -59,7 +104,7 @@ class Run:
         self.created = int(time.time())
         self.prompt_tokens = len(tokens)
         self.queue: asyncio.Queue[tuple[int, Output]] = asyncio.Queue()
-        loop = asyncio.get_running_loop()
+        box = mailbox(asyncio.get_running_loop())
         self.jobs = []
         for i in range(body.n):
             seed = None if body.seed is None else body.seed + i
@@ -68,7 +113,7 @@ class Run:
             sampler = make_request_sampler(*sampling)
 
             def deliver(out: Output, i: int = i) -> None:
-                loop.call_soon_threadsafe(self.queue.put_nowait, (i, out))
+                box.post(self.queue, (i, out))
 
             job = Job(list(tokens), max_tokens, deliver, sampler, logprobs=logprobs)
             job.sampling, job.schema = sampling, shape.schema
@@ -149,6 +194,8 @@ class Run:
         """The next output of any job (TimeoutError after ``timeout`` seconds)."""
         if self.early:
             return self.early.pop(0)
+        if not self.queue.empty():  # no timer to arm when an output is waiting
+            return self.queue.get_nowait()
         return await asyncio.wait_for(self.queue.get(), timeout)
 
     async def collect(self, request: Request, timeout: float | None) -> None:
