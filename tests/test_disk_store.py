@@ -78,6 +78,10 @@ def corrupt_empty(path):
     path.write_bytes(b"")
 
 
+def corrupt_grown(path):
+    path.write_bytes(path.read_bytes() + b"more")
+
+
 @pytest.mark.parametrize(
     "damage, message",
     [
@@ -86,6 +90,7 @@ def corrupt_empty(path):
         (corrupt_foreign, "written for someothermodel"),
         (corrupt_old_version, "format version"),
         (corrupt_empty, "truncated"),
+        (corrupt_grown, "rewritten"),
     ],
 )
 def test_a_bad_file_is_a_miss_deleted_with_a_log_line(tmp_path, caplog, damage, message):
@@ -182,6 +187,26 @@ def test_keys_and_fingerprints_are_checked(tmp_path, bad):
         DiskStore(tmp_path, 10**7, bad)
     with pytest.raises(ValueError, match="max_bytes"):
         DiskStore(tmp_path, 0, FP)
+
+
+@pytest.mark.parametrize("bad", [None, 3, 8, 17])
+def test_a_long_run_reads_each_file_into_its_row_and_stops_before_a_bad_one(
+    tmp_path, monkeypatch, bad
+):
+    # Reader tasks take several files each (ceil(26 / 4) = 7 here): rows and errors must
+    # still line up.
+    monkeypatch.setattr(disk, "READ_THREADS", 4)
+    n = 26
+    store = DiskStore(tmp_path, 10**8, FP)
+    keys = [f"k{i:03d}" for i in range(n)]  # one length: one file size
+    for i, key in enumerate(keys):
+        store.put(key, arrays(i))
+    if bad is not None:
+        corrupt_flip(tmp_path / f"{FP}-{keys[bad]}.kv")
+    run = store.read_run(keys)
+    assert len(run) == (n if bad is None else bad)
+    assert all(same(run.arrays(i), arrays(i)) for i in range(len(run)))
+    assert sorted(store.keys) == [k for i, k in enumerate(keys) if i != bad]
 
 
 def test_a_file_under_another_keys_name_is_a_miss(tmp_path, caplog):

@@ -42,6 +42,7 @@ __all__ = ["FORMAT_VERSION", "DiskStore", "Run", "encode"]
 logger = logging.getLogger("mlx_paged.disk")
 
 SUFFIX = ".kv"
+_UTIME_FD = os.utime in os.supports_fd
 #: Temporary files older than this are a dead writer's (seconds).
 STALE_TEMP_SECONDS = 600.0
 #: Threads that read (and check) files at once.
@@ -159,10 +160,19 @@ class DiskStore:
             data = out(len(names), size)
         else:
             data = np.empty((len(names), size), dtype=np.uint8)
-        if len(names) == 1:
-            errors = [self._read_one(names[0], data[0])]
+        # One task per reader thread, each reading its share of the files in turn: a
+        # small file's read costs less than handing a task to a thread (run 160).
+        chunk = -(-len(names) // READ_THREADS)
+        if chunk == len(names):
+            errors = self._read_many(names, data)
         else:
-            errors = list(self._readers.map(self._read_one, names, data))
+            starts = range(0, len(names), chunk)
+            parts = self._readers.map(
+                self._read_many,
+                [names[i : i + chunk] for i in starts],
+                [data[i : i + chunk] for i in starts],
+            )
+            errors = [e for part in parts for e in part]
         n, specs, payload = 0, None, 0
         for name, error in zip(names, errors, strict=True):
             if error is None and n == 0:
@@ -199,26 +209,37 @@ class DiskStore:
             raise ValueError(f"a disk-tier key must be letters and digits, got {key!r}.")
         return f"{self.fingerprint}-{key}{SUFFIX}"
 
+    def _read_many(self, names: Sequence[str], rows: np.ndarray) -> list[Exception | None]:
+        """``_read_one`` of each name into its row, in turn."""
+        return [self._read_one(name, row) for name, row in zip(names, rows, strict=True)]
+
     def _read_one(self, name: str, out: np.ndarray) -> Exception | None:
         """Read file ``name`` into ``out`` (its whole size) and check its length and CRC;
-        the error, or ``None``. Runs on reader threads: no shared state."""
+        the error, or ``None``. Runs on reader threads: no shared state. A bare file
+        descriptor, not a file object: a small file's read is mostly per-call cost."""
         path = self.path / name
         try:
-            with open(path, "rb", buffering=0) as f:
-                got = f.readinto(memoryview(out))
-                grown = bool(f.read(1))
+            fd = os.open(path, os.O_RDONLY)
         except OSError as e:
             return e
-        if got == out.size and not grown:
-            if crc_ok(out):
-                try:
-                    os.utime(path)  # most recently used, for the next process too
-                except OSError:
-                    pass
-                return None
-            error = ValueError("the checksum does not match (corrupted)")
-        else:
-            error = ValueError(f"truncated or rewritten ({got} bytes read, {out.size} indexed)")
+        try:
+            got = os.readv(fd, [out])
+            grown = os.fstat(fd).st_size > out.size
+            if got == out.size and not grown:
+                if not crc_ok(out):
+                    error = ValueError("the checksum does not match (corrupted)")
+                else:
+                    try:
+                        os.utime(fd if _UTIME_FD else path)  # most recently used, for later
+                    except OSError:
+                        pass
+                    return None
+            else:
+                error = ValueError(f"truncated or rewritten ({got} bytes read, {out.size} indexed)")
+        except OSError as e:
+            return e
+        finally:
+            os.close(fd)
         try:  # the header may say more: another format, version or fingerprint
             parse(out[:got], self.fingerprint)
         except (ValueError, KeyError, UnicodeDecodeError) as e:
