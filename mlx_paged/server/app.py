@@ -2,7 +2,7 @@
 
 Handlers never call MLX: they tokenize, check, hand ``Job``s to the engine
 thread (``run.Run``) and wait on an ``asyncio.Queue`` that the thread feeds
-through ``loop.call_soon_threadsafe``. A client that disconnects, or a request
+through the loop's ``run.Mailbox``. A client that disconnects, or a request
 that runs past its timeout, has its jobs aborted; their blocks are freed or
 parked.
 """
