@@ -219,3 +219,89 @@ def test_a_file_under_another_keys_name_is_a_miss(tmp_path, caplog):
     assert len(run) == 1 and same(run.arrays(0), arrays(1))  # the run stops before it
     assert "bbb" not in store and not (tmp_path / f"{FP}-bbb.kv").exists()
     assert any("another key" in r.getMessage() for r in caplog.records), caplog.text
+
+
+# ---- packs: a run of entries in one file -------------------------------------
+
+
+def pack_files(path) -> list:
+    return sorted(path.glob(f"*{disk.PACK_SUFFIX}"))
+
+
+def write_pack(store: DiskStore, keys: list[str], seed: int = 0) -> None:
+    store.put_many_later([(key, arrays(seed + i)) for i, key in enumerate(keys)])
+    store.flush()
+
+
+def test_a_pack_holds_a_run_of_entries_and_survives_a_restart(tmp_path):
+    keys = [f"p{i:03d}" for i in range(20)]
+    store = DiskStore(tmp_path, 10**8, FP)
+    write_pack(store, keys)
+    (pack,) = pack_files(tmp_path)
+    assert not list(tmp_path.glob("*.kv")) and store.counts["writes"] == 20
+    entry = len(disk.encode(FP, keys[0], arrays()))
+    assert pack.stat().st_size == 20 * entry == store.bytes and store.size(keys[3]) == entry
+    for again in (store, DiskStore(tmp_path, 10**8, FP)):
+        assert sorted(again.keys) == keys and all(k in again for k in keys)
+        run = again.read_run(keys[5:])  # from the middle of the pack
+        assert len(run) == 15 and all(same(run.arrays(i), arrays(5 + i)) for i in range(15))
+    assert DiskStore(tmp_path, 10**8, "othermodel").keys == []
+
+
+def test_packs_split_at_their_size_limit_and_at_an_entry_of_another_size(tmp_path):
+    keys = [f"q{i:03d}" for i in range(disk.PACK_ENTRIES + 10)]
+    items = [(key, arrays(i)) for i, key in enumerate(keys)]
+    odd = {"keys": np.zeros(3, dtype=np.float32)}
+    items.insert(4, ("odd", odd))  # another size: its own file, between two packs
+    store = DiskStore(tmp_path, 10**9, FP)
+    store.put_many_later(items)
+    store.flush()
+    sizes = sorted(
+        p.stat().st_size // len(disk.encode(FP, keys[0], arrays())) for p in pack_files(tmp_path)
+    )
+    assert sizes == [4, 6, disk.PACK_ENTRIES]  # 4, the odd one, then 64 and 6
+    assert (tmp_path / f"{FP}-odd.kv").exists() and same(store.get("odd"), odd)
+    run = store.read_run(keys)  # across three packs
+    assert len(run) == len(keys) and all(same(run.arrays(i), arrays(i)) for i in range(len(keys)))
+
+
+@pytest.mark.parametrize("damage", [corrupt_flip, corrupt_truncate, corrupt_grown])
+def test_a_bad_pack_goes_as_a_whole(tmp_path, caplog, damage):
+    keys = [f"r{i:03d}" for i in range(12)]
+    store = DiskStore(tmp_path, 10**8, FP)
+    write_pack(store, keys)
+    (pack,) = pack_files(tmp_path)
+    damage(pack)
+    with caplog.at_level(logging.WARNING, logger="mlx_paged.disk"):
+        run = store.read_run(keys)
+    if damage is corrupt_flip:  # the middle entry's checksum: the run stops before it
+        assert len(run) == 6 and all(same(run.arrays(i), arrays(i)) for i in range(6))
+    else:  # the pack's size no longer matches its index: no entry is trusted
+        assert run is None
+    assert not pack.exists() and store.keys == [] and store.bytes == 0
+    assert any("deleting" in r.getMessage() for r in caplog.records), caplog.text
+
+
+@pytest.mark.parametrize("damage", [corrupt_truncate, corrupt_grown, corrupt_old_version])
+def test_a_start_deletes_a_bad_pack_with_a_log_line(tmp_path, caplog, damage):
+    write_pack(DiskStore(tmp_path, 10**8, FP), [f"s{i:03d}" for i in range(6)])
+    (pack,) = pack_files(tmp_path)
+    damage(pack)
+    with caplog.at_level(logging.WARNING, logger="mlx_paged.disk"):
+        store = DiskStore(tmp_path, 10**8, FP)
+    assert store.keys == [] and store.bytes == 0 and not pack.exists()
+    assert any("deleting" in r.getMessage() for r in caplog.records), caplog.text
+
+
+def test_the_cap_drops_a_least_recently_used_pack_whole(tmp_path):
+    entry = len(disk.encode(FP, "t000", arrays()))
+    store = DiskStore(tmp_path, 36 * entry, FP)  # a pack holds at most 9 entries
+    write_pack(store, [f"a{i:03d}" for i in range(20)])
+    assert len(pack_files(tmp_path)) == 3  # 9, 9 and 2
+    for name in "bcd":  # 20 + 3 * 8 = 44 entries > 36: the oldest pack (9) goes, whole
+        write_pack(store, [f"{name}{i:03d}" for i in range(8)])
+    kept = sorted(store.keys)
+    assert kept == sorted(
+        [f"a{i:03d}" for i in range(9, 20)] + [f"{n}{i:03d}" for n in "bcd" for i in range(8)]
+    )
+    assert store.bytes == len(kept) * entry <= 36 * entry

@@ -125,7 +125,7 @@ def test_a_second_run_reads_the_prompts_blocks_from_kv_disk_dir(tmp_path, capsys
     main(argv)
     first = capsys.readouterr().out
     assert "prefix-hit tokens: 0," in first
-    assert list((tmp_path / "kv").glob("*.kv"))  # the run's blocks, written at its end
+    assert list((tmp_path / "kv").glob("*.kv*"))  # the run's blocks, written at its end
     main(argv)
     second = capsys.readouterr().out
     hit = int(second.split("prefix-hit tokens: ")[1].split(",")[0])

@@ -27,8 +27,8 @@ def test_a_restarted_server_answers_from_disk_and_survives_bad_files(tmp_path):
         assert first.proc.wait(60) == 0, first.log_tail()
     finally:
         first.stop()
-    files = sorted(disk.glob("*.kv"))
-    assert len(files) >= 6, first.log_tail()
+    files = sorted(disk.glob("*.kv*"))  # entry files, and packs of several
+    assert files, first.log_tail()
 
     second = start_server(tmp_path, "second", "--kv-disk-dir", str(disk), *FLAGS)
     try:
@@ -36,11 +36,11 @@ def test_a_restarted_server_answers_from_disk_and_survives_bad_files(tmp_path):
         m = second.metrics()
         assert m["mlx_paged_kv_disk_hit_tokens_total"] == 96
         assert m["mlx_paged_kv_disk_hits_total"] == 6
-        assert m["mlx_paged_kv_disk_bytes"] == sum(f.stat().st_size for f in disk.glob("*.kv"))
+        assert m["mlx_paged_kv_disk_bytes"] == sum(f.stat().st_size for f in disk.glob("*.kv*"))
     finally:
         second.proc.kill()  # no shutdown: nothing more is written
         second.proc.wait()
-    for f in disk.glob("*.kv"):  # every file damaged: flipped bytes or cut short
+    for f in disk.glob("*.kv*"):  # every file damaged: flipped bytes or cut short
         data = bytearray(f.read_bytes())
         data[len(data) // 3] ^= 0x5A
         f.write_bytes(bytes(data[: len(data) - (len(data) % 7)]))

@@ -189,7 +189,8 @@ class DiskTier:
 
     def _spill(self, items: list[tuple[str, list[int]]]) -> None:
         """Read the blocks of ``(key, block per group)`` items the disk lacks out of the
-        pools, one evaluation per tier, and queue their files on the store's writer."""
+        pools, one evaluation per tier, and queue them on the store's writer (which packs
+        the blocks of one tier that follow each other into one file)."""
         items = [(key, blocks) for key, blocks in items if key not in self.store]
         if not items or not self.store.enabled:
             return
@@ -201,8 +202,8 @@ class DiskTier:
             got = block_parts(self.pools, cold, [blocks for _, blocks in same])
             if got is None:
                 return  # a layer never written: nothing to keep
-            for (key, _), arrays in zip(same, to_host(*got), strict=True):
-                self.store.put_later(key, arrays)
+            keys = [key for key, _ in same]
+            self.store.put_many_later(list(zip(keys, to_host(*got), strict=True)))
         self.seconds["write"] += time.perf_counter() - start
 
     def _spill_state(self, key: str, snapshot: int) -> None:

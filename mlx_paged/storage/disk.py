@@ -1,14 +1,21 @@
 """The disk tier's files: entries of named arrays under keys, in one directory.
 
-One file per entry, ``<fingerprint>-<key>.kv``, in the format of
-``storage/disk_format.py``. ``read_run`` reads many entries of one layout into
-one buffer, on several threads, checking each file's length, checksum, key and
+An entry is a file of its own, ``<fingerprint>-<key>.kv``, in the format of
+``storage/disk_format.py``, or one of the entries of a *pack*,
+``<fingerprint>-<first key>-<id>.kvp``: up to ``PACK_ENTRIES`` entries of one
+size (and a quarter of ``max_bytes``) written back to back by
+``put_many_later`` (a prefix's blocks, spilled together). Reading a file costs
+more than reading its bytes (BENCHMARKS.md, run 160), so a pack reads many
+entries in one call. ``read_run`` reads many entries of one layout into one
+buffer, on several threads, checking each entry's length, checksum, key and
 header against the first; the caller turns the buffer into arrays in one copy.
+A start reads each pack's keys.
 
 A file is written under a temporary name of its writer's own and renamed, so a
 reader sees a whole file or none; a writer killed midway leaves a temporary
 file that a later start deletes. A truncated, corrupted, foreign (another
-fingerprint) or old-format file is deleted with a log line and reads as a miss.
+fingerprint) or old-format file is deleted with a log line and reads as a miss;
+a pack with one bad entry goes as a whole.
 The directory is kept under ``max_bytes`` by deleting the least recently used
 files (by modification time, which a read refreshes), whichever model wrote
 them. Several processes may share the directory: each writes its own temporary
@@ -35,13 +42,29 @@ from pathlib import Path
 
 import numpy as np
 
-from .disk_format import FORMAT_VERSION, Run, crc_ok, encode, parse, same_header
+from .disk_format import (
+    FORMAT_VERSION,
+    Run,
+    crc_ok,
+    encode,
+    entry_key,
+    parse,
+    parse_head,
+    same_header,
+)
 
 __all__ = ["FORMAT_VERSION", "DiskStore", "Run", "encode"]
 
 logger = logging.getLogger("mlx_paged.disk")
 
 SUFFIX = ".kv"
+PACK_SUFFIX = ".kvp"
+#: Most entries one pack holds.
+PACK_ENTRIES = 64
+#: Bytes a start reads of a pack's first entry to find its size (its header fits), and
+#: of each entry to find its key (the prefix and a key of up to 236 bytes).
+HEAD_BYTES = 1 << 20
+HEAD_KEY = 256
 _UTIME_FD = os.utime in os.supports_fd
 #: Temporary files older than this are a dead writer's (seconds).
 STALE_TEMP_SECONDS = 600.0
@@ -66,8 +89,12 @@ class DiskStore:
             raise ValueError(f"the fingerprint must be letters and digits, got {fingerprint!r}.")
         self.path, self.max_bytes, self.fingerprint = Path(path), max_bytes, fingerprint
         self.enabled = True
-        # Every entry file in the directory, least recently used first: name -> bytes.
+        # Every entry file and pack in the directory, least recently used first: name ->
+        # bytes. This fingerprint's packs: name -> (their keys, bytes per entry); and
+        # where each of their keys lies: key -> (pack, index).
         self._files: OrderedDict[str, int] = OrderedDict()
+        self._packs: dict[str, tuple[list[str], int]] = {}
+        self._where: dict[str, tuple[str, int]] = {}
         self._lock = threading.Lock()
         self._pending: set[str] = set()  # names queued by put_later, not yet written
         self._queue: queue.Queue | None = None
@@ -85,20 +112,43 @@ class DiskStore:
             self._disable(f"the directory {str(self.path)!r} cannot be used: {e}")
 
     def __contains__(self, key: str) -> bool:
-        name = self._name(key)
-        return self.enabled and (name in self._files or name in self._pending)
+        if not self.enabled:
+            return False
+        if self._name(key) in self._pending:
+            return True
+        with self._lock:
+            return self._locate_locked(key) is not None
 
     @property
     def keys(self) -> list[str]:
         """This fingerprint's keys, least recently used first."""
         head = f"{self.fingerprint}-"
+        found = []
         with self._lock:
-            names = list(self._files)
-        return [n[len(head) : -len(SUFFIX)] for n in names if n.startswith(head)]
+            for name in self._files:
+                if name in self._packs:
+                    keys = self._packs[name][0]
+                    found += [k for i, k in enumerate(keys) if self._where.get(k) == (name, i)]
+                elif name.startswith(head) and name.endswith(SUFFIX):
+                    found.append(name[len(head) : -len(SUFFIX)])
+        return list(reversed(dict.fromkeys(reversed(found))))  # each once, where last used
 
     def size(self, key: str) -> int | None:
-        """The bytes of ``key``'s file, or ``None`` if the store has none."""
-        return self._files.get(self._name(key)) if self.enabled else None
+        """The bytes of ``key``'s entry, or ``None`` if the store has none."""
+        if not self.enabled:
+            return None
+        with self._lock:
+            got = self._locate_locked(key)
+        return got[2] if got is not None else None
+
+    def location(self, key: str) -> tuple[Path, int, int] | None:
+        """Where ``key``'s entry lies: its file, its offset there and its bytes."""
+        with self._lock:
+            got = self._locate_locked(key) if self.enabled else None
+        if got is None:
+            return None
+        name, index, size = got
+        return self.path / name, (index or 0) * size, size
 
     # ---- writes -----------------------------------------------------------
 
@@ -111,14 +161,19 @@ class DiskStore:
 
     def put_later(self, key: str, arrays: dict[str, np.ndarray]) -> None:
         """``put`` on the background writer; ``key in store`` holds from now on."""
-        if not self.enabled:
+        self.put_many_later([(key, arrays)])
+
+    def put_many_later(self, items: Sequence[tuple[str, dict[str, np.ndarray]]]) -> None:
+        """``put_later`` of each ``(key, arrays)``, in packs: the entries of one size that
+        follow each other go into one file, up to ``PACK_ENTRIES`` at a time."""
+        if not self.enabled or not items:
             return
-        name = self._name(key)
+        names = [self._name(key) for key, _ in items]
         if self._queue is None:
             self._queue = queue.Queue()
             threading.Thread(target=self._drain, name="mlx_paged-disk", daemon=True).start()
-        self._pending.add(name)
-        self._queue.put((name, key, arrays))
+        self._pending.update(names)
+        self._queue.put((names, list(items)))
 
     def flush(self) -> None:
         """Wait until every ``put_later`` is written (or dropped, if the store turned off)."""
@@ -143,44 +198,57 @@ class DiskStore:
         size)``, if given, returns the ``(rows, size)`` uint8 buffer to read into
         (reusing memory spares the page faults).
         """
-        names, size = [], None
+        rows: list[tuple[str, int | None, int]] = []  # (file, index in its pack, file bytes)
+        size = None
         with self._lock:
             for key in keys:
-                name = self._name(key)
-                got = self._files.get(name) if self.enabled else None
-                if got is None or (size is not None and got != size):
+                got = self._locate_locked(key) if self.enabled else None
+                if got is None or (size is not None and got[2] != size):
                     break
-                names.append(name)
-                size = got
-        if not names:
+                name, index, size = got
+                rows.append((name, index, self._files[name]))
+        if not rows:
             self.counts["misses"] += 1
             return None
         start = time.perf_counter()
         if out is not None:
-            data = out(len(names), size)
+            data = out(len(rows), size)
         else:
-            data = np.empty((len(names), size), dtype=np.uint8)
-        # One task per reader thread, each reading its share of the files in turn: a
-        # small file's read costs less than handing a task to a thread (run 160).
-        chunk = -(-len(names) // READ_THREADS)
-        if chunk == len(names):
-            errors = self._read_many(names, data)
+            data = np.empty((len(rows), size), dtype=np.uint8)
+        # One task per reader thread, each reading its share of the entries in turn (a
+        # small file's read costs less than handing a task to a thread, run 160), and
+        # the entries of a pack that follow each other in one call.
+        share = -(-len(rows) // READ_THREADS)
+        tasks: list[list[tuple[str, int | None, int, int, int]]] = [[]]
+        filled = 0
+        for r, (name, index, total) in enumerate(rows):
+            if filled == share:
+                tasks.append([])
+                filled = 0
+            task = tasks[-1]
+            if (
+                task
+                and index is not None
+                and task[-1][0] == name
+                and task[-1][1] == index - (r - task[-1][3])
+            ):
+                first = task[-1]
+                task[-1] = (name, first[1], total, first[3], first[4] + 1)
+            else:
+                task.append((name, index, total, r, 1))
+            filled += 1
+        if len(tasks) == 1:
+            errors = self._read_segments(tasks[0], data)
         else:
-            starts = range(0, len(names), chunk)
-            parts = self._readers.map(
-                self._read_many,
-                [names[i : i + chunk] for i in starts],
-                [data[i : i + chunk] for i in starts],
-            )
+            parts = self._readers.map(self._read_segments, tasks, [data] * len(tasks))
             errors = [e for part in parts for e in part]
         n, specs, payload = 0, None, 0
-        for name, error in zip(names, errors, strict=True):
+        for (name, _, _), key, error in zip(rows, keys, errors, strict=False):
             if error is None and n == 0:
                 try:
                     specs, payload = parse(data[0], self.fingerprint)
                 except ValueError as e:
                     error = e
-            key = name[len(self.fingerprint) + 1 : -len(SUFFIX)]
             if error is None and not same_header(data[0], data[n], key, payload):
                 error = ValueError("written for another key, or in another layout than the first")
             if error is not None:
@@ -195,7 +263,7 @@ class DiskStore:
             self.counts["misses"] += 1
             return None
         with self._lock:
-            for name in names[:n]:
+            for name in dict.fromkeys(name for name, _, _ in rows[:n]):
                 if name in self._files:
                     self._files.move_to_end(name)
         self.counts["hits"] += n
@@ -209,9 +277,61 @@ class DiskStore:
             raise ValueError(f"a disk-tier key must be letters and digits, got {key!r}.")
         return f"{self.fingerprint}-{key}{SUFFIX}"
 
-    def _read_many(self, names: Sequence[str], rows: np.ndarray) -> list[Exception | None]:
-        """``_read_one`` of each name into its row, in turn."""
-        return [self._read_one(name, row) for name, row in zip(names, rows, strict=True)]
+    def _locate_locked(self, key: str) -> tuple[str, int | None, int] | None:
+        """``(file, index in its pack or None, entry bytes)`` of ``key``'s entry, if any."""
+        name = self._name(key)
+        size = self._files.get(name)
+        if size is not None:
+            return name, None, size
+        at = self._where.get(key)
+        if at is None:
+            return None
+        return at[0], at[1], self._packs[at[0]][1]
+
+    def _read_segments(
+        self, segments: list[tuple[str, int | None, int, int, int]], data: np.ndarray
+    ) -> list[Exception | None]:
+        """Read each ``(file, index, file bytes, first row, entries)`` segment into its rows
+        of ``data``, in turn; one error (or ``None``) per entry."""
+        errors: list[Exception | None] = []
+        for name, index, total, row, count in segments:
+            out = data[row : row + count]
+            if index is None:
+                errors.append(self._read_one(name, out[0]))
+            else:
+                errors += self._read_pack(name, index, total, out)
+        return errors
+
+    def _read_pack(
+        self, name: str, index: int, total: int, out: np.ndarray
+    ) -> list[Exception | None]:
+        """Read entries ``index, index + 1, ...`` of pack ``name`` (``total`` bytes when
+        indexed) into the rows of ``out`` and check each one's checksum."""
+        try:
+            fd = os.open(self.path / name, os.O_RDONLY)
+        except OSError as e:
+            return [e] * len(out)
+        try:
+            got = os.fstat(fd).st_size
+            if got != total:
+                error = ValueError(f"truncated or rewritten ({got} bytes, {total} indexed)")
+                return [error] * len(out)
+            os.lseek(fd, index * out.shape[1], os.SEEK_SET)
+            got = os.readv(fd, list(out))
+            if got != out.size:
+                return [ValueError(f"truncated ({got} of {out.size} bytes read)")] * len(out)
+            bad = ValueError("the checksum of an entry does not match (corrupted)")
+            errors = [None if crc_ok(row) else bad for row in out]
+            if not any(errors):
+                try:
+                    os.utime(fd if _UTIME_FD else self.path / name)
+                except OSError:
+                    pass
+            return errors
+        except OSError as e:
+            return [e] * len(out)
+        finally:
+            os.close(fd)
 
     def _read_one(self, name: str, out: np.ndarray) -> Exception | None:
         """Read file ``name`` into ``out`` (its whole size) and check its length and CRC;
@@ -247,36 +367,68 @@ class DiskStore:
         return error
 
     def _write(self, name: str, key: str, arrays: dict[str, np.ndarray]) -> bool:
+        return self._write_file(name, [encode(self.fingerprint, key, arrays)], [key])
+
+    def _write_many(self, items: list[tuple[str, dict[str, np.ndarray]]]) -> None:
+        """Write ``(key, arrays)`` entries: runs of one size in packs, others alone."""
+        entries = [(key, encode(self.fingerprint, key, arrays)) for key, arrays in items]
+        i = 0
+        while i < len(entries) and self.enabled:
+            # A pack takes at most a quarter of the cap, which drops whole files.
+            most = min(PACK_ENTRIES, self.max_bytes // (4 * len(entries[i][1])))
+            j = i + 1
+            while j < len(entries) and j - i < most:
+                if len(entries[j][1]) != len(entries[i][1]):
+                    break
+                j += 1
+            keys, datas = [k for k, _ in entries[i:j]], [d for _, d in entries[i:j]]
+            if j - i == 1:
+                self._write_file(self._name(keys[0]), datas, keys)
+            else:
+                name = f"{self.fingerprint}-{keys[0]}-{uuid.uuid4().hex[:12]}{PACK_SUFFIX}"
+                self._write_file(name, datas, keys, pack=True)
+            i = j
+
+    def _write_file(self, name: str, datas: list[bytes], keys: list[str], pack: bool = False):
+        """Write one file of ``datas`` (the entries of ``keys``) and index it."""
         start = time.perf_counter()
-        data = encode(self.fingerprint, key, arrays)
         temp = self.path / f".{name}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
         try:
-            temp.write_bytes(data)
+            with open(temp, "wb") as f:
+                for data in datas:
+                    f.write(data)
             os.replace(temp, self.path / name)
         except OSError as e:
             temp.unlink(missing_ok=True)
             self._disable(f"writing {name!r} failed: {e}")
             return False
-        size = len(data)
+        size = sum(len(d) for d in datas)
         with self._lock:
             self._drop_locked(name, delete=False)
             self._files[name] = size
+            if pack:
+                self._index_pack_locked(name, keys, len(datas[0]))
             self.bytes += size
-            self.counts["writes"] += 1
+            self.counts["writes"] += len(keys)
             self._shrink_locked()
             self.seconds["write"] += time.perf_counter() - start
         return True
 
+    def _index_pack_locked(self, name: str, keys: list[str], entry: int) -> None:
+        self._packs[name] = (keys, entry)
+        for i, key in enumerate(keys):
+            self._where[key] = (name, i)
+
     def _drain(self) -> None:
         while True:
-            name, key, arrays = self._queue.get()
+            names, items = self._queue.get()
             try:
                 if self.enabled:
-                    self._write(name, key, arrays)
+                    self._write_many(items)
             except Exception:  # a write that fails for another reason must not end the thread
-                logger.exception("mlx_paged: writing the disk-tier file %s failed", name)
+                logger.exception("mlx_paged: writing the disk-tier files %s failed", names)
             finally:
-                self._pending.discard(name)
+                self._pending.difference_update(names)
                 self._queue.task_done()
 
     def _scan(self) -> None:
@@ -293,21 +445,47 @@ class DiskStore:
             if entry.name.endswith(".tmp"):
                 if now - stat.st_mtime > STALE_TEMP_SECONDS:
                     Path(entry.path).unlink(missing_ok=True)
-            elif entry.name.endswith(SUFFIX):
+            elif entry.name.endswith((SUFFIX, PACK_SUFFIX)):
                 found.append((stat.st_mtime, entry.name, stat.st_size))
+        head = f"{self.fingerprint}-"
         with self._lock:
             for _, name, size in sorted(found):
+                if name.endswith(PACK_SUFFIX) and name.startswith(head):
+                    try:
+                        self._index_pack_locked(name, *self._pack_keys(name, size))
+                    except (OSError, ValueError, KeyError, UnicodeDecodeError) as e:
+                        if not isinstance(e, FileNotFoundError):
+                            logger.warning("mlx_paged: deleting the disk-tier file %s: %s", name, e)
+                            Path(self.path / name).unlink(missing_ok=True)
+                        continue
                 self._files[name] = size
                 self.bytes += size
             self._shrink_locked()
+
+    def _pack_keys(self, name: str, size: int) -> tuple[list[str], int]:
+        """The keys of pack ``name`` (``size`` bytes) in order, and its bytes per entry."""
+        with open(self.path / name, "rb", buffering=0) as f:
+            head = np.frombuffer(f.read(min(size, HEAD_BYTES)), dtype=np.uint8)
+            _, _, entry = parse_head(head, self.fingerprint)
+            if size % entry or size < 2 * entry:
+                raise ValueError(f"truncated or grown: {size} bytes, entries of {entry}")
+            keys = []
+            for i in range(size // entry):
+                f.seek(i * entry)
+                keys.append(entry_key(np.frombuffer(f.read(HEAD_KEY), dtype=np.uint8)))
+        return keys, entry
 
     def _shrink_locked(self) -> None:
         while self.bytes > self.max_bytes and self._files:
             self._drop_locked(next(iter(self._files)))
 
     def _drop_locked(self, name: str, delete: bool = True) -> None:
-        """Take a file out of the index (and delete it)."""
+        """Take a file (a pack with all its entries) out of the index (and delete it)."""
         self.bytes -= self._files.pop(name, 0)
+        keys, _ = self._packs.pop(name, ((), 0))
+        for i, key in enumerate(keys):
+            if self._where.get(key) == (name, i):
+                del self._where[key]
         if delete:
             (self.path / name).unlink(missing_ok=True)
             self.counts["dropped"] += 1

@@ -88,6 +88,15 @@ def encode(fingerprint: str, key: str, arrays: dict[str, np.ndarray]) -> bytes:
 
 def parse(buf: np.ndarray, fingerprint: str) -> tuple[list[ArraySpec], int]:
     """An entry's array specs and where its payload starts."""
+    specs, payload, want = parse_head(buf, fingerprint)
+    if want != buf.size:
+        raise ValueError(f"truncated or grown: {buf.size} bytes, the header says {want}")
+    return specs, payload
+
+
+def parse_head(buf: np.ndarray, fingerprint: str) -> tuple[list[ArraySpec], int, int]:
+    """An entry's array specs, where its payload starts and its whole size, from bytes
+    that begin with it (its header at least)."""
     if buf.size < PREFIX.size + CRC.size:
         raise ValueError(f"truncated ({buf.size} bytes)")
     magic, version, key_len, header_len = PREFIX.unpack_from(buf)
@@ -105,10 +114,15 @@ def parse(buf: np.ndarray, fingerprint: str) -> tuple[list[ArraySpec], int]:
         ArraySpec(name, np.dtype(dtype), tuple(shape), start, size)
         for name, dtype, shape, start, size in header["arrays"]
     ]
-    want = payload + sum(s.size for s in specs) + CRC.size
-    if want != buf.size:
-        raise ValueError(f"truncated or grown: {buf.size} bytes, the header says {want}")
-    return specs, payload
+    return specs, payload, payload + sum(s.size for s in specs) + CRC.size
+
+
+def entry_key(buf: np.ndarray) -> str:
+    """The key of the entry ``buf`` begins with (its prefix and key at least)."""
+    magic, version, key_len, _ = PREFIX.unpack_from(buf)
+    if magic != MAGIC or version != FORMAT_VERSION:
+        raise ValueError("an entry of a pack is not a disk-tier entry of this format")
+    return bytes(buf[PREFIX.size : PREFIX.size + key_len]).decode()
 
 
 def same_header(first: np.ndarray, entry: np.ndarray, key: str, payload: int) -> bool:
