@@ -67,7 +67,7 @@ from .scheduler import Scheduler
 #: Blocks ``spill_cached`` reads out of the pools per evaluation.
 SPILL_BATCH = 256
 #: Blocks ``load`` reads per run: two runs' files are in host memory at once.
-LOAD_BATCH = 64
+LOAD_BATCH = 256
 #: ... and at most this many bytes of them (a staging buffer's size).
 LOAD_BYTES = 64 << 20
 #: Blocks a step loads for a request while others run (``DiskTier.step_blocks``).

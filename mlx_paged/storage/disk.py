@@ -35,37 +35,30 @@ import queue
 import threading
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 
-from .disk_format import (
-    FORMAT_VERSION,
-    Run,
-    crc_ok,
-    encode,
-    entry_key,
-    parse,
-    parse_head,
-    same_header,
+from .disk_files import (
+    PACK_ENTRIES,
+    PACK_SUFFIX,
+    group_packs,
+    list_files,
+    pack_keys,
+    plan_reads,
+    read_segments,
+    write_file,
 )
+from .disk_format import FORMAT_VERSION, Run, encode, parse, same_header
+from .disk_index import DiskIndex
 
 __all__ = ["FORMAT_VERSION", "DiskStore", "Run", "encode"]
 
 logger = logging.getLogger("mlx_paged.disk")
 
-SUFFIX = ".kv"
-PACK_SUFFIX = ".kvp"
-#: Most entries one pack holds.
-PACK_ENTRIES = 64
-#: Bytes a start reads of a pack's first entry to find its size (its header fits), and
-#: of each entry to find its key (the prefix and a key of up to 236 bytes).
-HEAD_BYTES = 1 << 20
-HEAD_KEY = 256
-_UTIME_FD = os.utime in os.supports_fd
 #: Temporary files older than this are a dead writer's (seconds).
 STALE_TEMP_SECONDS = 600.0
 #: Threads that read (and check) files at once.
@@ -89,17 +82,11 @@ class DiskStore:
             raise ValueError(f"the fingerprint must be letters and digits, got {fingerprint!r}.")
         self.path, self.max_bytes, self.fingerprint = Path(path), max_bytes, fingerprint
         self.enabled = True
-        # Every entry file and pack in the directory, least recently used first: name ->
-        # bytes. This fingerprint's packs: name -> (their keys, bytes per entry); and
-        # where each of their keys lies: key -> (pack, index).
-        self._files: OrderedDict[str, int] = OrderedDict()
-        self._packs: dict[str, tuple[list[str], int]] = {}
-        self._where: dict[str, tuple[str, int]] = {}
+        self._index = DiskIndex(fingerprint)  # guarded by the lock
         self._lock = threading.Lock()
         self._pending: set[str] = set()  # names queued by put_later, not yet written
         self._queue: queue.Queue | None = None
         self._readers = ThreadPoolExecutor(READ_THREADS, "mlx_paged-disk-read")  # lazy threads
-        self.bytes = 0
         self.counts = dict.fromkeys(("hits", "misses", "writes", "dropped"), 0)
         self.seconds = {"read": 0.0, "write": 0.0}
         try:
@@ -112,39 +99,27 @@ class DiskStore:
             self._disable(f"the directory {str(self.path)!r} cannot be used: {e}")
 
     def __contains__(self, key: str) -> bool:
-        if not self.enabled:
-            return False
-        if self._name(key) in self._pending:
-            return True
-        with self._lock:
-            return self._locate_locked(key) is not None
+        return self.enabled and (self._name(key) in self._pending or self._locate(key) is not None)
+
+    @property
+    def bytes(self) -> int:
+        """Bytes of every entry file and pack in the directory (every model's)."""
+        return self._index.bytes
 
     @property
     def keys(self) -> list[str]:
         """This fingerprint's keys, least recently used first."""
-        head = f"{self.fingerprint}-"
-        found = []
         with self._lock:
-            for name in self._files:
-                if name in self._packs:
-                    keys = self._packs[name][0]
-                    found += [k for i, k in enumerate(keys) if self._where.get(k) == (name, i)]
-                elif name.startswith(head) and name.endswith(SUFFIX):
-                    found.append(name[len(head) : -len(SUFFIX)])
-        return list(reversed(dict.fromkeys(reversed(found))))  # each once, where last used
+            return self._index.keys()
 
     def size(self, key: str) -> int | None:
         """The bytes of ``key``'s entry, or ``None`` if the store has none."""
-        if not self.enabled:
-            return None
-        with self._lock:
-            got = self._locate_locked(key)
+        got = self._locate(key)
         return got[2] if got is not None else None
 
     def location(self, key: str) -> tuple[Path, int, int] | None:
         """Where ``key``'s entry lies: its file, its offset there and its bytes."""
-        with self._lock:
-            got = self._locate_locked(key) if self.enabled else None
+        got = self._locate(key)
         if got is None:
             return None
         name, index, size = got
@@ -202,45 +177,25 @@ class DiskStore:
         size = None
         with self._lock:
             for key in keys:
-                got = self._locate_locked(key) if self.enabled else None
+                got = self._index.locate(key) if self.enabled else None
                 if got is None or (size is not None and got[2] != size):
                     break
                 name, index, size = got
-                rows.append((name, index, self._files[name]))
+                rows.append((name, index, self._index.files[name]))
         if not rows:
             self.counts["misses"] += 1
             return None
         start = time.perf_counter()
-        if out is not None:
-            data = out(len(rows), size)
-        else:
-            data = np.empty((len(rows), size), dtype=np.uint8)
+        data = out(len(rows), size) if out else np.empty((len(rows), size), dtype=np.uint8)
         # One task per reader thread, each reading its share of the entries in turn (a
         # small file's read costs less than handing a task to a thread, run 160), and
         # the entries of a pack that follow each other in one call.
-        share = -(-len(rows) // READ_THREADS)
-        tasks: list[list[tuple[str, int | None, int, int, int]]] = [[]]
-        filled = 0
-        for r, (name, index, total) in enumerate(rows):
-            if filled == share:
-                tasks.append([])
-                filled = 0
-            task = tasks[-1]
-            if (
-                task
-                and index is not None
-                and task[-1][0] == name
-                and task[-1][1] == index - (r - task[-1][3])
-            ):
-                first = task[-1]
-                task[-1] = (name, first[1], total, first[3], first[4] + 1)
-            else:
-                task.append((name, index, total, r, 1))
-            filled += 1
+        tasks = plan_reads(rows, READ_THREADS)
+        read = partial(read_segments, self.path, self.fingerprint)
         if len(tasks) == 1:
-            errors = self._read_segments(tasks[0], data)
+            errors = read(tasks[0], data)
         else:
-            parts = self._readers.map(self._read_segments, tasks, [data] * len(tasks))
+            parts = self._readers.map(read, tasks, [data] * len(tasks))
             errors = [e for part in parts for e in part]
         n, specs, payload = 0, None, 0
         for (name, _, _), key, error in zip(rows, keys, errors, strict=False):
@@ -264,8 +219,7 @@ class DiskStore:
             return None
         with self._lock:
             for name in dict.fromkeys(name for name, _, _ in rows[:n]):
-                if name in self._files:
-                    self._files.move_to_end(name)
+                self._index.used(name)
         self.counts["hits"] += n
         self.seconds["read"] += time.perf_counter() - start
         return Run(data[:n], specs, payload)
@@ -273,98 +227,13 @@ class DiskStore:
     # ---- internals --------------------------------------------------------
 
     def _name(self, key: str) -> str:
-        if not key or not key.isalnum():
-            raise ValueError(f"a disk-tier key must be letters and digits, got {key!r}.")
-        return f"{self.fingerprint}-{key}{SUFFIX}"
+        return self._index.name(key)
 
-    def _locate_locked(self, key: str) -> tuple[str, int | None, int] | None:
-        """``(file, index in its pack or None, entry bytes)`` of ``key``'s entry, if any."""
-        name = self._name(key)
-        size = self._files.get(name)
-        if size is not None:
-            return name, None, size
-        at = self._where.get(key)
-        if at is None:
+    def _locate(self, key: str) -> tuple[str, int | None, int] | None:
+        if not self.enabled:
             return None
-        return at[0], at[1], self._packs[at[0]][1]
-
-    def _read_segments(
-        self, segments: list[tuple[str, int | None, int, int, int]], data: np.ndarray
-    ) -> list[Exception | None]:
-        """Read each ``(file, index, file bytes, first row, entries)`` segment into its rows
-        of ``data``, in turn; one error (or ``None``) per entry."""
-        errors: list[Exception | None] = []
-        for name, index, total, row, count in segments:
-            out = data[row : row + count]
-            if index is None:
-                errors.append(self._read_one(name, out[0]))
-            else:
-                errors += self._read_pack(name, index, total, out)
-        return errors
-
-    def _read_pack(
-        self, name: str, index: int, total: int, out: np.ndarray
-    ) -> list[Exception | None]:
-        """Read entries ``index, index + 1, ...`` of pack ``name`` (``total`` bytes when
-        indexed) into the rows of ``out`` and check each one's checksum."""
-        try:
-            fd = os.open(self.path / name, os.O_RDONLY)
-        except OSError as e:
-            return [e] * len(out)
-        try:
-            got = os.fstat(fd).st_size
-            if got != total:
-                error = ValueError(f"truncated or rewritten ({got} bytes, {total} indexed)")
-                return [error] * len(out)
-            os.lseek(fd, index * out.shape[1], os.SEEK_SET)
-            got = os.readv(fd, list(out))
-            if got != out.size:
-                return [ValueError(f"truncated ({got} of {out.size} bytes read)")] * len(out)
-            bad = ValueError("the checksum of an entry does not match (corrupted)")
-            errors = [None if crc_ok(row) else bad for row in out]
-            if not any(errors):
-                try:
-                    os.utime(fd if _UTIME_FD else self.path / name)
-                except OSError:
-                    pass
-            return errors
-        except OSError as e:
-            return [e] * len(out)
-        finally:
-            os.close(fd)
-
-    def _read_one(self, name: str, out: np.ndarray) -> Exception | None:
-        """Read file ``name`` into ``out`` (its whole size) and check its length and CRC;
-        the error, or ``None``. Runs on reader threads: no shared state. A bare file
-        descriptor, not a file object: a small file's read is mostly per-call cost."""
-        path = self.path / name
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError as e:
-            return e
-        try:
-            got = os.readv(fd, [out])
-            grown = os.fstat(fd).st_size > out.size
-            if got == out.size and not grown:
-                if not crc_ok(out):
-                    error = ValueError("the checksum does not match (corrupted)")
-                else:
-                    try:
-                        os.utime(fd if _UTIME_FD else path)  # most recently used, for later
-                    except OSError:
-                        pass
-                    return None
-            else:
-                error = ValueError(f"truncated or rewritten ({got} bytes read, {out.size} indexed)")
-        except OSError as e:
-            return e
-        finally:
-            os.close(fd)
-        try:  # the header may say more: another format, version or fingerprint
-            parse(out[:got], self.fingerprint)
-        except (ValueError, KeyError, UnicodeDecodeError) as e:
-            error = ValueError(str(e)) if str(e) else error
-        return error
+        with self._lock:
+            return self._index.locate(key)
 
     def _write(self, name: str, key: str, arrays: dict[str, np.ndarray]) -> bool:
         return self._write_file(name, [encode(self.fingerprint, key, arrays)], [key])
@@ -372,52 +241,33 @@ class DiskStore:
     def _write_many(self, items: list[tuple[str, dict[str, np.ndarray]]]) -> None:
         """Write ``(key, arrays)`` entries: runs of one size in packs, others alone."""
         entries = [(key, encode(self.fingerprint, key, arrays)) for key, arrays in items]
-        i = 0
-        while i < len(entries) and self.enabled:
-            # A pack takes at most a quarter of the cap, which drops whole files.
-            most = min(PACK_ENTRIES, self.max_bytes // (4 * len(entries[i][1])))
-            j = i + 1
-            while j < len(entries) and j - i < most:
-                if len(entries[j][1]) != len(entries[i][1]):
-                    break
-                j += 1
-            keys, datas = [k for k, _ in entries[i:j]], [d for _, d in entries[i:j]]
-            if j - i == 1:
+        # A pack takes at most a quarter of the cap, which drops whole files.
+        most = min(PACK_ENTRIES, self.max_bytes // (4 * max(len(d) for _, d in entries)))
+        for group in group_packs(entries, max(most, 1)):
+            if not self.enabled:
+                return
+            keys, datas = [k for k, _ in group], [d for _, d in group]
+            if len(group) == 1:
                 self._write_file(self._name(keys[0]), datas, keys)
             else:
                 name = f"{self.fingerprint}-{keys[0]}-{uuid.uuid4().hex[:12]}{PACK_SUFFIX}"
                 self._write_file(name, datas, keys, pack=True)
-            i = j
 
     def _write_file(self, name: str, datas: list[bytes], keys: list[str], pack: bool = False):
         """Write one file of ``datas`` (the entries of ``keys``) and index it."""
         start = time.perf_counter()
-        temp = self.path / f".{name}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
         try:
-            with open(temp, "wb") as f:
-                for data in datas:
-                    f.write(data)
-            os.replace(temp, self.path / name)
+            write_file(self.path, name, datas)
         except OSError as e:
-            temp.unlink(missing_ok=True)
             self._disable(f"writing {name!r} failed: {e}")
             return False
-        size = sum(len(d) for d in datas)
         with self._lock:
-            self._drop_locked(name, delete=False)
-            self._files[name] = size
-            if pack:
-                self._index_pack_locked(name, keys, len(datas[0]))
-            self.bytes += size
+            pack = (keys, len(datas[0])) if pack else (None, 0)
+            self._index.add(name, sum(len(d) for d in datas), *pack)
             self.counts["writes"] += len(keys)
             self._shrink_locked()
             self.seconds["write"] += time.perf_counter() - start
         return True
-
-    def _index_pack_locked(self, name: str, keys: list[str], entry: int) -> None:
-        self._packs[name] = (keys, entry)
-        for i, key in enumerate(keys):
-            self._where[key] = (name, i)
 
     def _drain(self) -> None:
         while True:
@@ -433,59 +283,28 @@ class DiskStore:
 
     def _scan(self) -> None:
         """Index the directory's entry files by age; delete dead writers' temporary files."""
-        found = []
-        now = time.time()
-        for entry in os.scandir(self.path):
-            if not entry.is_file():
-                continue
-            try:
-                stat = entry.stat()
-            except FileNotFoundError:
-                continue
-            if entry.name.endswith(".tmp"):
-                if now - stat.st_mtime > STALE_TEMP_SECONDS:
-                    Path(entry.path).unlink(missing_ok=True)
-            elif entry.name.endswith((SUFFIX, PACK_SUFFIX)):
-                found.append((stat.st_mtime, entry.name, stat.st_size))
         head = f"{self.fingerprint}-"
         with self._lock:
-            for _, name, size in sorted(found):
+            for _, name, size in sorted(list_files(self.path, STALE_TEMP_SECONDS)):
+                pack = (None, 0)
                 if name.endswith(PACK_SUFFIX) and name.startswith(head):
                     try:
-                        self._index_pack_locked(name, *self._pack_keys(name, size))
+                        pack = pack_keys(self.path / name, size, self.fingerprint)
                     except (OSError, ValueError, KeyError, UnicodeDecodeError) as e:
                         if not isinstance(e, FileNotFoundError):
                             logger.warning("mlx_paged: deleting the disk-tier file %s: %s", name, e)
                             Path(self.path / name).unlink(missing_ok=True)
                         continue
-                self._files[name] = size
-                self.bytes += size
+                self._index.add(name, size, *pack)
             self._shrink_locked()
 
-    def _pack_keys(self, name: str, size: int) -> tuple[list[str], int]:
-        """The keys of pack ``name`` (``size`` bytes) in order, and its bytes per entry."""
-        with open(self.path / name, "rb", buffering=0) as f:
-            head = np.frombuffer(f.read(min(size, HEAD_BYTES)), dtype=np.uint8)
-            _, _, entry = parse_head(head, self.fingerprint)
-            if size % entry or size < 2 * entry:
-                raise ValueError(f"truncated or grown: {size} bytes, entries of {entry}")
-            keys = []
-            for i in range(size // entry):
-                f.seek(i * entry)
-                keys.append(entry_key(np.frombuffer(f.read(HEAD_KEY), dtype=np.uint8)))
-        return keys, entry
-
     def _shrink_locked(self) -> None:
-        while self.bytes > self.max_bytes and self._files:
-            self._drop_locked(next(iter(self._files)))
+        while self._index.bytes > self.max_bytes and self._index.files:
+            self._drop_locked(next(iter(self._index.files)))
 
     def _drop_locked(self, name: str, delete: bool = True) -> None:
         """Take a file (a pack with all its entries) out of the index (and delete it)."""
-        self.bytes -= self._files.pop(name, 0)
-        keys, _ = self._packs.pop(name, ((), 0))
-        for i, key in enumerate(keys):
-            if self._where.get(key) == (name, i):
-                del self._where[key]
+        self._index.drop(name)
         if delete:
             (self.path / name).unlink(missing_ok=True)
             self.counts["dropped"] += 1

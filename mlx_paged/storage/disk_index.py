@@ -1,0 +1,81 @@
+"""What a disk tier's directory holds, as one process sees it: files by age, and keys.
+
+``DiskIndex`` lists every entry file and pack of the directory, least recently
+used first, with their bytes (every model's: the cap counts them all), and where
+each key of its own fingerprint lies: a file of its own, or an entry of a pack.
+Pure bookkeeping; its owner (``DiskStore``) holds a lock around every call.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from .disk_files import SUFFIX
+
+
+class DiskIndex:
+    """Files by age and where each key's entry lies, for one ``fingerprint``."""
+
+    def __init__(self, fingerprint: str):
+        self.fingerprint = fingerprint
+        self.files: OrderedDict[str, int] = OrderedDict()  # name -> bytes, oldest first
+        self.bytes = 0
+        self._packs: dict[str, tuple[list[str], int]] = {}  # name -> (keys, entry bytes)
+        self._where: dict[str, tuple[str, int]] = {}  # key -> (pack, index)
+
+    def name(self, key: str) -> str:
+        """The file name of ``key``'s own entry file.
+
+        Raises:
+            ValueError: a key that is not letters and digits.
+        """
+        if not key or not key.isalnum():
+            raise ValueError(f"a disk-tier key must be letters and digits, got {key!r}.")
+        return f"{self.fingerprint}-{key}{SUFFIX}"
+
+    def locate(self, key: str) -> tuple[str, int | None, int] | None:
+        """``(file, index in its pack or None, entry bytes)`` of ``key``'s entry, if any;
+        a file of its own comes before a pack."""
+        name = self.name(key)
+        size = self.files.get(name)
+        if size is not None:
+            return name, None, size
+        at = self._where.get(key)
+        if at is None:
+            return None
+        return at[0], at[1], self._packs[at[0]][1]
+
+    def keys(self) -> list[str]:
+        """This fingerprint's keys, least recently used first (each once)."""
+        head, found = f"{self.fingerprint}-", []
+        for name in self.files:
+            if name in self._packs:
+                keys = self._packs[name][0]
+                found += [k for i, k in enumerate(keys) if self._where.get(k) == (name, i)]
+            elif name.startswith(head) and name.endswith(SUFFIX):
+                found.append(name[len(head) : -len(SUFFIX)])
+        return list(reversed(dict.fromkeys(reversed(found))))
+
+    def add(self, name: str, size: int, keys: list[str] | None = None, entry: int = 0) -> None:
+        """Index a file of ``size`` bytes as the most recently used (replacing one of that
+        name); with ``keys``, a pack of entries of ``entry`` bytes."""
+        self.drop(name)
+        self.files[name] = size
+        self.bytes += size
+        if keys is not None:
+            self._packs[name] = (keys, entry)
+            for i, key in enumerate(keys):
+                self._where[key] = (name, i)
+
+    def drop(self, name: str) -> None:
+        """Take a file (a pack with every entry of it) out of the index."""
+        self.bytes -= self.files.pop(name, 0)
+        keys, _ = self._packs.pop(name, ((), 0))
+        for i, key in enumerate(keys):
+            if self._where.get(key) == (name, i):
+                del self._where[key]
+
+    def used(self, name: str) -> None:
+        """Mark a file most recently used."""
+        if name in self.files:
+            self.files.move_to_end(name)
