@@ -305,3 +305,51 @@ def test_the_cap_drops_a_least_recently_used_pack_whole(tmp_path):
         [f"a{i:03d}" for i in range(9, 20)] + [f"{n}{i:03d}" for n in "bcd" for i in range(8)]
     )
     assert store.bytes == len(kept) * entry <= 36 * entry
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.one_of(
+            st.tuples(st.just("file"), st.integers(0, 9), st.integers(1, 50)),
+            st.tuples(
+                st.just("pack"),
+                st.lists(st.integers(0, 9), min_size=2, max_size=5),
+                st.integers(1, 50),
+            ),  # fmt: skip
+            st.tuples(st.just("drop"), st.integers(0, 20), st.just(0)),
+        ),
+        max_size=30,
+    )
+)
+def test_the_index_keeps_its_bytes_and_where_each_key_lies(ops):
+    from mlx_paged.storage.disk_index import DiskIndex
+
+    index, made = DiskIndex(FP), []
+    own: set[str] = set()  # keys with a file of their own
+    packed: dict[str, str] = {}  # key -> the pack last written with it
+    for kind, what, size in ops:
+        if kind == "drop":
+            if made:
+                name = made[what % len(made)]
+                index.drop(name)
+                own -= {k for k in own if index.name(k) == name}
+                packed = {k: p for k, p in packed.items() if p != name}
+            continue
+        keys = [f"k{k}" for k in ([what] if kind == "file" else dict.fromkeys(what))]
+        if kind == "file":
+            name = index.name(keys[0])
+            index.add(name, size)
+            own.add(keys[0])
+        else:
+            name = f"{FP}-{keys[0]}-{len(made)}.kvp"
+            index.add(name, size * len(keys), keys, size)
+            packed |= dict.fromkeys(keys, name)
+        made.append(name)
+    assert index.bytes == sum(index.files.values())
+    for key in own | set(packed):  # its own file first, else the pack last written with it
+        expected = (index.name(key), True) if key in own else (packed[key], False)
+        name, at, _ = index.locate(key)
+        assert (name, at is None) == expected
+    assert sorted(index.keys()) == sorted(own | set(packed))
+    assert index.locate("nothere") is None
