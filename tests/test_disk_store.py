@@ -353,3 +353,56 @@ def test_the_index_keeps_its_bytes_and_where_each_key_lies(ops):
         assert (name, at is None) == expected
     assert sorted(index.keys()) == sorted(own | set(packed))
     assert index.locate("nothere") is None
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["put", "pack", "get"]),
+            st.lists(st.sampled_from("abcdefgh"), min_size=1, max_size=6, unique=True),
+        ),
+        max_size=25,
+    )
+)
+def test_files_and_packs_stay_under_the_cap_least_recently_used_file_first(tmp_path_factory, ops):
+    path = tmp_path_factory.mktemp("packcap")
+    one = len(disk.encode(FP, "a", arrays()))
+    store = DiskStore(path, 12 * one, FP)  # twelve entries; a pack holds three at most
+    files: list[tuple[str, list[str]]] = []  # (name, keys), least recently used first
+    packed: dict[str, str] = {}  # key -> the pack last written with it
+
+    def add(name: str, keys: list[str]) -> None:
+        nonlocal files
+        files = [f for f in files if f[0] != name] + [(name, keys)]
+        while len([k for _, ks in files for k in ks]) * one > store.max_bytes:
+            gone = files.pop(0)[0]
+            for k in [k for k, p in packed.items() if p == gone]:
+                del packed[k]
+
+    for op, keys in ops:
+        if op == "get":
+            key = keys[0]
+            name = f"s{key}" if any(f[0] == f"s{key}" for f in files) else packed.get(key)
+            assert (store.get(key) is None) == (name is None)
+            if name is not None:
+                files = [f for f in files if f[0] != name] + [f for f in files if f[0] == name]
+            continue
+        if op == "put":
+            keys = keys[:1]
+            assert store.put(keys[0], arrays())
+        else:
+            store.put_many_later([(k, arrays()) for k in keys])
+            store.flush()
+        for i in range(0, len(keys), 3):
+            chunk = keys[i : i + 3]
+            if len(chunk) == 1:
+                add(f"s{chunk[0]}", chunk)
+            else:
+                name = f"p{len(files)}-{i}-{len(ops)}-{id(chunk)}"
+                packed.update(dict.fromkeys(chunk, name))
+                add(name, chunk)
+        on_disk = sum(f.stat().st_size for f in path.glob("*.kv*"))
+        assert on_disk == store.bytes <= store.max_bytes
+        singles = {ks[0] for n, ks in files if n.startswith("s")}
+        assert sorted(store.keys) == sorted(singles | set(packed))
