@@ -16,6 +16,7 @@ unless a test is about sampling, so texts can be compared across requests.
 from __future__ import annotations
 
 import asyncio
+import gc
 import importlib.util
 import json
 import signal
@@ -24,6 +25,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -262,6 +264,18 @@ def test_mailbox_wakes_the_loop_once_per_batch_and_keeps_each_queues_order():
             assert drained() == [[k for k in ks if k % 3 == j] for j in range(3)]
     finally:
         loop.close()
+
+
+def test_a_loops_mailbox_does_not_keep_the_loop_alive():
+    from mlx_paged.server.run import mailbox
+
+    loop = asyncio.new_event_loop()
+    mailbox(loop).post(asyncio.Queue(), "item")
+    loop.close()
+    gone = weakref.ref(loop)
+    del loop
+    gc.collect()
+    assert gone() is None
 
 
 # ---- discovery -------------------------------------------------------------

@@ -53,17 +53,21 @@ class Mailbox:
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
-        self._loop = loop
+        # Weak: the registry below maps the loop to this mailbox, and must not keep it.
+        self._loop = weakref.ref(loop)
         self._lock = threading.Lock()
         self._items: list[tuple[asyncio.Queue, Any]] = []
 
     def post(self, queue: asyncio.Queue, item: Any) -> None:
-        """Put ``item`` into ``queue`` on the loop's thread, soon."""
+        """Put ``item`` into ``queue`` on the loop's thread, soon (dropped if the loop is
+        gone: nothing waits on its queues then)."""
         with self._lock:
             self._items.append((queue, item))
             if len(self._items) > 1:
                 return  # a drain is already scheduled
-        self._loop.call_soon_threadsafe(self._drain)
+        loop = self._loop()
+        if loop is not None:
+            loop.call_soon_threadsafe(self._drain)
 
     def _drain(self) -> None:
         with self._lock:
