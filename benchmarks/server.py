@@ -126,7 +126,9 @@ class GpuMemory:
             time.sleep(0.2)
 
 
-async def one(client, model: str, prompt: str, max_tokens: int) -> tuple[float, list[float], int]:
+async def one(
+    client, model: str, prompt: str, max_tokens: int, temperature: float = 0.0
+) -> tuple[float, list[float], int]:
     """(time to first token, inter-token gaps, output tokens) of one streamed request."""
     start = time.perf_counter()
     stamps: list[float] = []
@@ -135,7 +137,7 @@ async def one(client, model: str, prompt: str, max_tokens: int) -> tuple[float, 
         model=model,
         prompt=prompt,
         max_tokens=max_tokens,
-        temperature=0.0,
+        temperature=temperature,
         stream=True,
         stream_options={"include_usage": True},
     )
@@ -148,12 +150,14 @@ async def one(client, model: str, prompt: str, max_tokens: int) -> tuple[float, 
     return (stamps[0] - start if stamps else float("nan")), gaps, tokens or len(stamps)
 
 
-async def load(client, model: str, prompts: list[str], concurrency: int, max_tokens: int):
+async def load(
+    client, model: str, prompts: list[str], concurrency: int, max_tokens: int, temp: float = 0.0
+):
     gate = asyncio.Semaphore(concurrency)
 
     async def run(p: str):
         async with gate:
-            return await one(client, model, p, max_tokens)
+            return await one(client, model, p, max_tokens, temp)
 
     start = time.perf_counter()
     results = await asyncio.gather(*(run(p) for p in prompts))
@@ -225,7 +229,8 @@ async def bench(
         with GpuMemory(None if getattr(args, "ranks", 1) > 1 else pid) as mem:
             try:
                 wall, res = await asyncio.wait_for(
-                    load(client, model, prompts[:n], c, args.max_tokens), args.level_timeout
+                    load(client, model, prompts[:n], c, args.max_tokens, args.temperature),
+                    args.level_timeout,
                 )
             except asyncio.TimeoutError:
                 print(f"{kind:9s} c={c:3d} n={n:4d}: timed out after {args.level_timeout} s")
@@ -291,6 +296,7 @@ def main() -> None:
     ap.add_argument("--system", type=int, default=1024, help="shared system prompt tokens")
     ap.add_argument("--question", type=int, default=64, help="unique question tokens")
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     ap.add_argument("--ranks", type=int, default=1, help="processes under mlx.launch")
     ap.add_argument(
         "--bursts", action="store_true", help="fresh servers: a first and a second burst"

@@ -329,8 +329,8 @@ def test_while_others_decode_a_load_spreads_over_steps_and_stalls_none(tmp_path,
         events = engine.step()
         engine.check_invariants()
         loaded.append(engine.stats().disk_hit_tokens)
-        if engine.scheduler.running and not any(e.uid == uid for e in events):
-            assert any(e.uid == other for e in events)  # b decoded in every step of the load
+        if loaded[-1] < 12 * BS:  # b decoded in every step of the load
+            assert any(e.uid == other for e in events)
         for e in events:
             if e.uid == uid:
                 got[0].append(e.token)

@@ -220,6 +220,117 @@ def test_per_request_settings():
     assert all(e.finish_reason is None for ev in events.values() for e in ev[:-1])
 
 
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_stop_token_ends_a_request_and_its_kv_is_reused(overlap):
+    """An overlapped step feeds the stop token before the host reads it: its K/V is written
+    and indexed, so the next turn adopts one token more, and still generates as alone."""
+    prompt = mixed_prompts(seed=10)[0]
+    greedy = solo("llama", tuple(prompt))
+    engine = PagedEngine(model_of("llama"), block_size=BS, overlap=overlap)
+    engine.add_request(prompt, MAX_TOKENS, stop_tokens=[greedy[3]])
+    events = list(engine.stream())
+    stop_at = greedy.index(greedy[3]) + 1
+    assert [e.token for e in events] == greedy[:stop_at] and events[-1].finish_reason == "stop"
+    assert [e.finish_reason for e in events[:-1]] == [None] * (stop_at - 1)
+    engine.check_invariants()
+    turn = prompt + greedy[:stop_at] + [5, 9]
+    uid = engine.add_request(turn, MAX_TOKENS)
+    req = engine.request(uid)
+    assert [e.token for e in engine.stream()] == solo("llama", tuple(turn))
+    written = len(prompt) + stop_at - (0 if overlap else 1)
+    assert req.prefix_hit == written
+    assert engine.stats().live_blocks == 0
+    engine.check_invariants()
+
+
+def test_overlap_waits_while_a_request_needs_its_tokens_on_the_host():
+    """A logits processor, log-probs or a constraint needs each token before the next step:
+    while such a request runs, every step's tokens come out in that step."""
+    prompts = mixed_prompts(seed=11)[:2]
+    engine = PagedEngine(model_of("llama"), block_size=BS)
+    first = engine.add_request(prompts[0], MAX_TOKENS)
+    engine.step()
+    # One greedy request alone overlaps: its decode's token comes out a step later.
+    assert [e.uid for e in engine.step()] == [first]
+    second = engine.add_request(prompts[1], 4, logprobs=0)
+    # The waiting token in flight, the new request's first, then this step's decode.
+    assert [e.uid for e in engine.step()] == [second, first, first, second]
+    out = {first: [], second: []}
+    for e in engine.stream():
+        out[e.uid].append(e.token)
+    assert len(out[first]) == MAX_TOKENS - 4 and len(out[second]) == 2
+    assert engine.stats().generated_tokens == MAX_TOKENS + 4
+    engine.check_invariants()
+
+
+def seeded_sampler(seed: int, temperature: float = 0.7):
+    """A sampler with its own random stream, as the server makes one per request."""
+    key = [mx.random.key(seed)]
+
+    def sample(logprobs):
+        key[0], sub = mx.random.split(key[0])
+        return mx.random.categorical(logprobs * (1 / temperature), key=sub)
+
+    return sample
+
+
+def test_sampled_requests_overlap_and_draw_what_step_by_step_would():
+    prompts = mixed_prompts(seed=12)[:4]
+    outputs = []
+    for overlap in (True, False):
+        engine = PagedEngine(model_of("llama"), block_size=BS, overlap=overlap)
+        uids = [engine.add_request(p, MAX_TOKENS, sampler=seeded_sampler(i))
+                for i, p in enumerate(prompts[:3])]  # fmt: skip
+        uids.append(engine.add_request(prompts[3], MAX_TOKENS))
+        first = engine.step()
+        # Overlapped, the first decode's tokens are still in flight.
+        assert len(first) == (4 if overlap else 8)
+        out = {u: [] for u in uids}
+        for e in [*first, *engine.stream()]:
+            out[e.uid].append(e.token)
+        engine.check_invariants()
+        outputs.append([out[u] for u in uids])
+    assert outputs[0] == outputs[1]
+    assert outputs[0][3] == solo("llama", tuple(prompts[3]))
+    assert len({tuple(o) for o in outputs[0]}) == 4
+
+
+@pytest.mark.parametrize("bad", ["raises", "out of range"])
+def test_a_sampler_failing_in_an_overlapped_step_ends_its_request_only(bad):
+    """The bad token is in flight, fed to the next step clipped, and refused when read."""
+    prompts = mixed_prompts(seed=13)[:2]
+    calls = [0]
+
+    def flaky(logprobs):
+        calls[0] += 1
+        if calls[0] < 3:
+            return mx.argmax(logprobs, -1)
+        if bad == "raises":
+            raise RuntimeError("sampler bug")
+        return mx.array([VOCAB + 5])
+
+    engine = PagedEngine(model_of("llama"), block_size=BS)
+    good = engine.add_request(prompts[0], MAX_TOKENS)
+    failing = engine.add_request(prompts[1], MAX_TOKENS, sampler=flaky)
+    events: dict[int, list[Event]] = {good: [], failing: []}
+    for e in engine.stream():
+        events[e.uid].append(e)
+    *tokens, last = events[failing]
+    assert [e.token for e in tokens] == solo("llama", tuple(prompts[1]))[:2]
+    assert last.finish_reason == "error" and last.token == -1
+    assert ("sampler bug" if bad == "raises" else "not a token id") in last.error
+    assert [e.token for e in events[good]] == solo("llama", tuple(prompts[0]))
+    stats = engine.stats()
+    assert (stats.failed, stats.live_blocks, stats.running) == (1, 0, 0)
+    engine.check_invariants()
+    # Only the K/V of its two tokens was parked, not the refused one the next step ran.
+    turn = prompts[1] + [e.token for e in tokens] + [3]
+    uid = engine.add_request(turn, MAX_TOKENS)
+    req = engine.request(uid)
+    assert [e.token for e in engine.stream()] == solo("llama", tuple(turn))
+    assert req.prefix_hit == len(prompts[1]) + 2
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [
@@ -279,7 +390,8 @@ PROMPTS = st.builds(
 
 
 class EngineMachine(RuleBasedStateMachine):
-    """Random arrivals and steps on a small pool; every output equals the solo one."""
+    """Random arrivals, aborts and steps on a small pool; every output equals the solo one
+    (an aborted request's, up to the abort)."""
 
     family = "llama"
 
@@ -290,6 +402,7 @@ class EngineMachine(RuleBasedStateMachine):
         self.max_tokens: dict[int, int] = {}
         self.out: dict[int, list[int]] = {}
         self.done: set[int] = set()
+        self.aborted: set[int] = set()
 
     @rule(num_blocks=st.integers(5, 12), batch=st.integers(1, 4))
     def build(self, num_blocks, batch):
@@ -317,6 +430,16 @@ class EngineMachine(RuleBasedStateMachine):
         if self.engine is not None:
             self.record(self.engine.step())
 
+    @rule(pick=st.integers(0, 50))
+    def abort(self, pick):
+        """End a waiting or running request (one may have a token in flight)."""
+        live = [u for u in self.prompts if u not in self.done]
+        if self.engine is not None and live:
+            uid = live[pick % len(live)]
+            assert self.engine.abort(uid)
+            self.done.add(uid)
+            self.aborted.add(uid)
+
     def record(self, events):
         for e in events:
             assert e.uid not in self.done
@@ -340,6 +463,8 @@ class EngineMachine(RuleBasedStateMachine):
         assert self.done == set(self.prompts), "a request was lost"
         for uid, prompt in self.prompts.items():
             want = solo(self.family, tuple(prompt), self.max_tokens[uid])
+            if uid in self.aborted:  # what came out before the abort
+                want = want[: len(self.out[uid])]
             assert self.out[uid] == want, f"request {uid} diverged"
 
 
@@ -367,8 +492,9 @@ def test_token_ids_outside_the_vocabulary_are_refused(bad):
     assert not engine.waiting and engine.stats().prompt_tokens == 0
 
 
-def test_abort_frees_blocks_and_spares_the_others():
-    engine = PagedEngine(model_of("llama"), block_size=BS, max_batch_size=2)
+@pytest.mark.parametrize("overlap", [True, False])
+def test_abort_frees_blocks_and_spares_the_others(overlap):
+    engine = PagedEngine(model_of("llama"), block_size=BS, max_batch_size=2, overlap=overlap)
     prompts = mixed_prompts(seed=6)[:3]
     uids = [engine.add_request(p, MAX_TOKENS) for p in prompts]
     events: dict[int, list[int]] = {u: [] for u in uids}
@@ -381,8 +507,9 @@ def test_abort_frees_blocks_and_spares_the_others():
     engine.check_invariants()
     for e in engine.stream():
         events[e.uid].append(e.token)
-    # The first step samples a first token and decodes one more; none come after the abort.
-    assert len(events[uids[0]]) == 4 and events[uids[2]] == []
+    # The first step samples a first token and decodes one more; none come after the abort,
+    # not even the one an overlapped step had in flight.
+    assert len(events[uids[0]]) == (3 if overlap else 4) and events[uids[2]] == []
     assert events[uids[1]] == solo("llama", tuple(prompts[1]))
     stats = engine.stats()
     assert (stats.aborted, stats.live_blocks, stats.running, stats.waiting) == (2, 0, 0, 0)
@@ -436,17 +563,23 @@ def test_logprobs_match_mlx_lm_and_prefix_hits_are_per_request():
     assert engine.stats().prompt_tokens == 2 * len(prompt)
 
 
-def test_first_tokens_are_told_before_the_steps_decode():
-    engine = PagedEngine(model_of("llama"), block_size=BS)
+@pytest.mark.parametrize("overlap", [True, False])
+def test_first_tokens_are_told_before_the_steps_decode(overlap):
+    engine = PagedEngine(model_of("llama"), block_size=BS, overlap=overlap)
     prompts = mixed_prompts(seed=9)[:2]
     first = engine.add_request(prompts[0], MAX_TOKENS)
     engine.step()
     second = engine.add_request(prompts[1], MAX_TOKENS)
     heard: list[tuple[Event, int]] = []
-    # What the model has run when each event is heard: the decode forward comes last.
+    # What the model has run when each event is heard: the decode forward comes last. An
+    # overlapped step tells the previous decode's token once its own decode is dispatched.
     returned = engine.step(on_event=lambda e: heard.append((e, engine.stats().generated_tokens)))
     assert [e for e, _ in heard] == returned
-    assert [(e.uid, n) for e, n in heard] == [(second, 3), (first, 5), (second, 5)]
+    if overlap:
+        assert [(e.uid, n) for e, n in heard] == [(second, 2), (first, 3)]
+        assert [e.uid for e in engine.step()] == [first, second]  # this step's, read next step
+    else:
+        assert [(e.uid, n) for e, n in heard] == [(second, 3), (first, 5), (second, 5)]
 
 
 def test_warm_up_leaves_the_engine_as_good_as_new():
@@ -455,9 +588,9 @@ def test_warm_up_leaves_the_engine_as_good_as_new():
     engine = PagedEngine(model_of("llama"), block_size=BS, max_batch_size=4)
     decode, batch_sizes = engine.runner.decode, []
 
-    def recording(reqs):
+    def recording(reqs, tokens=None):
         batch_sizes.append(len(reqs))
-        return decode(reqs)
+        return decode(reqs, tokens)
 
     engine.runner.decode = recording
     forward, padded = engine.runner.forward, []

@@ -28,6 +28,7 @@ from ..attention import route_attention
 from ..blocks import LayerKind, check_block_size
 from ..cache import PagedLayout, make_pools
 from ..storage import KVPool, StatePool, check_kv_dtype, check_kv_quant
+from .decode import Decoder, emit
 from .disk_tier import DiskTier
 from .distributed import Agreement
 from .request import (
@@ -36,7 +37,6 @@ from .request import (
     LogitsProcessor,
     Prefill,
     Request,
-    Sampled,
     Sampler,
     TokenConstraint,
     make_request,
@@ -86,6 +86,12 @@ class PagedEngine:
         group: The ranks of a model sharded across processes (``shard_model``):
             every rank must add the same requests and aborts in the same order;
             before each step their states are compared (``Agreement``).
+        overlap: Dispatch each decode step before reading the previous one's tokens,
+            so the host builds step t+1 while the device runs step t (as mlx-lm's
+            ``generate_step`` does). It applies while no running request has a
+            constraint, logits processor or log-probs; a step's tokens then come out
+            with the next step's events. A request that stops on a stop token costs
+            one row of one step.
     """
 
     def __init__(
@@ -106,6 +112,7 @@ class PagedEngine:
         group: mx.distributed.Group | None = None,
         kv_disk_dir: str | os.PathLike | None = None,
         kv_disk_bytes: int | None = None,
+        overlap: bool = True,
     ):
         check_block_size(block_size)
         check_kv_dtype(kv_dtype)
@@ -141,6 +148,7 @@ class PagedEngine:
         self.agreement = Agreement(group) if group is not None and group.size() > 1 else None
         self.vocab_size = vocab_size(model)
         self.clock = StepClock()  # host time per step phase (``engine/timing.py``)
+        self.decoder = Decoder(self.scheduler, self.runner, self.clock, self.vocab_size, overlap)
         self._next_uid = 0
         route_attention()
 
@@ -222,8 +230,10 @@ class PagedEngine:
 
         Returns the step's events. ``on_event`` hears each one as soon as it
         exists: a new request's first token right after its own prefill, before
-        the step's other prefills and its decode. It must not call ``abort``
-        (the step is under way); abort after ``step`` returns.
+        the step's other prefills and its decode. With ``overlap``, a decode's
+        tokens come out in the next step, once its successor is dispatched. It
+        must not call ``abort`` (the step is under way); abort after ``step``
+        returns.
         """
         events: list[Event] = []
         if self.agreement is not None and (self.scheduler.waiting or self.scheduler.running):
@@ -235,7 +245,9 @@ class PagedEngine:
             events += _tell(self._prefill(work), on_event, clock, "prefill")
         clock.lap("admit")
         if self.scheduler.running:
-            events += _tell(self._decode(), on_event, clock, "emit")
+            events += _tell(self.decoder.step(), on_event, clock, "emit")
+        else:
+            self.decoder.in_flight = None  # every request it carried has ended
         if not self.scheduler.running:
             self.runner.masks.wait()  # idle: every constraint has seen its last token
         return events
@@ -281,37 +293,6 @@ class PagedEngine:
             return []
         sampled = self.runner.sample(work.requests, logits)
         return emit(self.scheduler, self.runner, work.requests, sampled)
-
-    def _decode(self) -> list[Event]:
-        self.runner.migrate(self.scheduler.running)  # first: it frees full-precision blocks
-        reqs = self.scheduler.schedule_decode()
-        self.clock.lap("admit")
-        logits = self.runner.decode(reqs)
-        self.clock.lap("build")
-        mx.async_eval(logits)
-        self.clock.lap("dispatch")
-        sampled = self.runner.sample(reqs, logits)
-        self.clock.lap("wait")
-        self.clock.decode_steps += 1
-        return emit(self.scheduler, self.runner, reqs, sampled)
-
-
-def emit(
-    scheduler: Scheduler, runner: ModelRunner, reqs: list[Request], sampled: list[Sampled]
-) -> list[Event]:
-    """Record a step's sampled tokens (or errors) as events; constrained requests accept
-    theirs and fill their next masks in the background."""
-    events, constrained = [], []
-    for r, s in zip(reqs, sampled, strict=True):
-        if s.error is not None:
-            events.append(scheduler.abort(r, s.error))
-        else:
-            events.append(scheduler.emit(r, s.token, s.logprob, s.top_logprobs))
-            if r.constraint is not None:
-                constrained.append((r, s.token, events[-1].finish_reason is None))
-    # Accepted, and the next masks filled, while the host builds the next step.
-    runner.masks.advance(constrained, runner.vocab)
-    return events
 
 
 def snapshot_interval(interval: object, block_size: int) -> int:

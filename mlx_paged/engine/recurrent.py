@@ -49,8 +49,9 @@ class RecurrentStates:
             self._snapshot(req)
 
     def detach(self, req: Request) -> None:
-        """A sequence stops: keep its state at ``written`` and free its slot."""
-        if req.written:
+        """A sequence stops: keep its state at ``written`` and free its slot (no state past
+        its tokens: an overlapped step may have run a token the host then refused)."""
+        if 0 < req.written <= len(req.tokens):
             self._snapshot(req)
         self.slots.free_slot(req.slot)
         req.slot, req.cuts, req.extends_shared = None, frozenset(), False

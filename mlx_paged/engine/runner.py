@@ -94,21 +94,29 @@ class ModelRunner:
         pools = self.pools.items()
         return sum(pool.maybe_migrate([r.tables[kind] for r in reqs]) for kind, pool in pools)
 
-    def decode(self, reqs: list[Request]) -> mx.array:
-        """One token for every request (blocks reserved): the lazy logits ``(B, V)``."""
-        out, _ = self._batched(reqs, [[r.last_token] for r in reqs])
+    def decode(self, reqs: list[Request], tokens: mx.array | None = None) -> mx.array:
+        """One token for every request (blocks reserved): the lazy logits ``(B, V)``.
+
+        Each request feeds its last token, or row ``i`` of ``tokens (B,)`` where given
+        (a previous step's samples, not yet on the host).
+        """
+        inputs = [[r.last_token] for r in reqs] if tokens is None else tokens[:, None]
+        out, _ = self._batched(reqs, inputs)
         return out
 
     def _batched(
-        self, reqs: list[Request], inputs: list[list[int]], counts: tuple[int, ...] | None = None
+        self,
+        reqs: list[Request],
+        inputs: list[list[int]] | mx.array,
+        counts: tuple[int, ...] | None = None,
     ) -> tuple[mx.array, list]:
-        """One forward of ``inputs`` (equal lengths; of which the first ``counts[i]`` of row
-        ``i`` are real, all by default) over the requests' tables; advances them.
+        """One forward of ``inputs`` (rows of equal length, of which the first ``counts[i]``
+        of row ``i`` are real, all by default) over the requests' tables; advances them.
 
         Returns each row's last real position's lazy logits ``(B, V)`` and the caches it
         ran on.
         """
-        n = len(inputs[0])
+        n = inputs.shape[1] if isinstance(inputs, mx.array) else len(inputs[0])
         padded = counts is not None and any(c != n for c in counts)
         batches = {
             kind: DecodeBatch(
@@ -125,7 +133,8 @@ class ModelRunner:
             rows = self.states.rows([r.slot for r in reqs])
             views = [StepStateCache(self.states, i, rows) for i in range(self.states.num_layers)]
         caches = self.layout.bind(self.pools, batches, StepPagedKVCache, views.__getitem__)
-        out = self.model(mx.array(inputs), cache=caches)
+        x = inputs if isinstance(inputs, mx.array) else mx.array(inputs)
+        out = self.model(x, cache=caches)
         if padded:  # each row's last real position
             last = mx.array(counts, dtype=mx.int32) - 1
             out = mx.take_along_axis(out, last[:, None, None], axis=1)[:, 0, :]
@@ -143,26 +152,23 @@ class ModelRunner:
         A request whose logits processors or sampler raise, or whose sampler
         gives no token id in ``[0, V)``, gets an error instead; the others do not
         notice. Constrained requests' logits are masked first, in one operation
-        over the batch that leaves the other rows as they were.
+        over the batch that leaves the other rows as they were. Requests with no
+        processors or log-probs are sampled in one lazy vector and read at once.
         """
-        self.vocab = logits.shape[-1]
+        self.vocab = vocab = logits.shape[-1]
         errors: dict[int, str] = {}
         if any(r.constraint is not None for r in reqs):
             mx.async_eval(logits)  # the forward runs while the masks are gathered
             words, errors = self.masks.words(reqs, self.vocab)
             logits = mask_logits(logits, mx.array(words))
-        plain = [r.sampler is None and not r.logits_processors and r.logprobs is None for r in reqs]
-        if all(plain) and not errors:  # the common case: one argmax, one transfer
-            return [Sampled(t) for t in mx.argmax(logits, axis=-1).tolist()]
-        out: list[Sampled | None] = [None] * len(reqs)
-        for i, error in errors.items():
-            out[i], plain[i] = Sampled(error=error), False
-        greedy = [i for i, p in enumerate(plain) if p]
-        if greedy:
-            picked = mx.argmax(logits[mx.array(greedy)], axis=-1).tolist()
-            for i, t in zip(greedy, picked, strict=True):
-                out[i] = Sampled(t)
-        vocab = logits.shape[-1]
+        out: list[Sampled | None] = [Sampled(error=errors.get(i)) if i in errors else None
+                                     for i in range(len(reqs))]  # fmt: skip
+        simple = [i for i, r in enumerate(reqs) if i not in errors and _simple(r)]
+        if simple:
+            rows = logits if len(simple) == len(reqs) else logits[mx.array(simple)]
+            tokens, failed = self.pick([reqs[i] for i in simple], rows)
+            for j, t in enumerate(tokens.tolist()):
+                out[simple[j]] = checked(t, vocab, failed.get(j))
         for i, r in enumerate(reqs):
             if out[i] is None:
                 try:
@@ -170,6 +176,53 @@ class ModelRunner:
                 except Exception as e:  # the request's own code: end it, not the batch
                     out[i] = Sampled(error=f"{type(e).__name__}: {e}")
         return out
+
+    def pick(self, reqs: list[Request], logits: mx.array) -> tuple[mx.array, dict[int, str]]:
+        """Lazy tokens ``(B,)`` (int32) from ``(B, V)`` logits, for requests with no logits
+        processors or log-probs: the argmax, or the request's sampler's pick.
+
+        Returns them with the errors of rows whose sampler raised or gave no single token
+        (their token is 0). A sampler's token may still lie outside ``[0, V)``: check it
+        (``checked``) before it is used.
+        """
+        self.vocab = logits.shape[-1]
+        tokens = mx.argmax(logits, axis=-1).astype(mx.int32)
+        rows = [i for i, r in enumerate(reqs) if r.sampler is not None]
+        if not rows:
+            return tokens, {}
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        picked, errors = [], {}
+        for i in rows:
+            try:
+                picked.append(_one_token(reqs[i].sampler(logprobs[i : i + 1])))
+            except Exception as e:  # the request's own code: end it, not the batch
+                errors[i] = f"{type(e).__name__}: {e}"
+                picked.append(mx.zeros((1,), mx.int32))
+        tokens[mx.array(rows)] = mx.concatenate(picked)
+        return tokens, errors
+
+
+def _simple(req: Request) -> bool:
+    """Whether ``pick`` samples ``req``: no logits processors, no log-probs."""
+    return not req.logits_processors and req.logprobs is None
+
+
+def _one_token(token: object) -> mx.array:
+    """A sampler's pick as a ``(1,)`` int32 array; ValueError unless it is one token."""
+    if isinstance(token, int) and not isinstance(token, bool):
+        if not -(2**31) <= token < 2**31:
+            raise ValueError(f"the sampler gave {token!r}, not a token id.")
+        return mx.array([token], dtype=mx.int32)
+    if not isinstance(token, mx.array) or token.size != 1:
+        raise ValueError(f"the sampler gave {token!r}, not one token id.")
+    return token.reshape(1).astype(mx.int32)
+
+
+def checked(token: int, vocab: int, error: str | None = None) -> Sampled:
+    """``token`` as a ``Sampled``, or an error if ``error`` or it is not in ``[0, vocab)``."""
+    if error is None and not 0 <= token < vocab:
+        error = f"ValueError: the sampler gave {token!r}, not a token id in [0, {vocab})."
+    return Sampled(error=error) if error is not None else Sampled(token)
 
 
 def mask_logits(logits: mx.array, words: mx.array) -> mx.array:

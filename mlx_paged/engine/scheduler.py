@@ -165,12 +165,12 @@ class Scheduler:
         if self.recurrent:
             self.recurrent.wrote(req)
 
-    def schedule_decode(self) -> list[Request]:
+    def schedule_decode(self, preempt: bool = True) -> list[Request] | None:
         """Ready every running request for one decode token; return them in batch order.
 
-        Blocks wholly before a window go back first; then each request gets a
-        private block for its next token, the newest being preempted while the
-        pool is short.
+        Blocks wholly before a window go back first; then each request gets a private
+        block for its next token, the newest being preempted while the pool is short
+        (with ``preempt=False``: ``None``, nothing preempted or reserved).
         """
         for kind, group in self.groups.items():
             if kind.window is not None:
@@ -178,6 +178,8 @@ class Scheduler:
                     t = r.tables[kind]
                     group.drop_before(t, max(0, t.lengths[0] - kind.window + 1))
         while not _decode_fits(self.groups, self.running):
+            if not preempt:
+                return None
             assert len(self.running) > 1, "one request alone outgrew the pool"
             self._preempt(self.running[-1])
         for r in self.running:
@@ -296,7 +298,8 @@ class Scheduler:
     def _detach(self, req: Request) -> None:
         """Park a sequence's blocks (and its recurrent state) in the prefix index; drop its
         tables and state slot."""
-        self.index.insert(req.tokens, _spans(req, self.kinds), length=req.written)
+        # Not a token an overlapped step ran and the host then refused (``engine/decode.py``).
+        self.index.insert(req.tokens, _spans(req, self.kinds), min(req.written, len(req.tokens)))
         if self.recurrent:
             self.recurrent.detach(req)
         for kind, table in req.tables.items():
