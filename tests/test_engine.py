@@ -295,6 +295,41 @@ def test_sampled_requests_overlap_and_draw_what_step_by_step_would():
     assert len({tuple(o) for o in outputs[0]}) == 4
 
 
+class SharedSampler:
+    """An argmax sampler whose requests share one call a step (``batch_key``)."""
+
+    def __init__(self, key, calls: list[int], fail: bool = False):
+        self.batch_key, self.calls, self.fail = key, calls, fail
+
+    def __call__(self, logprobs):
+        self.calls.append(logprobs.shape[0])
+        if self.fail and len(self.calls) > 1:
+            raise RuntimeError("group bug")
+        return mx.argmax(logprobs, -1)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_samplers_sharing_a_batch_key_are_called_once_a_step(overlap):
+    prompts = mixed_prompts(seed=14)[:5]
+    calls, failing = [], []
+    engine = PagedEngine(model_of("llama"), block_size=BS, overlap=overlap)
+    uids = [engine.add_request(p, MAX_TOKENS, sampler=SharedSampler("a", calls))
+            for p in prompts[:3]]  # fmt: skip
+    uids.append(engine.add_request(prompts[3], MAX_TOKENS))
+    uids.append(engine.add_request(prompts[4], 4, sampler=SharedSampler("b", failing, True)))
+    events: dict[int, list[Event]] = {u: [] for u in uids}
+    for e in engine.stream():
+        events[e.uid].append(e)
+    for uid, prompt in zip(uids[:4], prompts[:4], strict=True):
+        assert [e.token for e in events[uid]] == solo("llama", tuple(prompt))
+    # Decode steps pass all three rows at once (first tokens come from each prefill).
+    assert calls.count(3) == MAX_TOKENS - 1 and set(calls) <= {1, 2, 3}
+    *ok, last = events[uids[4]]
+    assert len(ok) == 1 and last.finish_reason == "error" and "group bug" in last.error
+    assert engine.stats().failed == 1
+    engine.check_invariants()
+
+
 @pytest.mark.parametrize("bad", ["raises", "out of range"])
 def test_a_sampler_failing_in_an_overlapped_step_ends_its_request_only(bad):
     """The bad token is in flight, fed to the next step clipped, and refused when read."""

@@ -421,6 +421,21 @@ def test_xtc_removes_every_likely_token_but_the_least():
     assert {keep_first(logprobs).item() for _ in range(40)} == {0, 2}  # 0 is exempt
 
 
+def test_unseeded_samplers_of_equal_settings_share_a_batch_key_and_sample_rows_apart():
+    from mlx_paged.server.sampling import make_request_sampler
+
+    settings = (0.7, 0.9, 20, 0.05)
+    a = make_request_sampler(*settings, seed=None, xtc=(0.5, 0.1, [0]))
+    b = make_request_sampler(*settings, seed=None, xtc=(0.5, 0.1, [0]))
+    assert a.batch_key == b.batch_key and hash(a.batch_key)
+    assert make_request_sampler(0.8, 0.9, 20, 0.05, seed=None).batch_key != a.batch_key
+    assert not hasattr(make_request_sampler(*settings, seed=3), "batch_key")  # its own stream
+    # Each row keeps only its own top token (top-k 1): rows are sampled apart.
+    one = make_request_sampler(1.0, 1.0, 1, 0.0, seed=None)
+    logprobs = mx.log(mx.array([[0.7, 0.2, 0.1], [0.1, 0.2, 0.7], [0.2, 0.7, 0.1]]))
+    assert one(logprobs).tolist() == [0, 2, 1]
+
+
 def pick_stop(text: str) -> tuple[str, str]:
     """A 3-character stop string from the first half of ``text`` and the text before it."""
     for start in range(len(text) // 4, len(text) // 2):

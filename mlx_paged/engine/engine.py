@@ -176,7 +176,10 @@ class PagedEngine:
     ) -> int:
         """Queue a prompt; return its uid.
 
-        ``sampler`` maps log-probs ``(1, V)`` to a token (greedy if ``None``);
+        ``sampler`` maps log-probs ``(1, V)`` to a token (greedy if ``None``); one
+        with a hashable ``batch_key`` attribute samples rows independently and keeps no
+        per-request state, and is called once on ``(k, V)`` for the k requests of a step
+        whose samplers share that key;
         ``logits_processors`` see ``(tokens, logits)`` first, as in mlx-lm. With
         ``logprobs`` (0 or more), each event carries the sampled token's log-prob and
         the ``logprobs`` most likely tokens'. A ``constraint`` (a grammar's state)

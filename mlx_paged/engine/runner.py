@@ -191,14 +191,19 @@ class ModelRunner:
         if not rows:
             return tokens, {}
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        picked, errors = [], {}
+        groups: dict[object, list[int]] = {}  # samplers sharing a batch_key: one call
         for i in rows:
+            key = getattr(reqs[i].sampler, "batch_key", None)
+            groups.setdefault(("alone", i) if key is None else ("key", key), []).append(i)
+        picked, errors = [], {}
+        for group in groups.values():
+            lp = logprobs[group[0] : group[0] + 1] if len(group) == 1 else logprobs[mx.array(group)]
             try:
-                picked.append(_one_token(reqs[i].sampler(logprobs[i : i + 1])))
-            except Exception as e:  # the request's own code: end it, not the batch
-                errors[i] = f"{type(e).__name__}: {e}"
-                picked.append(mx.zeros((1,), mx.int32))
-        tokens[mx.array(rows)] = mx.concatenate(picked)
+                picked.append(_tokens(reqs[group[0]].sampler(lp), len(group)))
+            except Exception as e:  # the requests' own code: end them, not the batch
+                errors.update(dict.fromkeys(group, f"{type(e).__name__}: {e}"))
+                picked.append(mx.zeros((len(group),), mx.int32))
+        tokens[mx.array([i for group in groups.values() for i in group])] = mx.concatenate(picked)
         return tokens, errors
 
 
@@ -207,15 +212,16 @@ def _simple(req: Request) -> bool:
     return not req.logits_processors and req.logprobs is None
 
 
-def _one_token(token: object) -> mx.array:
-    """A sampler's pick as a ``(1,)`` int32 array; ValueError unless it is one token."""
-    if isinstance(token, int) and not isinstance(token, bool):
-        if not -(2**31) <= token < 2**31:
-            raise ValueError(f"the sampler gave {token!r}, not a token id.")
-        return mx.array([token], dtype=mx.int32)
-    if not isinstance(token, mx.array) or token.size != 1:
-        raise ValueError(f"the sampler gave {token!r}, not one token id.")
-    return token.reshape(1).astype(mx.int32)
+def _tokens(picked: object, n: int) -> mx.array:
+    """A sampler's picks for ``n`` rows as an ``(n,)`` int32 array; ValueError unless it
+    gave one token per row."""
+    if n == 1 and isinstance(picked, int) and not isinstance(picked, bool):
+        if not -(2**31) <= picked < 2**31:
+            raise ValueError(f"the sampler gave {picked!r}, not a token id.")
+        return mx.array([picked], dtype=mx.int32)
+    if not isinstance(picked, mx.array) or picked.size != n:
+        raise ValueError(f"the sampler gave {picked!r}, not {n} token id(s).")
+    return picked.reshape(n).astype(mx.int32)
 
 
 def checked(token: int, vocab: int, error: str | None = None) -> Sampled:

@@ -21,7 +21,8 @@ def make_request_sampler(
     ``None`` (greedy) at temperature 0. The filters apply in mlx-lm's
     ``make_sampler`` order: top-p, min-p, XTC (``xtc``: probability, threshold
     and the token ids it never removes), top-k. MLX work happens only when the
-    engine thread calls it.
+    engine thread calls it. Without a seed it has a ``batch_key``: the engine samples
+    every request with equal settings in one call.
     """
     if temperature == 0:
         return None
@@ -44,4 +45,10 @@ def make_request_sampler(
         key[0], sub = mx.random.split(key[0])
         return mx.random.categorical(x * (1.0 / temperature), key=sub)
 
+    if seed is None:  # rows sampled independently from the global stream: one call a step
+        sample.batch_key = ("make_request_sampler", temperature, top_p, top_k, min_p, _xtc_key(xtc))
     return sample
+
+
+def _xtc_key(xtc: tuple[float, float, list[int]] | None) -> tuple | None:
+    return None if xtc is None else (xtc[0], xtc[1], tuple(xtc[2]))
