@@ -635,8 +635,10 @@ def test_warm_up_leaves_the_engine_as_good_as_new():
         return forward(reqs, n, logits, counts)
 
     engine.runner.forward = spy
-    assert warm_up(engine) > 0
+    picks: list[int] = []
+    assert warm_up(engine, sampler=SharedSampler("warm", picks)) > 0
     assert batch_sizes == [4, 3, 2, 1], "the burst decodes once at every batch size"
+    assert 2 in picks, "two requests of the burst sample, in one call a step"
     assert any(padded), "the burst's suffixes share a padded forward, as a real burst's do"
     engine.runner.decode, engine.runner.forward = decode, forward
     stats = engine.stats()

@@ -938,6 +938,17 @@ def test_sampling_defaults_come_from_flags_then_generation_config(tmp_path):
     assert sampling_defaults(build_parser().parse_args([]), tmp_path / "missing") == {}
 
 
+def test_the_warm_up_samples_as_a_request_with_the_servers_defaults(tmp_path):
+    from mlx_paged.server import build_parser, warm_up_sampler
+
+    config = {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
+    (tmp_path / "generation_config.json").write_text(json.dumps(config))
+    sampler = warm_up_sampler(build_parser().parse_args([]), tmp_path)
+    assert sampler.batch_key == ("make_request_sampler", 0.6, 0.95, 20, 0.0, None)
+    greedy = warm_up_sampler(build_parser().parse_args(["--temp", "0"]), tmp_path / "missing")
+    assert greedy.batch_key == ("make_request_sampler", 1.0, 1.0, 0, 0.0, None)
+
+
 def test_server_temperature_applies_when_a_request_gives_none(tmp_path):
     from mlx_paged.server.schemas import ChatRequest
 

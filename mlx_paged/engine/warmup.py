@@ -21,13 +21,17 @@ import time
 from collections.abc import Sequence
 
 from .engine import PagedEngine
+from .request import Sampler
 from .scheduler import COUNTERS
 
 
-def warm_up(engine: PagedEngine, batch_sizes: Sequence[int] | None = None) -> float:
+def warm_up(
+    engine: PagedEngine, batch_sizes: Sequence[int] | None = None, sampler: Sampler | None = None
+) -> float:
     """Decode at every batch size from the engine's ``max_batch_size`` down to 1 (or, with
     ``batch_sizes``, run a burst at each of them with a few decode steps); return the
-    seconds it took.
+    seconds it took. With a ``sampler``, every other request samples with it, so that the
+    first sampled request builds no sampling kernels.
 
     Raises:
         ValueError: for a batch size that is not a positive int up to ``max_batch_size``.
@@ -48,7 +52,8 @@ def warm_up(engine: PagedEngine, batch_sizes: Sequence[int] | None = None) -> fl
             suffix = [(7 * i + 11 * j + round_) % vocab for j in range(bs // 2 + 1 + i % 4)]
             # Request i decodes i + 1 steps (its first token comes from its prefill), so
             # decode step k runs the b - k + 1 requests still going: every size once.
-            engine.add_request(prefix + suffix, i + 2 if batch_sizes is None else 3)
+            picks = sampler if i % 2 else None
+            engine.add_request(prefix + suffix, i + 2 if batch_sizes is None else 3, picks)
         for _ in engine.stream():
             pass
     if engine.disk is not None:

@@ -250,12 +250,25 @@ def loader(args: argparse.Namespace, group=None):
         if args.warm_up:
             from ..engine.warmup import warm_up
 
+            sampler = None if sharded else warm_up_sampler(args, args.model or embedded_path())
             logging.getLogger("mlx_paged.server").info(
-                "mlx_paged: warmed up in %.2f s", warm_up(engine)
+                "mlx_paged: warmed up in %.2f s", warm_up(engine, sampler=sampler)
             )
         return engine, tokenizer
 
     return load
+
+
+def warm_up_sampler(args: argparse.Namespace, model_path: str | Path):
+    """The sampler of a request with the server's defaults (temperature 1 if greedy), for
+    the warm-up to build the sampling kernels with."""
+    from .sampling import make_request_sampler
+
+    d = sampling_defaults(args, model_path)
+    temperature = d.get("temperature") or 1.0
+    return make_request_sampler(
+        temperature, d.get("top_p", 1.0), int(d.get("top_k", 0)), d.get("min_p", 0.0), None
+    )
 
 
 def sampling_defaults(args: argparse.Namespace, model_path: str | Path) -> dict[str, float]:
