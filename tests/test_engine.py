@@ -244,15 +244,15 @@ def test_a_stop_token_ends_a_request_and_its_kv_is_reused(overlap):
 
 
 def test_overlap_waits_while_a_request_needs_its_tokens_on_the_host():
-    """A logits processor, log-probs or a constraint needs each token before the next step:
-    while such a request runs, every step's tokens come out in that step."""
+    """A logits processor or a constraint needs each token before the next step: while such
+    a request runs, every step's tokens come out in that step."""
     prompts = mixed_prompts(seed=11)[:2]
     engine = PagedEngine(model_of("llama"), block_size=BS)
     first = engine.add_request(prompts[0], MAX_TOKENS)
     engine.step()
     # One greedy request alone overlaps: its decode's token comes out a step later.
     assert [e.uid for e in engine.step()] == [first]
-    second = engine.add_request(prompts[1], 4, logprobs=0)
+    second = engine.add_request(prompts[1], 4, logits_processors=[lambda tokens, x: x])
     # The waiting token in flight, the new request's first, then this step's decode.
     assert [e.uid for e in engine.step()] == [second, first, first, second]
     out = {first: [], second: []}
@@ -596,6 +596,38 @@ def test_logprobs_match_mlx_lm_and_prefix_hits_are_per_request():
     # or a copied partial tail.
     assert again.prefix_hit == len(prompt) - 1
     assert engine.stats().prompt_tokens == 2 * len(prompt)
+
+
+def test_log_probs_overlap_and_match_step_by_step_and_mlx_lm():
+    """Requests asking for 0, 2 or 5 top log-probs in one batch with plain ones: their picks
+    and log-probs come out of one lazy vector, overlapped, as they would step by step."""
+    prompts = mixed_prompts(seed=15)[:4]
+    asks = [0, 2, None, 5]
+    runs = []
+    for overlap in (True, False):
+        engine = PagedEngine(model_of("llama"), block_size=BS, overlap=overlap)
+        uids = [engine.add_request(p, 6, logprobs=k) for p, k in zip(prompts, asks, strict=True)]
+        first = engine.step()
+        assert len(first) == (4 if overlap else 8)  # overlapped: the decode still in flight
+        events: dict[int, list[Event]] = {u: [] for u in uids}
+        for e in [*first, *engine.stream()]:
+            events[e.uid].append(e)
+        runs.append([events[u] for u in uids])
+    for a, b in zip(*runs, strict=True):
+        assert [e.token for e in a] == [e.token for e in b]
+        assert [e.top_logprobs and [i for i, _ in e.top_logprobs] for e in a] == [
+            e.top_logprobs and [i for i, _ in e.top_logprobs] for e in b
+        ]
+        for x, y in zip(a, b, strict=True):
+            assert (x.logprob is None) == (y.logprob is None)
+            assert x.logprob is None or abs(x.logprob - y.logprob) < 1e-5
+    want = list(generate_step(mx.array(prompts[3]), model_of("llama"), max_tokens=6))
+    for e, (t, lp) in zip(runs[0][3], want, strict=True):
+        assert e.token == t and abs(e.logprob - lp[t].item()) < 1e-4
+        assert [i for i, _ in e.top_logprobs] == mx.argsort(-lp)[:5].tolist()
+    assert all(e.top_logprobs == () for e in runs[0][0])
+    assert all(len(e.top_logprobs) == 2 for e in runs[0][1])
+    assert all(e.logprob is None and e.top_logprobs is None for e in runs[0][2])
 
 
 @pytest.mark.parametrize("overlap", [True, False])

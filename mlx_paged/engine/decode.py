@@ -6,7 +6,7 @@ previous one's tokens (``InFlight``), so the host builds step t+1 while the
 device runs step t, as mlx-lm's ``generate_step`` does; the next step feeds the
 tokens still on the device. The host reads a step's tokens before it needs
 them: before preempting (a requeued request resumes from its tokens), and while
-a request's logits processors, constraint or log-probs need each token.
+a request's logits processors or constraint need each token.
 
 A request that stops on a stop token has run one more token by then: its K/V
 (and a hybrid model's state) are kept, so the prefix index holds one token more.
@@ -21,8 +21,9 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from .picks import Picks, pick
 from .request import Event, Request, Sampled
-from .runner import ModelRunner, checked
+from .runner import ModelRunner
 from .scheduler import Scheduler
 from .timing import StepClock
 
@@ -77,12 +78,13 @@ class Decoder:
         clock.lap("build")
         clock.decode_steps += 1
         if overlap:
-            tokens, failed = self.runner.pick(reqs, logits)
-            mx.async_eval(tokens)
+            self.runner.vocab = logits.shape[-1]
+            picks = pick(reqs, logits)
+            mx.async_eval(picks.arrays())
             clock.lap("dispatch")
             if before is not None:  # read while this step runs
                 events = self.read(before)
-            self.in_flight = InFlight(reqs, tokens, failed)
+            self.in_flight = InFlight(reqs, picks)
             clock.lap("wait")
             return events
         mx.async_eval(logits)
@@ -94,22 +96,17 @@ class Decoder:
     def read(self, step: InFlight) -> list[Event]:
         """The events of a dispatched step's tokens, for the requests still running."""
         live = {id(r) for r in self.scheduler.running}  # not since ended or aborted
-        reqs, sampled = [], []
-        for i, (r, t) in enumerate(zip(step.reqs, step.tokens.tolist(), strict=True)):
-            if id(r) in live:
-                reqs.append(r)
-                sampled.append(checked(t, self.runner.vocab, step.failed.get(i)))
-        return emit(self.scheduler, self.runner, reqs, sampled)
+        read = step.picks.read(step.reqs, self.runner.vocab)
+        rows = [(r, s) for r, s in zip(step.reqs, read, strict=True) if id(r) in live]
+        return emit(self.scheduler, self.runner, [r for r, _ in rows], [s for _, s in rows])
 
 
 @dataclass(frozen=True)
 class InFlight:
-    """A decode step dispatched but not read: its requests, lazy tokens ``(B,)`` and the
-    rows whose sampler failed (``ModelRunner.pick``)."""
+    """A decode step dispatched but not read: its requests and their lazy picks."""
 
     reqs: list[Request]
-    tokens: mx.array
-    failed: dict[int, str]
+    picks: Picks
 
     def ends(self, req: Request) -> bool:
         """Whether ``req``'s token in this step is its ``max_tokens``-th."""
@@ -118,7 +115,7 @@ class InFlight:
     def inputs(self, reqs: list[Request], vocab: int) -> mx.array | None:
         """Input tokens ``(B,)`` for the next step of ``reqs``: this step's where a request
         was in it, its last token otherwise; ``None`` if none was."""
-        tokens = self.tokens
+        tokens = self.picks.tokens
         if any(r.sampler is not None for r in self.reqs):  # a bad pick is refused when read,
             tokens = mx.clip(tokens, 0, vocab - 1)  # but the next step's embedding reads it
         if len(reqs) == len(self.reqs) and all(map(operator.is_, reqs, self.reqs)):
@@ -133,9 +130,9 @@ class InFlight:
 
 
 def _overlaps(req: Request) -> bool:
-    """Whether ``req``'s next step can be built before its token is read: nothing but its
-    sampler sees the token (no logits processor, constraint or log-probs)."""
-    return not req.logits_processors and req.logprobs is None and req.constraint is None
+    """Whether ``req``'s next step can be built before its token is read: no logits
+    processor or constraint needs the token on the host first."""
+    return not req.logits_processors and req.constraint is None
 
 
 def emit(

@@ -17,6 +17,7 @@ from ..blocks import LayerKind
 from ..cache import DecodeBatch, PagedKVCache, PagedLayout, StepPagedKVCache, StepStateCache
 from ..storage import KVPool, StatePool
 from .masks import MaskWork
+from .picks import pick
 from .request import Request, Sampled
 
 
@@ -153,7 +154,7 @@ class ModelRunner:
         gives no token id in ``[0, V)``, gets an error instead; the others do not
         notice. Constrained requests' logits are masked first, in one operation
         over the batch that leaves the other rows as they were. Requests with no
-        processors or log-probs are sampled in one lazy vector and read at once.
+        logits processors are sampled in one lazy vector and read at once (``pick``).
         """
         self.vocab = vocab = logits.shape[-1]
         errors: dict[int, str] = {}
@@ -163,12 +164,12 @@ class ModelRunner:
             logits = mask_logits(logits, mx.array(words))
         out: list[Sampled | None] = [Sampled(error=errors.get(i)) if i in errors else None
                                      for i in range(len(reqs))]  # fmt: skip
-        simple = [i for i, r in enumerate(reqs) if i not in errors and _simple(r)]
+        simple = [i for i, r in enumerate(reqs) if i not in errors and not r.logits_processors]
         if simple:
             rows = logits if len(simple) == len(reqs) else logits[mx.array(simple)]
-            tokens, failed = self.pick([reqs[i] for i in simple], rows)
-            for j, t in enumerate(tokens.tolist()):
-                out[simple[j]] = checked(t, vocab, failed.get(j))
+            batch = [reqs[i] for i in simple]
+            for i, s in zip(simple, pick(batch, rows).read(batch, vocab), strict=True):
+                out[i] = s
         for i, r in enumerate(reqs):
             if out[i] is None:
                 try:
@@ -176,59 +177,6 @@ class ModelRunner:
                 except Exception as e:  # the request's own code: end it, not the batch
                     out[i] = Sampled(error=f"{type(e).__name__}: {e}")
         return out
-
-    def pick(self, reqs: list[Request], logits: mx.array) -> tuple[mx.array, dict[int, str]]:
-        """Lazy tokens ``(B,)`` (int32) from ``(B, V)`` logits, for requests with no logits
-        processors or log-probs: the argmax, or the request's sampler's pick.
-
-        Returns them with the errors of rows whose sampler raised or gave no single token
-        (their token is 0). A sampler's token may still lie outside ``[0, V)``: check it
-        (``checked``) before it is used.
-        """
-        self.vocab = logits.shape[-1]
-        tokens = mx.argmax(logits, axis=-1).astype(mx.int32)
-        rows = [i for i, r in enumerate(reqs) if r.sampler is not None]
-        if not rows:
-            return tokens, {}
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        groups: dict[object, list[int]] = {}  # samplers sharing a batch_key: one call
-        for i in rows:
-            key = getattr(reqs[i].sampler, "batch_key", None)
-            groups.setdefault(("alone", i) if key is None else ("key", key), []).append(i)
-        picked, errors = [], {}
-        for group in groups.values():
-            lp = logprobs[group[0] : group[0] + 1] if len(group) == 1 else logprobs[mx.array(group)]
-            try:
-                picked.append(_tokens(reqs[group[0]].sampler(lp), len(group)))
-            except Exception as e:  # the requests' own code: end them, not the batch
-                errors.update(dict.fromkeys(group, f"{type(e).__name__}: {e}"))
-                picked.append(mx.zeros((len(group),), mx.int32))
-        tokens[mx.array([i for group in groups.values() for i in group])] = mx.concatenate(picked)
-        return tokens, errors
-
-
-def _simple(req: Request) -> bool:
-    """Whether ``pick`` samples ``req``: no logits processors, no log-probs."""
-    return not req.logits_processors and req.logprobs is None
-
-
-def _tokens(picked: object, n: int) -> mx.array:
-    """A sampler's picks for ``n`` rows as an ``(n,)`` int32 array; ValueError unless it
-    gave one token per row."""
-    if n == 1 and isinstance(picked, int) and not isinstance(picked, bool):
-        if not -(2**31) <= picked < 2**31:
-            raise ValueError(f"the sampler gave {picked!r}, not a token id.")
-        return mx.array([picked], dtype=mx.int32)
-    if not isinstance(picked, mx.array) or picked.size != n:
-        raise ValueError(f"the sampler gave {picked!r}, not {n} token id(s).")
-    return picked.reshape(n).astype(mx.int32)
-
-
-def checked(token: int, vocab: int, error: str | None = None) -> Sampled:
-    """``token`` as a ``Sampled``, or an error if ``error`` or it is not in ``[0, vocab)``."""
-    if error is None and not 0 <= token < vocab:
-        error = f"ValueError: the sampler gave {token!r}, not a token id in [0, {vocab})."
-    return Sampled(error=error) if error is not None else Sampled(token)
 
 
 def mask_logits(logits: mx.array, words: mx.array) -> mx.array:
