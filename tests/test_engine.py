@@ -243,16 +243,26 @@ def test_a_stop_token_ends_a_request_and_its_kv_is_reused(overlap):
     engine.check_invariants()
 
 
+class AnyToken:
+    """A constraint that allows every token (its grammar state needs each one)."""
+
+    def fill(self, row):
+        row[:] = -1
+
+    def accept(self, token: int) -> bool:
+        return True
+
+
 def test_overlap_waits_while_a_request_needs_its_tokens_on_the_host():
-    """A logits processor or a constraint needs each token before the next step: while such
-    a request runs, every step's tokens come out in that step."""
+    """A constraint needs each token before the next step (its grammar gives the next
+    mask): while a constrained request runs, every step's tokens come out in that step."""
     prompts = mixed_prompts(seed=11)[:2]
     engine = PagedEngine(model_of("llama"), block_size=BS)
     first = engine.add_request(prompts[0], MAX_TOKENS)
     engine.step()
     # One greedy request alone overlaps: its decode's token comes out a step later.
     assert [e.uid for e in engine.step()] == [first]
-    second = engine.add_request(prompts[1], 4, logits_processors=[lambda tokens, x: x])
+    second = engine.add_request(prompts[1], 4, constraint=AnyToken())
     # The waiting token in flight, the new request's first, then this step's decode.
     assert [e.uid for e in engine.step()] == [second, first, first, second]
     out = {first: [], second: []}
@@ -596,6 +606,40 @@ def test_logprobs_match_mlx_lm_and_prefix_hits_are_per_request():
     # or a copied partial tail.
     assert again.prefix_hit == len(prompt) - 1
     assert engine.stats().prompt_tokens == 2 * len(prompt)
+
+
+def test_logits_processors_overlap_and_see_the_token_in_flight():
+    """mlx-lm's repetition penalty reads each request's tokens: overlapped, its history ends
+    with the token still on the device, and the text is what mlx-lm generates."""
+    from mlx_lm.sample_utils import make_logits_processors
+
+    prompts = mixed_prompts(seed=16)[:3]
+    model = model_of("llama")
+
+    def penalty():
+        return make_logits_processors(repetition_penalty=1.8, repetition_context_size=8)
+
+    steps = [generate_step(mx.array(p), model, max_tokens=8, logits_processors=penalty())
+             for p in prompts]  # fmt: skip
+    want = [[t for t, _ in s] for s in steps]
+
+    def after_last(tokens, logits):  # forces the token after the last one
+        nxt = (tokens[-1] + 1) % logits.shape[-1]
+        return mx.where(mx.arange(logits.shape[-1]) == nxt, 1e9, logits)
+
+    for overlap in (True, False):
+        engine = PagedEngine(model, block_size=BS, overlap=overlap)
+        uids = [engine.add_request(p, 8, logits_processors=penalty()) for p in prompts[:2]]
+        uids.append(engine.add_request(prompts[2], 8, logits_processors=penalty(), logprobs=1))
+        counting = engine.add_request(prompts[0], 6, logits_processors=[after_last])
+        first = engine.step()
+        assert len(first) == (4 if overlap else 8)
+        out: dict[int, list[int]] = {u: [] for u in [*uids, counting]}
+        for e in [*first, *engine.stream()]:
+            out[e.uid].append(e.token)
+        assert [out[u] for u in uids] == want
+        assert out[counting] == [(prompts[0][-1] + k) % VOCAB for k in range(1, 7)]
+        engine.check_invariants()
 
 
 def test_log_probs_overlap_and_match_step_by_step_and_mlx_lm():

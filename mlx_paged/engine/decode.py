@@ -6,7 +6,7 @@ previous one's tokens (``InFlight``), so the host builds step t+1 while the
 device runs step t, as mlx-lm's ``generate_step`` does; the next step feeds the
 tokens still on the device. The host reads a step's tokens before it needs
 them: before preempting (a requeued request resumes from its tokens), and while
-a request's logits processors or constraint need each token.
+a request's constraint needs each token (its grammar gives the next mask).
 
 A request that stops on a stop token has run one more token by then: its K/V
 (and a hybrid model's state) are kept, so the prefix index holds one token more.
@@ -73,13 +73,13 @@ class Decoder:
         clock.lap("admit")
         if not reqs:
             return self.read(before)
-        rows = self.rows or self.runner.vocab
-        logits = self.runner.decode(reqs, before.inputs(reqs, rows) if before else None)
+        feed = before.inputs(reqs, self.rows or self.runner.vocab) if before else None
+        logits = self.runner.decode(reqs, feed)
         clock.lap("build")
         clock.decode_steps += 1
         if overlap:
             self.runner.vocab = logits.shape[-1]
-            picks = pick(reqs, logits)
+            picks = pick(reqs, logits, before.histories(reqs, feed) if before else None)
             mx.async_eval(picks.arrays())
             clock.lap("dispatch")
             if before is not None:  # read while this step runs
@@ -112,6 +112,19 @@ class InFlight:
         """Whether ``req``'s token in this step is its ``max_tokens``-th."""
         return len(req.generated) + 1 >= req.max_tokens and any(r is req for r in self.reqs)
 
+    def histories(self, reqs: list[Request], feed: mx.array | None) -> dict[int, mx.array]:
+        """For the rows of ``reqs`` with logits processors that were in this step: their
+        tokens, ending with the one in flight (row ``i`` of ``feed``, the next step's
+        input)."""
+        if feed is None or not any(r.logits_processors for r in reqs):
+            return {}
+        was = {id(r) for r in self.reqs}
+        return {
+            i: mx.concatenate([mx.array(r.tokens, dtype=mx.int32), feed[i : i + 1]])
+            for i, r in enumerate(reqs)
+            if r.logits_processors and id(r) in was
+        }
+
     def inputs(self, reqs: list[Request], vocab: int) -> mx.array | None:
         """Input tokens ``(B,)`` for the next step of ``reqs``: this step's where a request
         was in it, its last token otherwise; ``None`` if none was."""
@@ -130,9 +143,9 @@ class InFlight:
 
 
 def _overlaps(req: Request) -> bool:
-    """Whether ``req``'s next step can be built before its token is read: no logits
-    processor or constraint needs the token on the host first."""
-    return not req.logits_processors and req.constraint is None
+    """Whether ``req``'s next step can be built before its token is read: no constraint
+    needs the token on the host first (its grammar gives the next step's mask)."""
+    return req.constraint is None
 
 
 def emit(

@@ -89,9 +89,8 @@ class PagedEngine:
         overlap: Dispatch each decode step before reading the previous one's tokens,
             so the host builds step t+1 while the device runs step t (as mlx-lm's
             ``generate_step`` does). It applies while no running request has a
-            constraint or logits processor; a step's tokens then come out with the
-            next step's events. A request that stops on a stop token costs
-            one row of one step.
+            constraint; a step's tokens then come out with the next step's events. A
+            request that stops on a stop token costs one row of one step.
     """
 
     def __init__(

@@ -1,8 +1,8 @@
 """A step's tokens sampled lazily: one vector of picks, and their log-probs, read at once.
 
-``pick`` samples every request of a batch that has no logits processors: the
-argmax, or its sampler's pick (samplers sharing a ``batch_key`` in one call),
-and for requests that ask for log-probs the sampled token's and the most likely
+``pick`` samples every request of a batch: its logits processors first, then the
+argmax or its sampler's pick (samplers sharing a ``batch_key`` in one call), and
+for requests that ask for log-probs the sampled token's and the most likely
 ones'. Nothing is read until ``Picks.read``, so an overlapped step can be
 dispatched before the previous one's picks are read (``engine/decode.py``).
 """
@@ -51,15 +51,25 @@ class Picks:
         return out
 
 
-def pick(reqs: list[Request], logits: mx.array) -> Picks:
-    """Lazy picks from ``(B, V)`` logits for requests with no logits processors."""
+def pick(
+    reqs: list[Request], logits: mx.array, histories: dict[int, mx.array] | None = None
+) -> Picks:
+    """Lazy picks from ``(B, V)`` logits: each row's logits processors first, then its
+    sampler (or the argmax) and its log-probs.
+
+    A processor sees the request's tokens, ``histories[i]`` for row ``i`` where given
+    (an overlapped step's, whose last token is still on the device).
+    """
+    errors: dict[int, str] = {}
+    processed = [i for i, r in enumerate(reqs) if r.logits_processors]
+    if processed:
+        logits = _processed(reqs, processed, logits, histories or {}, errors)
     tokens = mx.argmax(logits, axis=-1).astype(mx.int32)
-    sampled = [i for i, r in enumerate(reqs) if r.sampler is not None]
+    sampled = [i for i, r in enumerate(reqs) if r.sampler is not None and i not in errors]
     asked = tuple(i for i, r in enumerate(reqs) if r.logprobs is not None)
     if not sampled and not asked:
-        return Picks(tokens, {})
+        return Picks(tokens, errors)
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    errors: dict[int, str] = {}
     if sampled:
         tokens = _sampled(reqs, sampled, logprobs, tokens, errors)
     if not asked:
@@ -76,6 +86,35 @@ def pick(reqs: list[Request], logits: mx.array) -> Picks:
     order = mx.argsort(-values, axis=-1)
     ids, values = mx.take_along_axis(ids, order, -1), mx.take_along_axis(values, order, -1)
     return Picks(tokens, errors, asked, chosen, ids, values)
+
+
+def _processed(
+    reqs: list[Request], rows: list[int], logits: mx.array, histories: dict, errors: dict
+) -> mx.array:
+    """``logits`` with ``rows`` passed through their requests' processors (a new array);
+    a processor that raises or gives no ``(1, V)`` row puts an error in ``errors``."""
+    done, at = [], []
+    for i in rows:
+        x = logits[i : i + 1]
+        tokens = histories.get(i)
+        tokens = mx.array(reqs[i].tokens) if tokens is None else tokens
+        try:
+            for proc in reqs[i].logits_processors:
+                x = proc(tokens, x)
+            if not isinstance(x, mx.array) or x.shape != (1, logits.shape[-1]):
+                shape = getattr(x, "shape", type(x).__name__)
+                raise ValueError(f"a logits processor gave {shape}, not (1, {logits.shape[-1]}).")
+        except Exception as e:  # the request's own code: end it, not the batch
+            errors[i] = f"{type(e).__name__}: {e}"
+            continue
+        done.append(x)
+        at.append(i)
+    if not done:
+        return logits
+    dtype = mx.result_type(logits, *done)
+    out = logits.astype(dtype) if dtype != logits.dtype else mx.array(logits)  # not in place
+    out[mx.array(at)] = mx.concatenate(done).astype(dtype)
+    return out
 
 
 def _sampled(

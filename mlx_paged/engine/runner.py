@@ -153,8 +153,8 @@ class ModelRunner:
         A request whose logits processors or sampler raise, or whose sampler
         gives no token id in ``[0, V)``, gets an error instead; the others do not
         notice. Constrained requests' logits are masked first, in one operation
-        over the batch that leaves the other rows as they were. Requests with no
-        logits processors are sampled in one lazy vector and read at once (``pick``).
+        over the batch that leaves the other rows as they were. Then every request
+        is sampled in one lazy vector, read at once (``pick``).
         """
         self.vocab = vocab = logits.shape[-1]
         errors: dict[int, str] = {}
@@ -162,20 +162,15 @@ class ModelRunner:
             mx.async_eval(logits)  # the forward runs while the masks are gathered
             words, errors = self.masks.words(reqs, self.vocab)
             logits = mask_logits(logits, mx.array(words))
-        out: list[Sampled | None] = [Sampled(error=errors.get(i)) if i in errors else None
-                                     for i in range(len(reqs))]  # fmt: skip
-        simple = [i for i, r in enumerate(reqs) if i not in errors and not r.logits_processors]
-        if simple:
-            rows = logits if len(simple) == len(reqs) else logits[mx.array(simple)]
-            batch = [reqs[i] for i in simple]
-            for i, s in zip(simple, pick(batch, rows).read(batch, vocab), strict=True):
+        out: list[Sampled | None] = [None] * len(reqs)
+        for i, error in errors.items():
+            out[i] = Sampled(error=error)
+        rest = [i for i in range(len(reqs)) if i not in errors]
+        if rest:
+            rows = logits if len(rest) == len(reqs) else logits[mx.array(rest)]
+            batch = [reqs[i] for i in rest]
+            for i, s in zip(rest, pick(batch, rows).read(batch, vocab), strict=True):
                 out[i] = s
-        for i, r in enumerate(reqs):
-            if out[i] is None:
-                try:
-                    out[i] = _sample_one(r, logits[i : i + 1], vocab)
-                except Exception as e:  # the request's own code: end it, not the batch
-                    out[i] = Sampled(error=f"{type(e).__name__}: {e}")
         return out
 
 
@@ -186,26 +181,3 @@ def mask_logits(logits: mx.array, words: mx.array) -> mx.array:
     allowed = (words.view(mx.uint32)[:, :, None] >> bits) & 1
     allowed = allowed.reshape(words.shape[0], -1)[:, : logits.shape[-1]]
     return mx.where(allowed.astype(mx.bool_), logits, mx.array(-mx.inf, logits.dtype))
-
-
-def _sample_one(req: Request, logits: mx.array, vocab: int) -> Sampled:
-    """Sample ``(1, V)`` logits for one request: its processors, its sampler, its log-probs."""
-    x = logits
-    for proc in req.logits_processors:
-        x = proc(mx.array(req.tokens), x)
-    logprobs = x - mx.logsumexp(x, axis=-1, keepdims=True)
-    token = (req.sampler or (lambda lp: mx.argmax(lp, -1)))(logprobs)
-    token = token.item() if isinstance(token, mx.array) and token.size == 1 else token
-    if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
-        raise ValueError(f"the sampler gave {token!r}, not a token id in [0, {vocab}).")
-    if req.logprobs is None:
-        return Sampled(token)
-    row = logprobs[0].astype(mx.float32)
-    top: tuple[tuple[int, float], ...] = ()
-    if req.logprobs > 0:
-        k = min(req.logprobs, vocab)
-        ids = mx.argpartition(-row, k - 1)[:k]
-        vals = row[ids]
-        order = mx.argsort(-vals)
-        top = tuple(zip(ids[order].tolist(), vals[order].tolist(), strict=True))
-    return Sampled(token, row[token].item(), top)
