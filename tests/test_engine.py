@@ -402,6 +402,8 @@ def test_bad_requests(kwargs, match):
         (dict(num_blocks=0), "num_blocks"),
         (dict(prefill_budget=0), "prefill_budget"),
         (dict(prefill_budget=True), "prefill_budget"),
+        (dict(overlap="no"), "overlap"),
+        (dict(overlap=None), "overlap"),
     ],
 )
 def test_bad_engine_arguments(kwargs, match):

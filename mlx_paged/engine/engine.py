@@ -123,6 +123,8 @@ class PagedEngine:
             "num_state_snapshots": num_state_snapshots,
         }
         check_positive(sizes, optional)
+        if not isinstance(overlap, bool):
+            raise ValueError(f"overlap must be True or False, got {overlap!r}.")
         state_snapshot_interval = snapshot_interval(state_snapshot_interval, block_size)
         layout = PagedLayout.of(model)
         pools = make_pools(layout, block_size, num_blocks, kv_dtype, quant, cold_blocks)
