@@ -26,7 +26,6 @@ import mlx.core as mx
 from mlx_lm.models import llama
 
 from mlx_paged import PagedEngine
-from mlx_paged.server.sampling import make_request_sampler
 
 
 def random_llama(layers: int, hidden: int, vocab: int, dtype: mx.Dtype):
@@ -56,7 +55,9 @@ def level(engine: PagedEngine, c: int, system: list[int], args, rng: random.Rand
         nonlocal started
         question = [rng.randrange(vocab // 2, vocab) for _ in range(args.question)]
         sampler = None
-        if args.temperature > 0:
+        if args.temperature > 0:  # the server's sampler (needs the server extra)
+            from mlx_paged.server.sampling import make_request_sampler
+
             sampler = make_request_sampler(args.temperature, 1.0, 0, 0.0, None)
         engine.add_request(system + question, args.max_tokens, sampler=sampler)
         started += 1
