@@ -331,7 +331,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"mlx_paged.server: error: {e}", file=sys.stderr)
         raise SystemExit(1) from e
     if group.size() > 1:
-        print(f"mlx_paged.server: rank {group.rank()} of {group.size()}, pid {os.getpid()}")
+        rank = f"rank {group.rank()} of {group.size()}, pid {os.getpid()}"
+        print(f"mlx_paged.server: {rank}", flush=True)  # a pipe holds it back otherwise
     if group.rank() > 0:  # no HTTP here: serve rank 0's steps until it stops the job
         worker.wait()
         return
