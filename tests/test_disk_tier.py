@@ -111,6 +111,7 @@ def test_damaged_files_are_recomputed_and_deleted(tmp_path, monkeypatch, batch):
     got = run(second, a)
     assert got[0] == expected[0]
     assert second.stats().disk_hit_tokens == 2 * BS
+    assert second.disk.store.counts["hits"] == 2
     assert not third.exists()
     # The blocks reserved past the damaged file went back: only a's own are held.
     index = second.scheduler.index

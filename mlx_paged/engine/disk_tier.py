@@ -17,7 +17,10 @@ and prefix index:
   match then adopts them like any cached block. Files are read in runs of up
   to ``LOAD_BATCH`` blocks and ``LOAD_BYTES`` bytes, into two staging buffers
   in turn (``storage/pinned.py``), the next run on the store's threads while
-  this one is written into the pool. While other requests run, the scheduler asks for at
+  this one is written into the pool. The threads check each file's size and
+  header; the arrays' checksums (``storage/disk_format.py``) are checked in MLX,
+  in the evaluation that writes them into the pool, and the blocks of an entry
+  that fails (and those after it) go back unindexed, its file deleted. While other requests run, the scheduler asks for at
   most ``step_blocks`` blocks a step and the request waits for the rest, whose
   first run is read meanwhile: their decoding never stalls for a whole prompt's
   load. For a hybrid model, the deepest snapshot on disk that ends within the
@@ -163,12 +166,13 @@ class DiskTier:
         if got is None:
             return False
         run = Run.of(self.store.fingerprint, "rehearsal", to_host(*got)[0])
-        run = Run(self.staging.stage(run.data), run.specs, run.payload)  # its kernel too
-        entries, _ = run_blocks(self.pools, self.windows, run, self.staging.to_mlx)
+        # The staging copy's kernel too, and the payload check's.
+        run = Run(self.staging.stage(run.data), run.specs, run.payload, checked=False)
+        entries, _, ok = run_blocks(self.pools, self.windows, run, self.staging.to_mlx)
         for g, pool in enumerate(self.pools):
             if cold[g] is not None:
                 write_blocks(pool, g, [blocks[g]], entries, cold[g])
-        mx.eval([a for p in self.pools for a in pool_arrays(p)])
+        mx.eval(ok, [a for p in self.pools for a in pool_arrays(p)])
         return True
 
     def _parked(self) -> list[tuple[list[int], list[int], int | None]]:
@@ -249,7 +253,7 @@ class DiskTier:
             self.seconds["load_copy"] += time.perf_counter() - start_copy
             if parsed is None:
                 break
-            arrays, cold = parsed
+            arrays, cold, ok = parsed
             ids = [
                 _take_blocks(groups[k], tables[k], end, len(run), c)
                 for k, c in zip(kinds, cold, strict=True)
@@ -260,9 +264,17 @@ class DiskTier:
                 if cold[g] is not None:
                     write_blocks(self.pools[g], g, ids[g], arrays, cold[g])
             # Each run's writes finish before the next run's start: a pool write that
-            # waits on one still in flight would copy the whole pool (DESIGN.md).
-            mx.eval([a for p in self.pools for a in pool_arrays(p)])
-            end += len(run) * bs
+            # waits on one still in flight would copy the whole pool (DESIGN.md). The
+            # payloads' sums are checked in the same evaluation; blocks written from a
+            # bad entry on are given back below, never indexed.
+            mx.eval(ok, [a for p in self.pools for a in pool_arrays(p)])
+            good = _leading(ok, len(run))
+            self.store.hit(good)
+            end += good * bs
+            if good < len(run):
+                bad = keys[(end - start) // bs]
+                self.store.discard(bad, "the checksum of an entry's arrays does not match")
+                break
         if end > start:
             for table in tables.values():
                 table.lengths[:] = [end] * len(table.lengths)
@@ -317,7 +329,7 @@ class DiskTier:
     def _read(self, keys: list[str], i: int) -> Future:
         """``read_run(keys)`` on the reader thread, into staging buffer ``i % 2``."""
         out = partial(self.staging.buffer, i)
-        return self._reader.submit(self.store.read_run, keys, out)
+        return self._reader.submit(self.store.read_run, keys, out, payloads=False)
 
 
 def chain_keys(tokens: Sequence[int], block_size: int, parent: str = "") -> list[str]:
@@ -388,6 +400,15 @@ def _pinned_tables(
         else:
             table.first = have
     return tables
+
+
+def _leading(ok: mx.array, n: int) -> int:
+    """How many of a run's ``n`` entries, from the first, passed their check (``ok``,
+    evaluated; all ``n`` when ``None``: the host checked them)."""
+    if ok is None:
+        return n
+    bad = np.flatnonzero(~np.array(ok))
+    return int(bad[0]) if bad.size else n
 
 
 def _tiers(blocks: Sequence[int | None]) -> tuple[bool | None, ...]:

@@ -7,8 +7,10 @@ size (and a quarter of ``max_bytes``) written back to back by
 ``put_many_later`` (a prefix's blocks, spilled together). Reading a file costs
 more than reading its bytes (BENCHMARKS.md, run 160), so a pack reads many
 entries in one call. ``read_run`` reads many entries of one layout into one
-buffer, on several threads, checking each entry's length, checksum, key and
-header against the first; the caller turns the buffer into arrays in one copy.
+buffer, on several threads, checking each entry's length, checksums, key and
+header against the first; the caller turns the buffer into arrays in one copy
+(and may check the payloads' sums there instead, on the GPU: ``discard`` drops a
+file that fails).
 A start reads each pack's keys.
 
 A file is written under a temporary name of its writer's own and renamed, so a
@@ -163,7 +165,10 @@ class DiskStore:
         return run.arrays(0) if run is not None else None
 
     def read_run(
-        self, keys: Sequence[str], out: Callable[[int, int], np.ndarray] | None = None
+        self,
+        keys: Sequence[str],
+        out: Callable[[int, int], np.ndarray] | None = None,
+        payloads: bool = True,
     ) -> Run | None:
         """The longest leading run of ``keys`` whose files are valid and of one layout,
         read into one buffer; ``None`` when the first is missing or bad.
@@ -171,7 +176,10 @@ class DiskStore:
         Bad files in the run are deleted with a log line; the run stops before
         the first of them, and before the first file of another size. ``out(rows,
         size)``, if given, returns the ``(rows, size)`` uint8 buffer to read into
-        (reusing memory spares the page faults).
+        (reusing memory spares the page faults). ``payloads=False`` leaves the
+        payloads' sums unchecked (``Run.checked``): the caller checks them,
+        ``discard``s the file of the first entry that fails and counts the good
+        ones (``hit``).
         """
         rows: list[tuple[str, int | None, int]] = []  # (file, index in its pack, file bytes)
         size = None
@@ -191,7 +199,7 @@ class DiskStore:
         # small file's read costs less than handing a task to a thread, run 160), and
         # the entries of a pack that follow each other in one call.
         tasks = plan_reads(rows, READ_THREADS)
-        read = partial(read_segments, self.path, self.fingerprint)
+        read = partial(read_segments, self.path, self.fingerprint, payloads)
         if len(tasks) == 1:
             errors = read(tasks[0], data)
         else:
@@ -220,9 +228,23 @@ class DiskStore:
         with self._lock:
             for name in dict.fromkeys(name for name, _, _ in rows[:n]):
                 self._index.used(name)
-        self.counts["hits"] += n
+        if payloads:
+            self.counts["hits"] += n
         self.seconds["read"] += time.perf_counter() - start
-        return Run(data[:n], specs, payload)
+        return Run(data[:n], specs, payload, checked=payloads)
+
+    def hit(self, n: int) -> None:
+        """Count ``n`` entries of a ``read_run(payloads=False)`` found good by the caller."""
+        self.counts["hits"] += n
+
+    def discard(self, key: str, why: str) -> None:
+        """Delete the file of ``key``'s entry (a whole pack) with a log line: its reader
+        found it bad (``why``) after ``read_run``."""
+        with self._lock:
+            got = self._index.locate(key)
+            if got is not None:
+                logger.warning("mlx_paged: deleting the disk-tier file %s: %s", got[0], why)
+                self._drop_locked(got[0])
 
     # ---- internals --------------------------------------------------------
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
+from functools import lru_cache
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -88,10 +89,12 @@ def run_blocks(
     windows: list[int | None],
     run: Run,
     to_mlx: Callable[[np.ndarray], mx.array] = mx.array,
-) -> tuple[Entries, list[bool | None]] | None:
-    """A run of block entries in MLX, one copy (``to_mlx``), and per group whether its
+) -> tuple[Entries, list[bool | None], mx.array | None] | None:
+    """A run of block entries in MLX, one copy (``to_mlx``); per group whether its
     blocks are cold (``None``: the entries hold none, as a sliding-window group may);
-    ``None`` when the entries are not of these pools' layout."""
+    and for a run whose payloads the host did not check, whether each entry's sum
+    matches (``payload_ok``, lazy). ``None`` when the entries are not of these pools'
+    layout."""
     parsed = {}
     for spec in run.specs:
         group, layer, which, dtype, model = spec.name.split(".")
@@ -120,7 +123,21 @@ def run_blocks(
         lo = run.payload + spec.start
         raw = data[:, lo : lo + spec.size].reshape(len(run), *spec.shape)
         out[name] = (raw.view(dtype), model)
-    return out, cold
+    return out, cold, None if run.checked else payload_ok(data, run)
+
+
+def payload_ok(data: mx.array, run: Run) -> mx.array:
+    """Whether each entry's payload word sum (``storage/disk_format.py``), computed where
+    ``data`` (``run.data`` in MLX) lies, is the one written: a lazy ``(entries,)`` bool."""
+    lo, hi = run.payload_words
+    words = data.view(mx.uint32)[:, lo:hi]
+    return mx.sum(words * _weights(hi - lo), axis=1) == mx.array(run.sums)
+
+
+@lru_cache(maxsize=4)
+def _weights(n: int) -> mx.array:
+    """The sum's multipliers ``2i + 1`` for ``n`` words."""
+    return mx.arange(1, 2 * n, 2, dtype=mx.uint32)
 
 
 def write_blocks(pool: KVPool, g: int, ids: list[int], entries: Entries, cold: bool) -> None:

@@ -1,7 +1,7 @@
 """The disk tier's file reads and pack layout: what ``DiskStore`` does to its files.
 
 Functions of paths and buffers, no index: read an entry file or a run of a
-pack's entries into rows of a buffer and check each one's checksum; plan which
+pack's entries into rows of a buffer and check each one's checksums; plan which
 reader thread reads which rows; read a pack's keys; group entries into packs.
 """
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .disk_format import crc_ok, entry_key, parse, parse_head
+from .disk_format import check, entry_key, parse, parse_head
 
 SUFFIX = ".kv"
 PACK_SUFFIX = ".kvp"
@@ -53,23 +53,31 @@ def plan_reads(rows: list[tuple[str, int | None, int]], threads: int) -> list[li
 
 
 def read_segments(
-    directory: Path, fingerprint: str, segments: list[Segment], data: np.ndarray
+    directory: Path,
+    fingerprint: str,
+    payloads: bool,
+    segments: list[Segment],
+    data: np.ndarray,
 ) -> list[Exception | None]:
     """Read each segment into its rows of ``data``, in turn; one error (or ``None``) per
-    entry. Runs on reader threads: no shared state."""
+    entry. ``payloads``: check the payloads' sums too, not only the heads'. Runs on
+    reader threads: no shared state."""
     errors: list[Exception | None] = []
     for name, index, total, row, count in segments:
         out = data[row : row + count]
         if index is None:
-            errors.append(read_entry(directory / name, out[0], fingerprint))
+            errors.append(read_entry(directory / name, out[0], fingerprint, payloads))
         else:
-            errors += read_pack(directory / name, index, total, out)
+            errors += read_pack(directory / name, index, total, out, payloads)
     return errors
 
 
-def read_pack(path: Path, index: int, total: int, out: np.ndarray) -> list[Exception | None]:
+def read_pack(
+    path: Path, index: int, total: int, out: np.ndarray, payloads: bool = True
+) -> list[Exception | None]:
     """Read entries ``index, index + 1, ...`` of the pack at ``path`` (``total`` bytes when
-    indexed) into the rows of ``out`` and check each one's checksum."""
+    indexed) into the rows of ``out`` and check each one's checksums (``payloads``: the
+    payload's too)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError as e:
@@ -83,8 +91,8 @@ def read_pack(path: Path, index: int, total: int, out: np.ndarray) -> list[Excep
         got = os.readv(fd, list(out))
         if got != out.size:
             return [ValueError(f"truncated ({got} of {out.size} bytes read)")] * len(out)
-        bad = ValueError("the checksum of an entry does not match (corrupted)")
-        errors = [None if crc_ok(row) else bad for row in out]
+        why = [check(row, payloads) for row in out]
+        errors = [None if w is None else ValueError(f"an entry: {w}") for w in why]
         if not any(errors):
             _touch(fd, path)
         return errors
@@ -94,10 +102,12 @@ def read_pack(path: Path, index: int, total: int, out: np.ndarray) -> list[Excep
         os.close(fd)
 
 
-def read_entry(path: Path, out: np.ndarray, fingerprint: str) -> Exception | None:
+def read_entry(
+    path: Path, out: np.ndarray, fingerprint: str, payloads: bool = True
+) -> Exception | None:
     """Read the entry file at ``path`` into ``out`` (its whole size) and check its length
-    and CRC; the error, or ``None``. A bare file descriptor, not a file object: a small
-    file's read is mostly per-call cost."""
+    and checksums (``payloads``: the payload's too); the error, or ``None``. A bare file
+    descriptor, not a file object: a small file's read is mostly per-call cost."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError as e:
@@ -106,10 +116,11 @@ def read_entry(path: Path, out: np.ndarray, fingerprint: str) -> Exception | Non
         got = os.readv(fd, [out])
         grown = os.fstat(fd).st_size > out.size
         if got == out.size and not grown:
-            if crc_ok(out):
+            why = check(out, payloads)
+            if why is None:
                 _touch(fd, path)
                 return None
-            error = ValueError("the checksum does not match (corrupted)")
+            error = ValueError(why)
         else:
             error = ValueError(f"truncated or rewritten ({got} bytes read, {out.size} indexed)")
     except OSError as e:

@@ -2,14 +2,23 @@
 
     b"MLXPGKV\\0", format version (u32), key length (u32), header length (u32),
     the key, the header (JSON: the fingerprint and each array's name, dtype,
-    shape and byte range), the arrays' bytes, then a CRC-32 (u32) of
-    everything before it.
+    shape and byte range; padded with spaces so that the payload starts at a
+    multiple of 16 bytes), the payload (the arrays' bytes, zero-padded to a
+    multiple of 16), then a CRC-32 (u32) of everything before the payload and
+    the payload's word sum (u32).
+
+The word sum reads the payload as little-endian u32 words ``w_i`` and adds up
+``w_i * (2i + 1)`` modulo 2**32. Each multiplier is odd, so a change within any
+one word always changes the sum; a change spread over several words goes
+unseen with a chance near 2**-32, as with CRC-32. Unlike CRC-32, the sum is two
+array operations, so a load checks it where the bytes go, on the GPU
+(``storage/disk_entries.py``: ``device_sums``), at memory speed; the host
+computes the same sum with ``np.dot`` (``payload_sums``). Neither is a defence
+against someone forging files.
 
 Entries of one layout (the same arrays, shapes and dtypes under keys of one
 length) have the same header and size, so many of them can be read into one
-buffer and checked against the first (``same_header``). CRC-32 catches torn
-and flipped bytes at several GB/s a core; it is no defence against someone
-forging files.
+buffer and checked against the first (``same_header``).
 """
 
 from __future__ import annotations
@@ -18,13 +27,17 @@ import json
 import struct
 import zlib
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
 MAGIC = b"MLXPGKV\0"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 PREFIX = struct.Struct("<8sIII")
-CRC = struct.Struct("<I")
+#: The head's CRC-32 and the payload's word sum.
+TRAILER = struct.Struct("<II")
+#: Where the payload starts, and how its size rounds: whole 16-byte words.
+ALIGN = 16
 
 
 @dataclass(frozen=True)
@@ -43,12 +56,15 @@ class Run:
     """Entries read by ``DiskStore.read_run``: row ``i`` of ``data`` is file ``i``.
 
     ``data[:, payload:payload + s.size]`` holds array ``s`` of each entry, for
-    ``s`` in ``specs``.
+    ``s`` in ``specs``. ``checked`` says whether the payloads' sums were checked
+    on the host; if not, the reader checks them (``sums``, ``payload_words``)
+    before trusting a row.
     """
 
     data: np.ndarray  # (entries, file bytes) uint8
     specs: list[ArraySpec]
     payload: int
+    checked: bool = True
 
     def __len__(self) -> int:
         return self.data.shape[0]
@@ -59,6 +75,17 @@ class Run:
         data = np.frombuffer(encode(fingerprint, key, arrays), dtype=np.uint8)
         specs, payload = parse(data, fingerprint)
         return cls(data[None], specs, payload)
+
+    @property
+    def payload_words(self) -> tuple[int, int]:
+        """The payload's first and end u32 word in a row."""
+        return self.payload // 4, (self.data.shape[1] - TRAILER.size) // 4
+
+    @property
+    def sums(self) -> np.ndarray:
+        """Each entry's payload word sum, as written: ``(entries,)`` uint32."""
+        at = self.data.shape[1] - TRAILER.size + 4
+        return np.ascontiguousarray(self.data[:, at : at + 4]).view("<u4")[:, 0]
 
     def arrays(self, i: int) -> dict[str, np.ndarray]:
         """Entry ``i``'s arrays (copies)."""
@@ -77,13 +104,30 @@ def encode(fingerprint: str, key: str, arrays: dict[str, np.ndarray]) -> bytes:
         specs.append([name, a.dtype.str, list(a.shape), offset, a.nbytes])
         chunks.append(a.reshape(-1).view(np.uint8))
         offset += a.nbytes
-    header = json.dumps({"fingerprint": fingerprint, "arrays": specs}).encode()
     key_bytes = key.encode()
+    header = json.dumps({"fingerprint": fingerprint, "arrays": specs}).encode()
+    header += b" " * (-(PREFIX.size + len(key_bytes) + len(header)) % ALIGN)
     head = PREFIX.pack(MAGIC, FORMAT_VERSION, len(key_bytes), len(header)) + key_bytes + header
-    crc = zlib.crc32(head)
-    for c in chunks:
-        crc = zlib.crc32(c, crc)
-    return b"".join([head, *chunks, CRC.pack(crc)])
+    payload = np.zeros(_padded(offset), dtype=np.uint8)
+    if chunks:
+        np.concatenate(chunks, out=payload[:offset])
+    trailer = TRAILER.pack(zlib.crc32(head), int(payload_sums(payload.view("<u4"))))
+    return b"".join([head, payload.data, trailer])
+
+
+def payload_sums(words: np.ndarray) -> np.ndarray:
+    """The word sum of each row of ``(..., N)`` little-endian u32 ``words``, on the host."""
+    return np.dot(words, _weights(words.shape[-1])).astype(np.uint32)
+
+
+@lru_cache(maxsize=8)
+def _weights(n: int) -> np.ndarray:
+    """The sum's multipliers ``2i + 1`` for ``n`` words."""
+    return np.arange(1, 2 * n, 2, dtype=np.uint32)
+
+
+def _padded(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
 
 
 def parse(buf: np.ndarray, fingerprint: str) -> tuple[list[ArraySpec], int]:
@@ -97,7 +141,7 @@ def parse(buf: np.ndarray, fingerprint: str) -> tuple[list[ArraySpec], int]:
 def parse_head(buf: np.ndarray, fingerprint: str) -> tuple[list[ArraySpec], int, int]:
     """An entry's array specs, where its payload starts and its whole size, from bytes
     that begin with it (its header at least)."""
-    if buf.size < PREFIX.size + CRC.size:
+    if buf.size < PREFIX.size + TRAILER.size:
         raise ValueError(f"truncated ({buf.size} bytes)")
     magic, version, key_len, header_len = PREFIX.unpack_from(buf)
     if magic != MAGIC:
@@ -105,7 +149,7 @@ def parse_head(buf: np.ndarray, fingerprint: str) -> tuple[list[ArraySpec], int,
     if version != FORMAT_VERSION:
         raise ValueError(f"format version {version}, this build reads {FORMAT_VERSION}")
     payload = PREFIX.size + key_len + header_len
-    if payload > buf.size - CRC.size:
+    if payload > buf.size - TRAILER.size:
         raise ValueError(f"truncated ({buf.size} bytes)")
     header = json.loads(bytes(buf[PREFIX.size + key_len : payload]))
     if header["fingerprint"] != fingerprint:
@@ -114,7 +158,7 @@ def parse_head(buf: np.ndarray, fingerprint: str) -> tuple[list[ArraySpec], int,
         ArraySpec(name, np.dtype(dtype), tuple(shape), start, size)
         for name, dtype, shape, start, size in header["arrays"]
     ]
-    return specs, payload, payload + sum(s.size for s in specs) + CRC.size
+    return specs, payload, payload + _padded(sum(s.size for s in specs)) + TRAILER.size
 
 
 def entry_key(buf: np.ndarray) -> str:
@@ -136,7 +180,18 @@ def same_header(first: np.ndarray, entry: np.ndarray, key: str, payload: int) ->
     )
 
 
-def crc_ok(buf: np.ndarray) -> bool:
-    """Whether an entry's bytes end with the CRC-32 of the rest."""
-    (crc,) = CRC.unpack_from(buf, buf.size - CRC.size)
-    return zlib.crc32(buf[: -CRC.size]) == crc
+def check(buf: np.ndarray, payload_too: bool = True) -> str | None:
+    """What is wrong with an entry's bytes (which of its checks fails), or ``None``: the
+    head's CRC-32, and unless ``payload_too`` is false, the payload's word sum."""
+    if buf.size < PREFIX.size + TRAILER.size or buf.size % 4:
+        return "the size is not an entry's"
+    _, _, key_len, header_len = PREFIX.unpack_from(buf)
+    payload, end = PREFIX.size + key_len + header_len, buf.size - TRAILER.size
+    if payload > end or payload % 4:
+        return "the header does not fit"
+    crc, total = TRAILER.unpack_from(buf, end)
+    if zlib.crc32(buf[:payload]) != crc:
+        return "the checksum of the header does not match (corrupted)"
+    if payload_too and int(payload_sums(buf[payload:end].view("<u4"))) != total:
+        return "the checksum of the arrays does not match (corrupted)"
+    return None
