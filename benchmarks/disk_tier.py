@@ -184,13 +184,16 @@ def main() -> None:
             dropped = drop_page_cache() if i >= 2 else False
             restarted = PagedEngine(model, kv_disk_dir=path, kv_disk_bytes=10**12, **kw)
             disk = first_token(restarted, prompt)
-            tier = restarted.disk
+            tier, phases = restarted.disk, restarted.clock.seconds
             print(
                 f"{tag} restart {i + 1}: from disk {disk:.3f} s; "
+                f"admission {phases['admit']:.3f} s (the load in it), the first token's "
+                f"prefill {phases['prefill']:.3f} s; "
                 f"{restarted.stats().disk_hit_tokens} tokens loaded in "
                 f"{tier.seconds['load']:.3f} s "
                 f"(waiting on reads {tier.seconds['load_wait']:.3f} s, copies into MLX "
-                f"{tier.seconds['load_copy']:.3f} s; reads and checks took "
+                f"{tier.seconds['load_copy']:.3f} s, waiting on them and the pool writes "
+                f"{tier.seconds['load_eval']:.3f} s; reads and checks took "
                 f"{tier.store.seconds['read']:.3f} s on their threads); "
                 f"page cache {'dropped' if dropped else 'kept'}; "
                 f"{restarted.stats().cold_blocks} cold blocks",

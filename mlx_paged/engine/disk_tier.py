@@ -20,12 +20,12 @@ and prefix index:
   this one is written into the pool. The threads check each file's size and
   header; the arrays' checksums (``storage/disk_format.py``) are checked in MLX,
   in the evaluation that writes them into the pool, and the blocks of an entry
-  that fails (and those after it) go back unindexed, its file deleted. While other requests run, the scheduler asks for at
-  most ``step_blocks`` blocks a step and the request waits for the rest, whose
-  first run is read meanwhile: their decoding never stalls for a whole prompt's
-  load. For a hybrid model, the deepest snapshot on disk that ends within the
-  loaded blocks comes back with the last part, since a prefix is adopted only up
-  to a snapshot.
+  that fails (and those after it) go back unindexed, its file deleted. While
+  other requests run, the scheduler asks for at most ``step_blocks`` blocks a
+  step and the request waits for the rest, whose first run is read meanwhile:
+  their decoding never stalls for a whole prompt's load. For a hybrid model, the
+  deepest snapshot on disk that ends within the loaded blocks comes back with the
+  last part, since a prefix is adopted only up to a snapshot.
 
 Keys chain the prefix's blocks: a block's key hashes its parent's key and its own
 tokens, so one key names the whole prefix. The store's fingerprint names the
@@ -95,9 +95,11 @@ class DiskTier:
         recurrent = scheduler.recurrent
         self.states = recurrent.slots if recurrent is not None else None  # a StatePool
         self.block_size = scheduler.block_size
-        # Loading into the pool (of which: waiting on file reads, copying into MLX), and
-        # spilling (the engine thread's part: reading the pools out).
-        self.seconds = dict.fromkeys(("load", "load_wait", "load_copy", "write"), 0.0)
+        # Loading into the pool (of which: waiting on file reads, building the copies into
+        # MLX, waiting for them and the pool writes), and spilling (the engine thread's
+        # part: reading the pools out).
+        keys = ("load", "load_wait", "load_copy", "load_eval", "write")
+        self.seconds = dict.fromkeys(keys, 0.0)
         self._reader = ThreadPoolExecutor(1, "mlx_paged-disk-ahead")  # reads the next run
         self._chain: tuple[list[int], list[str]] = ([], [])  # the last tokens _key saw, keys
         self._ahead: tuple[str, Future] | None = None  # (first key, its run being read)
@@ -219,18 +221,21 @@ class DiskTier:
     # ---- load -------------------------------------------------------------
 
     def load(self, tokens: Sequence[int], busy: bool = False) -> tuple[int, bool]:
-        """Bring the full blocks of ``tokens`` past what memory holds back from disk, as
-        parked blocks (at most ``step_blocks`` when ``busy``: other requests are running),
-        with the deepest snapshot past memory's for a hybrid model once no more are to come.
-        Returns the tokens loaded, and whether more are on disk (the next part is being read
-        ahead) after a load that took all it could."""
+        """Bring the full blocks of a request's ``tokens`` past what memory holds back from
+        disk, as parked blocks (at most ``step_blocks`` when ``busy``: other requests are
+        running), with the deepest snapshot past memory's for a hybrid model once no more
+        are to come. A block that ends with the last token comes back too: a match adopts
+        all of it but that token, which runs (as for a block memory holds).
+        Returns the tokens loaded that a match can adopt (the last token's slot not
+        counted), and whether more are on disk (the next part is being read ahead) after a
+        load that took all it could."""
         if not self.store.enabled:
             return 0, False
         start = time.perf_counter()
         keys = chain_keys(tokens, self.block_size)
         loaded, more = self._load(tokens, keys, self.step_blocks if busy else None)
         if self.states is not None and not more:
-            self._load_state(tokens, keys)
+            self._load_state(tokens[:-1], keys)
         self.seconds["load"] += time.perf_counter() - start
         return loaded, more
 
@@ -267,7 +272,9 @@ class DiskTier:
             # waits on one still in flight would copy the whole pool (DESIGN.md). The
             # payloads' sums are checked in the same evaluation; blocks written from a
             # bad entry on are given back below, never indexed.
+            start_eval = time.perf_counter()
             mx.eval(ok, [a for p in self.pools for a in pool_arrays(p)])
+            self.seconds["load_eval"] += time.perf_counter() - start_eval
             good = _leading(ok, len(run))
             self.store.hit(good)
             end += good * bs
@@ -285,7 +292,7 @@ class DiskTier:
         more = bool(rest) and end - start == len(keys) * bs
         if more:  # the next call's first run, read while the engine steps
             self._ahead = (rest[0], self._read(rest[: self._batch(rest[0])], 0))
-        return end - start, more
+        return max(0, min(end, len(tokens) - 1) - start), more
 
     def _load_state(self, tokens: Sequence[int], keys: list[str]) -> None:
         """Give the index the deepest snapshot on disk that ends in the full blocks memory
