@@ -93,23 +93,6 @@ def test_another_model_or_block_size_never_hits(tmp_path):
         assert engine.stats().disk_hit_tokens == 0 and engine.stats().prefix_hit_tokens == 0
 
 
-def test_a_prompt_of_whole_blocks_loads_its_last_block_and_runs_one_token(tmp_path):
-    (a,) = prompts(5, 1, length=5 * BS)
-    first = PagedEngine(model_of("llama"), block_size=BS, kv_disk_dir=tmp_path, kv_disk_bytes=10**8)
-    expected = run(first, a)
-    assert first.disk.spill_cached() == 5
-    second = PagedEngine(tiny_model("llama"), block_size=BS, kv_disk_dir=tmp_path,
-                         kv_disk_bytes=10**8)  # fmt: skip
-    got = run(second, a)
-    stats = second.stats()
-    # All 5 blocks came back; the match adopts all but the last token, which runs.
-    assert second.disk.store.counts["hits"] == 5
-    assert stats.disk_hit_tokens == 5 * BS - 1 and stats.prefix_hit_tokens == 5 * BS - 1
-    assert got[0] == expected[0] == solo("llama", tuple(a), MAX_TOKENS)
-    assert np.allclose(got[1], expected[1], atol=1e-6, rtol=0)
-    assert run(second, a) == got  # the loaded last block was copied before its write
-
-
 @pytest.mark.parametrize("batch", [64, 2])  # the third block: in the first run, or the second
 def test_damaged_files_are_recomputed_and_deleted(tmp_path, monkeypatch, batch):
     monkeypatch.setattr(disk_tier, "LOAD_BATCH", batch)

@@ -221,21 +221,18 @@ class DiskTier:
     # ---- load -------------------------------------------------------------
 
     def load(self, tokens: Sequence[int], busy: bool = False) -> tuple[int, bool]:
-        """Bring the full blocks of a request's ``tokens`` past what memory holds back from
-        disk, as parked blocks (at most ``step_blocks`` when ``busy``: other requests are
-        running), with the deepest snapshot past memory's for a hybrid model once no more
-        are to come. A block that ends with the last token comes back too: a match adopts
-        all of it but that token, which runs (as for a block memory holds).
-        Returns the tokens loaded that a match can adopt (the last token's slot not
-        counted), and whether more are on disk (the next part is being read ahead) after a
-        load that took all it could."""
+        """Bring the full blocks of ``tokens`` past what memory holds back from disk, as
+        parked blocks (at most ``step_blocks`` when ``busy``: other requests are running),
+        with the deepest snapshot past memory's for a hybrid model once no more are to come.
+        Returns the tokens loaded, and whether more are on disk (the next part is being read
+        ahead) after a load that took all it could."""
         if not self.store.enabled:
             return 0, False
         start = time.perf_counter()
         keys = chain_keys(tokens, self.block_size)
         loaded, more = self._load(tokens, keys, self.step_blocks if busy else None)
         if self.states is not None and not more:
-            self._load_state(tokens[:-1], keys)
+            self._load_state(tokens, keys)
         self.seconds["load"] += time.perf_counter() - start
         return loaded, more
 
@@ -292,7 +289,7 @@ class DiskTier:
         more = bool(rest) and end - start == len(keys) * bs
         if more:  # the next call's first run, read while the engine steps
             self._ahead = (rest[0], self._read(rest[: self._batch(rest[0])], 0))
-        return max(0, min(end, len(tokens) - 1) - start), more
+        return end - start, more
 
     def _load_state(self, tokens: Sequence[int], keys: list[str]) -> None:
         """Give the index the deepest snapshot on disk that ends in the full blocks memory

@@ -255,7 +255,7 @@ class Scheduler:
         """Give ``req`` tables holding its cached prefix and room for the rest, or wait."""
         known, target = req.tokens[:-1], self.kv_target(req)  # the last token always runs
         if use_cache and self.disk is not None:  # full blocks past memory's, from disk
-            loaded, more = self.disk.load(req.tokens, busy=bool(self.running))
+            loaded, more = self.disk.load(known, busy=bool(self.running))
             self.counters["disk_hit_tokens"] += loaded
             if more:  # the rest in later steps, while the running requests decode
                 return False
