@@ -93,9 +93,11 @@ def test_another_model_or_block_size_never_hits(tmp_path):
         assert engine.stats().disk_hit_tokens == 0 and engine.stats().prefix_hit_tokens == 0
 
 
+@pytest.mark.parametrize("in_mlx", [True, False])  # checked in MLX, or on the reader threads
 @pytest.mark.parametrize("batch", [64, 2])  # the third block: in the first run, or the second
-def test_damaged_files_are_recomputed_and_deleted(tmp_path, monkeypatch, batch):
+def test_damaged_files_are_recomputed_and_deleted(tmp_path, monkeypatch, batch, in_mlx):
     monkeypatch.setattr(disk_tier, "LOAD_BATCH", batch)
+    monkeypatch.setattr(disk_tier, "CHECK_IN_MLX", in_mlx)
     (a,) = prompts(3, 1)
     first = PagedEngine(model_of("llama"), block_size=BS, kv_disk_dir=tmp_path, kv_disk_bytes=10**8)
     expected = run(first, a)

@@ -18,9 +18,10 @@ and prefix index:
   to ``LOAD_BATCH`` blocks and ``LOAD_BYTES`` bytes, into two staging buffers
   in turn (``storage/pinned.py``), the next run on the store's threads while
   this one is written into the pool. The threads check each file's size and
-  header; the arrays' checksums (``storage/disk_format.py``) are checked in MLX,
-  in the evaluation that writes them into the pool, and the blocks of an entry
-  that fails (and those after it) go back unindexed, its file deleted. While
+  header; on a GPU the arrays' checksums (``storage/disk_format.py``) are checked
+  in MLX, in the evaluation that writes them into the pool, and the blocks of an
+  entry that fails (and those after it) go back unindexed, its file deleted
+  (elsewhere the threads check them too: ``CHECK_IN_MLX``). While
   other requests run, the scheduler asks for at most ``step_blocks`` blocks a
   step and the request waits for the rest, whose first run is read meanwhile:
   their decoding never stalls for a whole prompt's load. For a hybrid model, the
@@ -77,6 +78,11 @@ LOAD_BYTES = 64 << 20
 STEP_BLOCKS = 128
 #: What a snapshot's key adds to the key of the block it ends.
 STATE = "s"
+#: Where a load checks its entries' word sums: in MLX, on the bytes copied to the device,
+#: in the evaluation that writes them into the pool (``True``), or on the store's reader
+#: threads with numpy (``False``). ``None``: in MLX on a GPU; on the threads elsewhere,
+#: where MLX's CPU ops sum several times slower than numpy over threads.
+CHECK_IN_MLX: bool | None = None
 
 
 class DiskTier:
@@ -273,7 +279,8 @@ class DiskTier:
             mx.eval(ok, [a for p in self.pools for a in pool_arrays(p)])
             self.seconds["load_eval"] += time.perf_counter() - start_eval
             good = _leading(ok, len(run))
-            self.store.hit(good)
+            if not run.checked:  # the store counted a run it checked itself
+                self.store.hit(good)
             end += good * bs
             if good < len(run):
                 bad = keys[(end - start) // bs]
@@ -333,7 +340,8 @@ class DiskTier:
     def _read(self, keys: list[str], i: int) -> Future:
         """``read_run(keys)`` on the reader thread, into staging buffer ``i % 2``."""
         out = partial(self.staging.buffer, i)
-        return self._reader.submit(self.store.read_run, keys, out, payloads=False)
+        in_mlx = mx.default_device() == mx.gpu if CHECK_IN_MLX is None else CHECK_IN_MLX
+        return self._reader.submit(self.store.read_run, keys, out, payloads=not in_mlx)
 
 
 def chain_keys(tokens: Sequence[int], block_size: int, parent: str = "") -> list[str]:
