@@ -187,7 +187,9 @@ def recording_reader(monkeypatch):
         return take_blocks(keys, values, slots)
 
     monkeypatch.setattr(routing, "READERS", [reader])
-    set_attention_path("auto")
+    # Path "kernel" reads nothing in place: a lone sequence's consecutive blocks would
+    # otherwise go to attention as views of the pool, with no read to offer.
+    set_attention_path("kernel")
     yield calls
     set_attention_path("auto")
 

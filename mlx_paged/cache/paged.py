@@ -287,10 +287,10 @@ def _read_start(offset: int, window: int | None, block_size: int) -> int:
 def _in_place_view(
     pool: KVPool, table: BlockTable, layer: int, n: int, start: int, end: int
 ) -> tuple[mx.array, mx.array] | None:
-    """For a decode step (``n == 1``) over consecutive blocks, tokens ``[start, end)`` as
-    views of the pool, which attention reads in place like mlx-lm's dense cache; else
+    """For a decode step or a prefill chunk over consecutive blocks, tokens ``[start, end)``
+    as views of the pool, which attention reads in place like mlx-lm's dense cache; else
     ``None`` (path ``kernel``, cold blocks, or blocks that do not lie in one stretch)."""
-    if n != 1 or attention_path() == "kernel" or pool.has_cold(table):
+    if attention_path() == "kernel" or pool.has_cold(table):
         return None
     return pool.run_view(table, layer, start, end)
 
