@@ -20,12 +20,12 @@ host time on every layer of every token, and the kernel never evaluates it. If
 no kernel takes the call after all, attention reads the real K/V then
 (``PagedLayerCache.deferred_read``).
 
-A one-sequence decode step whose blocks are consecutive ids (a sequence alone in
-its pool, as ``make_paged_cache`` builds it) needs neither: the cache returns
-views of the pool arrays (``KVPool.run_view``) and MLX's own attention reads
-them in place, as it reads mlx-lm's dense buffer, with no custom kernel launch
-(``path_counts["in_place"]``). Tables that share or reuse blocks take the
-paths above.
+A one-sequence decode step or prefill chunk whose blocks are consecutive ids (a
+sequence alone in its pool, as ``make_paged_cache`` builds it) needs neither:
+the cache returns views of the pool arrays (``KVPool.run_view``) and MLX's own
+attention reads them in place, as it reads mlx-lm's dense buffer, with no
+custom kernel launch (``path_counts["in_place"]``). Tables that share or reuse
+blocks take the paths above and below.
 
 Which path runs is chosen by ``set_attention_path`` or the environment variable
 ``MLX_PAGED_ATTENTION``: ``auto`` (default: in-place reads where the blocks
@@ -34,8 +34,8 @@ self-check), ``kernel`` (always offer eligible calls to the kernels, never read
 in place; if no kernel runs on this device, warn once and gather) or ``gather``
 (in-place reads or portable gathers, no kernel).
 
-Prefill calls (more than one query) read the blocks into contiguous K/V for
-SDPA; on CUDA, small ones compute it in plain MLX ops instead (``prefill``), since
+Other prefill calls (more than one query) read the blocks into contiguous K/V
+for SDPA; on CUDA, small ones compute it in plain MLX ops instead (``prefill``), since
 cuDNN's fused attention builds a graph for every new shape. ``fused_read`` offers
 the read to the device kernels of ``READERS`` (one 16-byte-wide copy of K and V)
 unless the path is ``gather``, which keeps every read in portable MLX ops. The
