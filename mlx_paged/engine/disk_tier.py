@@ -39,7 +39,6 @@ the first file that has them.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import time
 from collections.abc import Iterator, Sequence
@@ -48,10 +47,9 @@ from functools import partial
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 
-from ..blocks import COLD, BlockTable, LayerKind, is_cold
-from ..blocks.prefix_index import path_blocks, spill_parked
+from ..blocks import LayerKind
+from ..blocks.prefix_index import path_blocks
 from ..storage import KVPool
 from ..storage.disk import DiskStore
 from ..storage.disk_entries import (
@@ -66,7 +64,18 @@ from ..storage.disk_entries import (
 )
 from ..storage.disk_format import Run
 from ..storage.pinned import Staging
+from .disk_blocks import (
+    chain_keys,
+    chained_key,
+    leading,
+    parked,
+    pinned_tables,
+    take_blocks,
+    tiers,
+)
 from .scheduler import Scheduler
+
+__all__ = ["DiskTier", "chain_keys"]
 
 #: Blocks ``spill_cached`` reads out of the pools per evaluation.
 SPILL_BATCH = 256
@@ -154,7 +163,10 @@ class DiskTier:
         """Write every parked full block (and snapshot) the disk lacks and wait for the
         writes; return how many files were written."""
         before = self.store.counts["writes"]
-        found = [(self._key(tokens), blocks, snap) for tokens, blocks, snap in self._parked()]
+        found = [
+            (self._key(tokens), blocks, snap)
+            for tokens, blocks, snap in parked(self.scheduler.index)
+        ]
         for lo in range(0, len(found), SPILL_BATCH):
             self._spill([(key, blocks) for key, blocks, _ in found[lo : lo + SPILL_BATCH]])
         for key, _, snapshot in found:
@@ -167,9 +179,9 @@ class DiskTier:
         """Run a spill's and a load's MLX work once on a cached block, writing no file, so
         that a fresh process builds their kernels before its first request (the block is
         rewritten with its own bytes); whether there was a block to do it on."""
-        found = self._parked()
+        found = parked(self.scheduler.index)
         blocks = found[0][1] if found else None
-        cold = _tiers(blocks or ())
+        cold = tiers(blocks or ())
         got = block_parts(self.pools, cold, [blocks]) if blocks else None
         if got is None:
             return False
@@ -183,20 +195,9 @@ class DiskTier:
         mx.eval(ok, [a for p in self.pools for a in pool_arrays(p)])
         return True
 
-    def _parked(self) -> list[tuple[list[int], list[int], int | None]]:
-        """``(tokens, block per group, snapshot)`` of every parked full block, parents first."""
-        found: list[tuple[list[int], list[int], int | None]] = []
-        index = self.scheduler.index
-        hook, index.on_spill = index.on_spill, lambda *item: found.append(item)
-        try:
-            spill_parked(index)
-        finally:
-            index.on_spill = hook
-        return found
-
     def _key(self, tokens: list[int]) -> str:
         """The key of the last full block of ``tokens`` (see ``_chained_key``)."""
-        key, self._chain = _chained_key(self._chain, tokens, self.block_size)
+        key, self._chain = chained_key(self._chain, tokens, self.block_size)
         return key
 
     def _spill(self, items: list[tuple[str, list[int]]]) -> None:
@@ -207,10 +208,10 @@ class DiskTier:
         if not items or not self.store.enabled:
             return
         start = time.perf_counter()
-        tiers: dict[tuple[bool, ...], list[tuple[str, list[int]]]] = {}
+        by_tier: dict[tuple[bool, ...], list[tuple[str, list[int]]]] = {}
         for key, blocks in items:
-            tiers.setdefault(_tiers(blocks), []).append((key, blocks))
-        for cold, same in tiers.items():
+            by_tier.setdefault(tiers(blocks), []).append((key, blocks))
+        for cold, same in by_tier.items():
             got = block_parts(self.pools, cold, [blocks for _, blocks in same])
             if got is None:
                 return  # a layer never written: nothing to keep
@@ -254,7 +255,7 @@ class DiskTier:
             return 0, False
         keys, rest = keys[: min(n, limit or n)], keys[min(n, limit or n) : n]
         start = end = have * bs
-        tables = _pinned_tables(groups, path_blocks(index, tokens, have), have)
+        tables = pinned_tables(groups, path_blocks(index, tokens, have), have)
         for run in self._runs(keys):
             start_copy = time.perf_counter()
             parsed = run_blocks(self.pools, self.windows, run, self.staging.to_mlx)
@@ -263,7 +264,7 @@ class DiskTier:
                 break
             arrays, cold, ok = parsed
             ids = [
-                _take_blocks(groups[k], tables[k], end, len(run), c)
+                take_blocks(groups[k], tables[k], end, len(run), c)
                 for k, c in zip(kinds, cold, strict=True)
             ]
             if None in ids:
@@ -278,7 +279,7 @@ class DiskTier:
             start_eval = time.perf_counter()
             mx.eval(ok, [a for p in self.pools for a in pool_arrays(p)])
             self.seconds["load_eval"] += time.perf_counter() - start_eval
-            good = _leading(ok, len(run))
+            good = leading(ok, len(run))
             if not run.checked:  # the store counted a run it checked itself
                 self.store.hit(good)
             end += good * bs
@@ -342,87 +343,3 @@ class DiskTier:
         out = partial(self.staging.buffer, i)
         in_mlx = mx.default_device() == mx.gpu if CHECK_IN_MLX is None else CHECK_IN_MLX
         return self._reader.submit(self.store.read_run, keys, out, payloads=not in_mlx)
-
-
-def chain_keys(tokens: Sequence[int], block_size: int, parent: str = "") -> list[str]:
-    """The key of each full block of ``tokens``: a hash of its parent's key and its tokens
-    (``parent``: the key of the block before ``tokens``, if they do not start a prompt)."""
-    keys, parent = [], bytes.fromhex(parent)
-    for lo in range(0, len(tokens) // block_size * block_size, block_size):
-        block = np.asarray(tokens[lo : lo + block_size], dtype=np.int64).tobytes()
-        parent = hashlib.blake2b(parent + block, digest_size=20).digest()
-        keys.append(parent.hex())
-    return keys
-
-
-def _chained_key(
-    last: tuple[list[int], list[str]], tokens: list[int], bs: int
-) -> tuple[str, tuple[list[int], list[str]]]:
-    """The key of the last full block of ``tokens``, reusing the keys of the blocks they
-    share with the ``last`` tokens asked about (an eviction walks a prefix parents first);
-    and what to pass as ``last`` next time."""
-    (seen, keys), n = last, len(tokens) // bs
-    same = min(n, len(keys))
-    if tokens[: same * bs] != seen[: same * bs]:  # not an extension: find where they part
-        same = 0
-        while same < min(n, len(keys)) and (
-            tokens[same * bs : (same + 1) * bs] == seen[same * bs : (same + 1) * bs]
-        ):
-            same += 1
-    keys = keys[:same] + chain_keys(tokens[same * bs : n * bs], bs, keys[same - 1] if same else "")
-    return keys[-1], (tokens, keys)
-
-
-def _take_blocks(
-    pool: KVPool, table: BlockTable, at: int, n: int, cold: bool | None
-) -> list[int] | None:
-    """``n`` new blocks (cold ones for quantized entries) at token ``at`` of ``table``;
-    ``None`` when the pool cannot free them. Entries without this group's blocks (a
-    sliding window's, given back before the spill) leave the table empty past them."""
-    bs = pool.block_size
-    if cold is None:
-        pool.release(table)
-        table.first = at // bs + n
-        return []
-    if cold:
-        slots = pool.blocks.cold.allocate(n)
-        if slots is None:
-            return None
-        table.blocks.extend(c + COLD for c in slots)
-    else:
-        if not pool.blocks.can_allocate(n):
-            return None
-        pool.reserve(table, at, at + n * bs)
-    lo = at // bs - table.first
-    return table.blocks[lo : lo + n]
-
-
-def _pinned_tables(
-    groups: dict[LayerKind, KVPool], path: list[list[int | None]], have: int
-) -> dict[LayerKind, BlockTable]:
-    """Per group, a new table for blocks from ``have`` on: a full-attention one holds (and
-    so keeps from eviction) memory's blocks before it; a sliding-window one starts empty."""
-    tables = {}
-    for g, (kind, group) in enumerate(groups.items()):
-        table = tables[kind] = group.new_table()
-        if kind.window is None:
-            table.blocks.extend(node[g] for node in path)
-            for b in table.blocks:
-                group.blocks.retain(b)
-        else:
-            table.first = have
-    return tables
-
-
-def _leading(ok: mx.array, n: int) -> int:
-    """How many of a run's ``n`` entries, from the first, passed their check (``ok``,
-    evaluated; all ``n`` when ``None``: the host checked them)."""
-    if ok is None:
-        return n
-    bad = np.flatnonzero(~np.array(ok))
-    return int(bad[0]) if bad.size else n
-
-
-def _tiers(blocks: Sequence[int | None]) -> tuple[bool | None, ...]:
-    """Per group: whether the block is cold, or ``None`` for none."""
-    return tuple(None if b is None else is_cold(b) for b in blocks)

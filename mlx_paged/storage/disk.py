@@ -52,9 +52,10 @@ from .disk_files import (
     pack_keys,
     plan_reads,
     read_segments,
+    valid_rows,
     write_file,
 )
-from .disk_format import FORMAT_VERSION, Run, encode, parse, same_header
+from .disk_format import FORMAT_VERSION, Run, encode
 from .disk_index import DiskIndex
 
 __all__ = ["FORMAT_VERSION", "DiskStore", "Run", "encode"]
@@ -181,15 +182,8 @@ class DiskStore:
         ``discard``s the file of the first entry that fails and counts the good
         ones (``hit``).
         """
-        rows: list[tuple[str, int | None, int]] = []  # (file, index in its pack, file bytes)
-        size = None
         with self._lock:
-            for key in keys:
-                got = self._index.locate(key) if self.enabled else None
-                if got is None or (size is not None and got[2] != size):
-                    break
-                name, index, size = got
-                rows.append((name, index, self._index.files[name]))
+            rows, size = self._index.run_rows(keys) if self.enabled else ([], 0)
         if not rows:
             self.counts["misses"] += 1
             return None
@@ -205,23 +199,13 @@ class DiskStore:
         else:
             parts = self._readers.map(read, tasks, [data] * len(tasks))
             errors = [e for part in parts for e in part]
-        n, specs, payload = 0, None, 0
-        for (name, _, _), key, error in zip(rows, keys, errors, strict=False):
-            if error is None and n == 0:
-                try:
-                    specs, payload = parse(data[0], self.fingerprint)
-                except ValueError as e:
-                    error = e
-            if error is None and not same_header(data[0], data[n], key, payload):
-                error = ValueError("written for another key, or in another layout than the first")
-            if error is not None:
-                gone = isinstance(error, FileNotFoundError)  # another process deleted it
-                if not gone:
-                    logger.warning("mlx_paged: deleting the disk-tier file %s: %s", name, error)
-                with self._lock:
-                    self._drop_locked(name, delete=not gone)
-                break
-            n += 1
+        n, specs, payload, bad = valid_rows(data, keys, errors, self.fingerprint)
+        if bad is not None:
+            name, gone = rows[n][0], isinstance(bad, FileNotFoundError)  # another process's
+            if not gone:
+                logger.warning("mlx_paged: deleting the disk-tier file %s: %s", name, bad)
+            with self._lock:
+                self._drop_locked(name, delete=not gone)
         if n == 0:
             self.counts["misses"] += 1
             return None
@@ -238,8 +222,7 @@ class DiskStore:
         self.counts["hits"] += n
 
     def discard(self, key: str, why: str) -> None:
-        """Delete the file of ``key``'s entry (a whole pack) with a log line: its reader
-        found it bad (``why``) after ``read_run``."""
+        """Delete ``key``'s file (a whole pack) with a log line: its reader found it bad."""
         with self._lock:
             got = self._index.locate(key)
             if got is not None:

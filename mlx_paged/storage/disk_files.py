@@ -10,11 +10,12 @@ from __future__ import annotations
 import os
 import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
-from .disk_format import check, entry_key, parse, parse_head
+from .disk_format import ArraySpec, check, entry_key, parse, parse_head, same_header
 
 SUFFIX = ".kv"
 PACK_SUFFIX = ".kvp"
@@ -70,6 +71,28 @@ def read_segments(
         else:
             errors += read_pack(directory / name, index, total, out, payloads)
     return errors
+
+
+def valid_rows(
+    data: np.ndarray, keys: Sequence[str], errors: list[Exception | None], fingerprint: str
+) -> tuple[int, list[ArraySpec] | None, int, Exception | None]:
+    """How many rows of ``data`` (read for ``keys``, with their read ``errors``) are valid
+    from the first on: no error, and the first one's header, ``keys``' key in each; the
+    first row's array specs and payload start; and the error of the row after them, if
+    any."""
+    n, specs, payload = 0, None, 0
+    for key, error in zip(keys, errors, strict=False):
+        if error is None and n == 0:
+            try:
+                specs, payload = parse(data[0], fingerprint)
+            except ValueError as e:
+                error = e
+        if error is None and not same_header(data[0], data[n], key, payload):
+            error = ValueError("written for another key, or in another layout than the first")
+        if error is not None:
+            return n, specs, payload, error
+        n += 1
+    return n, specs, payload, None
 
 
 def read_pack(

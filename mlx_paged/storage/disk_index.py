@@ -9,6 +9,7 @@ Pure bookkeeping; its owner (``DiskStore``) holds a lock around every call.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 
 from .disk_files import SUFFIX
 
@@ -44,6 +45,18 @@ class DiskIndex:
         if at is None:
             return None
         return at[0], at[1], self._packs[at[0]][1]
+
+    def run_rows(self, keys: Sequence[str]) -> tuple[list[tuple[str, int | None, int]], int]:
+        """``(file, index in its pack or None, file bytes)`` of the leading ``keys`` whose
+        entries are indexed and of one size, and that size."""
+        rows, size = [], 0
+        for key in keys:
+            got = self.locate(key)
+            if got is None or (rows and got[2] != size):
+                break
+            name, index, size = got
+            rows.append((name, index, self.files[name]))
+        return rows, size
 
     def keys(self) -> list[str]:
         """This fingerprint's keys, least recently used first (each once)."""

@@ -1,0 +1,115 @@
+"""The disk tier's keys and the tables a load fills: functions of the index and the pools.
+
+A block's key hashes its parent's key and its own tokens (``chain_keys``), so one
+key names a whole prefix. A load takes fresh blocks (``take_blocks``) into
+tables that hold memory's blocks before them (``pinned_tables``); ``parked``
+lists what ``spill_cached`` writes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from ..blocks import COLD, BlockTable, LayerKind, is_cold
+from ..blocks.prefix_index import PrefixIndex, spill_parked
+from ..storage import KVPool
+
+
+def parked(index: PrefixIndex) -> list[tuple[list[int], list[int], int | None]]:
+    """``(tokens, block per group, snapshot)`` of every parked full block of ``index``,
+    parents first."""
+    found: list[tuple[list[int], list[int], int | None]] = []
+    hook, index.on_spill = index.on_spill, lambda *item: found.append(item)
+    try:
+        spill_parked(index)
+    finally:
+        index.on_spill = hook
+    return found
+
+
+def chain_keys(tokens: Sequence[int], block_size: int, parent: str = "") -> list[str]:
+    """The key of each full block of ``tokens``: a hash of its parent's key and its tokens
+    (``parent``: the key of the block before ``tokens``, if they do not start a prompt)."""
+    keys, parent = [], bytes.fromhex(parent)
+    for lo in range(0, len(tokens) // block_size * block_size, block_size):
+        block = np.asarray(tokens[lo : lo + block_size], dtype=np.int64).tobytes()
+        parent = hashlib.blake2b(parent + block, digest_size=20).digest()
+        keys.append(parent.hex())
+    return keys
+
+
+def chained_key(
+    last: tuple[list[int], list[str]], tokens: list[int], bs: int
+) -> tuple[str, tuple[list[int], list[str]]]:
+    """The key of the last full block of ``tokens``, reusing the keys of the blocks they
+    share with the ``last`` tokens asked about (an eviction walks a prefix parents first);
+    and what to pass as ``last`` next time."""
+    (seen, keys), n = last, len(tokens) // bs
+    same = min(n, len(keys))
+    if tokens[: same * bs] != seen[: same * bs]:  # not an extension: find where they part
+        same = 0
+        while same < min(n, len(keys)) and (
+            tokens[same * bs : (same + 1) * bs] == seen[same * bs : (same + 1) * bs]
+        ):
+            same += 1
+    keys = keys[:same] + chain_keys(tokens[same * bs : n * bs], bs, keys[same - 1] if same else "")
+    return keys[-1], (tokens, keys)
+
+
+def take_blocks(
+    pool: KVPool, table: BlockTable, at: int, n: int, cold: bool | None
+) -> list[int] | None:
+    """``n`` new blocks (cold ones for quantized entries) at token ``at`` of ``table``;
+    ``None`` when the pool cannot free them. Entries without this group's blocks (a
+    sliding window's, given back before the spill) leave the table empty past them."""
+    bs = pool.block_size
+    if cold is None:
+        pool.release(table)
+        table.first = at // bs + n
+        return []
+    if cold:
+        slots = pool.blocks.cold.allocate(n)
+        if slots is None:
+            return None
+        table.blocks.extend(c + COLD for c in slots)
+    else:
+        if not pool.blocks.can_allocate(n):
+            return None
+        pool.reserve(table, at, at + n * bs)
+    lo = at // bs - table.first
+    return table.blocks[lo : lo + n]
+
+
+def pinned_tables(
+    groups: dict[LayerKind, KVPool], path: list[list[int | None]], have: int
+) -> dict[LayerKind, BlockTable]:
+    """Per group, a new table for blocks from ``have`` on: a full-attention one holds (and
+    so keeps from eviction) memory's blocks before it; a sliding-window one starts empty."""
+    tables = {}
+    for g, (kind, group) in enumerate(groups.items()):
+        table = tables[kind] = group.new_table()
+        if kind.window is None:
+            table.blocks.extend(node[g] for node in path)
+            for b in table.blocks:
+                group.blocks.retain(b)
+        else:
+            table.first = have
+    return tables
+
+
+def leading(ok: mx.array, n: int) -> int:
+    """How many of a run's ``n`` entries, from the first, passed their check (``ok``,
+    evaluated; all ``n`` when ``None``: the host checked them)."""
+    if ok is None:
+        return n
+    bad = np.flatnonzero(~np.array(ok))
+    return int(bad[0]) if bad.size else n
+
+
+def tiers(blocks: Sequence[int | None]) -> tuple[bool | None, ...]:
+    """Per group: whether the block is cold, or ``None`` for none."""
+    return tuple(None if b is None else is_cold(b) for b in blocks)
