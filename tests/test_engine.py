@@ -402,6 +402,8 @@ def test_bad_requests(kwargs, match):
         (dict(num_blocks=0), "num_blocks"),
         (dict(prefill_budget=0), "prefill_budget"),
         (dict(prefill_budget=True), "prefill_budget"),
+        (dict(prefill_batch_tokens=0), "prefill_batch_tokens"),
+        (dict(prefill_batch_tokens=2.5), "prefill_batch_tokens"),
         (dict(overlap="no"), "overlap"),
         (dict(overlap=None), "overlap"),
     ],

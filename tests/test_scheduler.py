@@ -74,6 +74,22 @@ def test_chunked_prefill_steps_end_with_the_last_token():
     assert sched.counters["prefilled_tokens"] == 40
 
 
+def test_prompts_over_the_batch_tokens_go_alone_in_whole_steps_and_short_ones_batch():
+    groups = {FULL: BlockTables(2, BS, None)}
+    sched = Scheduler(groups, 8, 64, prefill_batch_tokens=16)
+    sched.add(request(0, range(40)))  # over 16 tokens: alone, one forward of 40 (<= 64)
+    for uid in (1, 2, 3):  # 8 distinct tokens each: two share a 16-token forward
+        sched.add(request(uid, range(100 * uid, 100 * uid + 8)))
+    works = list(sched.admit())
+    assert [(w.alone, [r.uid for r in w.requests], w.steps) for w in works] == [
+        (True, [0], [40]),
+        (False, [1, 2], [8]),
+        (False, [3], [8]),
+    ]
+    assert Scheduler(groups, 8, 12, prefill_batch_tokens=16).prefill_batch_tokens == 12
+    assert Scheduler(groups, 8, 2048).prefill_batch_tokens == 512
+
+
 def test_a_prefill_budget_admits_per_step_and_running_requests_decode_between():
     sched = make(budget=20)
     for uid in range(5):

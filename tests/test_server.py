@@ -964,6 +964,7 @@ def test_server_temperature_applies_when_a_request_gives_none(tmp_path):
         (["--num-blocks", "8", "--kv-memory", "1GB"], "not allowed with argument"),
         (["--block-size", "0"], "--block-size must be a positive integer"),
         (["--max-queue", "-1"], "--max-queue must be a positive integer"),
+        (["--prefill-batch-tokens", "0"], "--prefill-batch-tokens must be a positive integer"),
         (["--state-snapshot-interval", "24"], "a multiple of --block-size"),
         (["--num-state-snapshots", "0"], "--num-state-snapshots must be a positive"),
         (["--port", "70000"], "--port must be in 1..65535"),

@@ -59,9 +59,10 @@ class PagedEngine:
         block_size: Token slots per block.
         num_blocks: Blocks per layer group, or ``None`` to grow on demand.
         max_batch_size: Most sequences decoding at once.
-        prefill_step_size: Most tokens per prefill forward, padding included; short
-            suffixes are batched up to it. Larger values give earlier first tokens at
-            a higher peak memory (BENCHMARKS.md, runs 100 and 122).
+        prefill_step_size: Most tokens per prefill forward; a long prompt goes alone in
+            chunks of this size (mlx-lm's default; BENCHMARKS.md runs 179-181).
+        prefill_batch_tokens: Most tokens, padding included, in a forward batching several
+            requests' short prompts (``None``: 512, at most the step size; run 183).
         prefill_budget: Most prompt tokens admitted per step, beside its decode
             (``None``: all that fit, prefilled before the step's decode; each step
             admits one at least).
@@ -76,21 +77,20 @@ class PagedEngine:
             bytes, and come back when a prompt needs them, in this process or a later
             one; with them, a hybrid model's snapshots, a sliding window's blocks, and
             cold blocks quantized.
-        state_snapshot_interval: For models with recurrent layers: a long
-            prefill snapshots the recurrent state every this many tokens (a
-            multiple of ``block_size``), so a later request sharing the prefix
-            recomputes less than this many of its tokens. ``None``: the multiple
-            of ``block_size`` nearest ``DEFAULT_SNAPSHOT_INTERVAL``.
+        state_snapshot_interval: For models with recurrent layers: a long prefill
+            snapshots the recurrent state every this many tokens (a multiple of
+            ``block_size``), so a later request sharing the prefix recomputes less than
+            this many of its tokens. ``None``: the multiple of ``block_size`` nearest
+            ``DEFAULT_SNAPSHOT_INTERVAL``.
         num_state_snapshots: Most recurrent-state snapshots kept (least recently
             used evicted first); ``None``: ``2 * max_batch_size``.
         group: The ranks of a model sharded across processes (``shard_model``):
             every rank must add the same requests and aborts in the same order;
             before each step their states are compared (``Agreement``).
-        overlap: Dispatch each decode step before reading the previous one's tokens,
-            so the host builds step t+1 while the device runs step t (as mlx-lm's
-            ``generate_step`` does). It applies while no running request has a
-            constraint; a step's tokens then come out with the next step's events. A
-            request that stops on a stop token costs one row of one step.
+        overlap: Dispatch each decode step before reading the previous one's tokens, so
+            the host builds step t+1 while the device runs step t (as mlx-lm's
+            ``generate_step`` does), while no running request has a constraint. A step's
+            tokens come out with the next step's events; a stop token costs one row.
     """
 
     def __init__(
@@ -99,7 +99,8 @@ class PagedEngine:
         block_size: int = 16,
         num_blocks: int | None = None,
         max_batch_size: int = 64,
-        prefill_step_size: int = 512,
+        prefill_step_size: int = 2048,
+        prefill_batch_tokens: int | None = None,
         prefill_budget: int | None = None,
         kv_dtype: mx.Dtype | None = None,
         kv_bits: int | None = None,
@@ -119,6 +120,7 @@ class PagedEngine:
         sizes = {"max_batch_size": max_batch_size, "prefill_step_size": prefill_step_size}
         optional = {
             "prefill_budget": prefill_budget,
+            "prefill_batch_tokens": prefill_batch_tokens,
             "cold_blocks": cold_blocks,
             "num_state_snapshots": num_state_snapshots,
         }
@@ -141,6 +143,7 @@ class PagedEngine:
             prefill_budget,
             states,
             state_snapshot_interval,
+            prefill_batch_tokens,
         )
         self.runner = ModelRunner(model, layout, pools, states)
         self.disk = None  # a disk tier, if any: ``self.disk.spill_cached()`` keeps it all

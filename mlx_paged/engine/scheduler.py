@@ -56,6 +56,12 @@ COUNTERS = (
 )
 
 
+#: Most tokens, padding included, in a forward of several requests' prompts by default:
+#: a burst's batched suffixes gave no earlier first tokens at 2048, at 1.2x-1.6x the peak
+#: memory (BENCHMARKS.md, run 183).
+BATCH_TOKENS = 512
+
+
 class Scheduler:
     """Moves requests between the waiting and running queues; owns their block tables.
 
@@ -63,6 +69,8 @@ class Scheduler:
         groups: Per layer group, its block-table bookkeeping (all with one block size).
         max_batch_size: Most requests running at once.
         prefill_step_size: Most tokens per prefill forward.
+        prefill_batch_tokens: Most tokens, padding included, in a forward of several
+            requests' prompts (``None``: ``BATCH_TOKENS``; at most the step size).
         prefill_budget: Most prompt tokens admitted per step (``None``: no limit; at least
             one request a step); the rest wait, and running requests decode between.
         states, snapshot_interval: A hybrid model's recurrent-state slots and snapshots,
@@ -77,12 +85,14 @@ class Scheduler:
         prefill_budget: int | None = None,
         states: StateSlots | None = None,
         snapshot_interval: int | None = None,
+        prefill_batch_tokens: int | None = None,
     ):
         self.groups = groups
         self.kinds = list(groups)
         self.block_size = groups[self.kinds[0]].block_size
         self.max_batch_size = max_batch_size
         self.prefill_step_size = prefill_step_size
+        self.prefill_batch_tokens = min(prefill_batch_tokens or BATCH_TOKENS, prefill_step_size)
         self.prefill_budget = prefill_budget
         self.index = PrefixIndex(
             [groups[k].blocks for k in self.kinds], [k.window for k in self.kinds], states
@@ -101,7 +111,8 @@ class Scheduler:
         """Queue a request; raise ValueError if it could not fit in the pool even alone."""
         n = len(req.prompt)
         for kind, group in self.groups.items():
-            need = self._peak_blocks(kind, n, n + req.max_tokens)
+            chunk = min(self.prefill_step_size, n)
+            need = peak_blocks(group, kind.window, chunk, n + req.max_tokens)
             if not group.blocks.growable and need > group.blocks.capacity:
                 raise ValueError(
                     f"a prompt of {n} tokens plus max_tokens={req.max_tokens} needs up to "
@@ -140,7 +151,7 @@ class Scheduler:
             # Requests behind it could adopt its blocks, or its state where they diverge.
             shared = heads[head] > 0 and (start < bs <= n or req.extends_shared)
             steps = prefill_steps(start, start + n, self.prefill_step_size, req.cuts)
-            if n > self.prefill_step_size or shared:
+            if n > self.prefill_batch_tokens or shared:
                 yield Prefill([req], steps, alone=True)
             elif n > 0:
                 # Take the blocks now, so the next admission sees them gone.
@@ -153,7 +164,7 @@ class Scheduler:
             _note_peak(self.counters, self.groups)
         assert self.running or not self.waiting, "an idle pool cannot take the next request"
         for (steps, _), reqs in batched.items():
-            yield from batched_prefills(reqs, steps, self.prefill_step_size, self.kv_target)
+            yield from batched_prefills(reqs, steps, self.prefill_batch_tokens, self.kv_target)
 
     def index_written(self, req: Request) -> None:
         """Index the full blocks ``req`` has written, so running requests can share them,
@@ -280,14 +291,8 @@ class Scheduler:
     def _blocks_to_write(self, kind: LayerKind, table: BlockTable, start: int, end: int) -> int:
         """Blocks a prefill of ``[start, end)`` takes; a window keeps only its last blocks."""
         need = self.groups[kind].blocks_needed(table, start, end)
-        return min(need, self._peak_blocks(kind, end - start, end))
-
-    def _peak_blocks(self, kind: LayerKind, prefill: int, total: int) -> int:
-        """Most blocks one sequence holds at once, prefilling ``prefill`` of ``total`` tokens."""
-        span, chunk = -(-total // self.block_size) + 1, min(self.prefill_step_size, prefill)
-        if kind.window is None:  # a cold tier bounds the full-precision blocks too
-            return min(span, self.groups[kind].hot_span(chunk) or span)
-        return min(span, -(-(kind.window + chunk) // self.block_size) + 1)
+        chunk = min(self.prefill_step_size, end - start)
+        return min(need, peak_blocks(self.groups[kind], kind.window, chunk, end))
 
     def _preempt(self, req: Request) -> None:
         """Park a running request's blocks and requeue it first; it resumes from the cache."""
@@ -363,3 +368,13 @@ def _pool_totals(pools: list[BlockPool]) -> dict[str, int]:
         "cold_bytes": sum(t.cold_bytes for t in tiers),
         "migrations": sum(t.migrations for t in tiers),
     }
+
+
+def peak_blocks(group: BlockTables, window: int | None, chunk: int, total: int) -> int:
+    """Most blocks one sequence of ``total`` tokens holds at once while prefilling in
+    forwards of ``chunk`` tokens."""
+    bs = group.block_size
+    span = -(-total // bs) + 1
+    if window is None:  # a cold tier bounds the full-precision blocks too
+        return min(span, group.hot_span(chunk) or span)
+    return min(span, -(-(window + chunk) // bs) + 1)

@@ -68,9 +68,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--prefill-step-size",
         type=int,
-        default=512,
-        help="Most tokens per prefill forward, padding included; 2048 gives earlier first "
-        "tokens to bursts of requests at more peak memory (BENCHMARKS.md, runs 118-122).",
+        default=2048,
+        help="Most tokens per prefill forward: a long prompt is prefilled in chunks of this "
+        "size (mlx_lm.server's default).",
+    )
+    p.add_argument(
+        "--prefill-batch-tokens",
+        type=int,
+        default=None,
+        help="Most tokens, padding included, in one forward of several requests' short "
+        "prompts (default: 512, or the step size if smaller); longer ones go alone.",
     )
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default=None, help="K/V storage dtype.")
     p.add_argument(
@@ -169,7 +176,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Exit with a usage error for values the engine or the app would refuse later."""
-    positive = ("block_size", "max_batch_size", "prefill_step_size", "max_tokens", "max_queue")
+    positive = (
+        "block_size",
+        "max_batch_size",
+        "prefill_step_size",
+        "prefill_batch_tokens",
+        "max_tokens",
+        "max_queue",
+    )
     if args.hot_tokens < 0:
         parser.error(f"--hot-tokens must be 0 or more, got {args.hot_tokens}.")
     for name in (*positive, "num_blocks", "state_snapshot_interval", "num_state_snapshots"):
@@ -237,6 +251,7 @@ def loader(args: argparse.Namespace, group=None):
             num_blocks=num_blocks,
             max_batch_size=args.max_batch_size,
             prefill_step_size=args.prefill_step_size,
+            prefill_batch_tokens=args.prefill_batch_tokens,
             kv_dtype=kv_dtype,
             kv_bits=args.kv_bits,
             kv_group_size=args.kv_group_size,
