@@ -82,6 +82,29 @@ def test_mixed_batch_equals_solo(family):
     assert stats.live_blocks == 0 and stats.preemptions == 0
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", "qwen3_next"])
+def test_long_prompts_go_alone_in_whole_steps_and_still_match_solo(family, monkeypatch):
+    """Prompts over ``prefill_batch_tokens`` are prefilled alone in chunks of up to
+    ``prefill_step_size`` (a sliding window's and a hybrid's too); short ones batch."""
+    prompts = mixed_prompts(4)
+    engine = PagedEngine(
+        model_of(family), block_size=BS, max_batch_size=6, prefill_step_size=40,
+        prefill_batch_tokens=12,
+    )  # fmt: skip
+    chunks = []
+    prefill = engine.runner.prefill
+
+    def spy(req, n, logits=False):
+        chunks.append(n)
+        return prefill(req, n, logits)
+
+    monkeypatch.setattr(engine.runner, "prefill", spy)
+    for prompt, got in zip(prompts, run_all(engine, prompts), strict=True):
+        assert got == solo(family, tuple(prompt))
+    assert chunks and max(chunks) <= 40 and any(n > 12 for n in chunks), chunks
+    assert engine.stats().live_blocks == 0
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_suffixes_of_different_lengths_share_one_padded_forward(family, monkeypatch):
     """Requests adopting a cached prefix prefill suffixes of about 18, 20 and 22 tokens in
