@@ -208,6 +208,23 @@ def test_growable_pool_grows_on_demand():
     pool.check_invariants(tables=[list(range(15))])
 
 
+def test_make_room_grows_once_so_that_the_allocations_after_it_do_not():
+    pool = BlockPool(None, 4)
+    pool.make_room(10)
+    assert (pool.capacity, pool.num_free) == (10, 10)
+    assert [pool.allocate(3), pool.allocate(3), pool.allocate(4)] == [
+        [0, 1, 2], [3, 4, 5], [6, 7, 8, 9]
+    ]  # fmt: skip
+    assert pool.capacity == 10
+    pool.make_room(1)  # short by 1, but a quarter of 10 is 2
+    assert (pool.capacity, pool.num_free) == (12, 2)
+    pool.make_room(2)  # room already
+    assert pool.capacity == 12
+    fixed = BlockPool(4, 4)
+    fixed.make_room(10)  # a fixed pool is left as it is
+    assert (fixed.capacity, fixed.num_free) == (4, 4)
+
+
 def test_growable_pool_reuses_cached_blocks_before_growing():
     """A growable pool evicts cached blocks rather than grow when they suffice."""
     pool = BlockPool(None, 4)
@@ -351,6 +368,20 @@ class BlockPoolMachine(RuleBasedStateMachine):
         assert self.evicted == expected_evicted
         if expected:
             self.tables.append(expected)
+
+    @rule(n=st.integers(0, 12))
+    def make_room(self, n):
+        """Room for n blocks: a growable pool short of them grows as allocate(n) would."""
+        if self.growable and n > len(self.free) + len(self.cached):
+            grow = max(n - len(self.free) - len(self.cached), int(self.capacity * GROWTH))
+            self.free.extend(range(self.capacity, self.capacity + grow))
+            self.capacity += grow
+        before = (list(self.pool.refcounts), set(self.pool.parked), self.pool.num_cached)
+        self.pool.make_room(n)
+        assert self.pool.capacity == self.capacity and self.pool.num_free == len(self.free)
+        assert (self.pool.refcounts[: len(before[0])], self.pool.parked) == before[:2]
+        assert self.pool.num_cached == before[2]  # nothing evicted
+        assert self.pool.can_allocate(n) or not self.growable
 
     @precondition(lambda self: self.held())
     @rule(data=st.data())

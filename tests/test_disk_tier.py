@@ -61,7 +61,7 @@ def test_evicted_blocks_come_back_with_the_same_logprobs_as_never_evicting(tmp_p
     assert engine.disk.store.counts["hits"] == loaded // BS
 
 
-@pytest.mark.parametrize("batch", [64, 2])  # blocks per read: one run, or three
+@pytest.mark.parametrize("batch", [64, 2, 1])  # blocks per read: one run, three or five
 def test_a_restart_answers_a_repeated_prompt_from_disk(tmp_path, monkeypatch, batch):
     monkeypatch.setattr(disk_tier, "LOAD_BATCH", batch)
     (a,) = prompts(1, 1)
@@ -79,6 +79,44 @@ def test_a_restart_answers_a_repeated_prompt_from_disk(tmp_path, monkeypatch, ba
     assert np.allclose(got[1], expected[1], atol=1e-6, rtol=0)
 
 
+def test_a_load_reads_two_runs_ahead_into_buffers_no_write_still_needs(tmp_path, monkeypatch):
+    monkeypatch.setattr(disk_tier, "LOAD_BATCH", 1)  # five runs of one block
+    (a,) = prompts(1, 1)
+    first = PagedEngine(model_of("llama"), block_size=BS, kv_disk_dir=tmp_path, kv_disk_bytes=10**8)
+    expected = run(first, a)
+    first.disk.spill_cached()
+    second = PagedEngine(model_of("llama"), block_size=BS, kv_disk_dir=tmp_path,
+                         kv_disk_bytes=10**8)  # fmt: skip
+    log = []
+    read, parse = second.disk._read, disk_tier.run_blocks
+
+    def logged_read(keys, i):
+        log.append(("read", len(keys), i))
+        return read(keys, i)
+
+    def logged_parse(*args, **kwargs):  # one per run, evaluated before the next is parsed
+        log.append(("write",))
+        return parse(*args, **kwargs)
+
+    monkeypatch.setattr(second.disk, "_read", logged_read)
+    monkeypatch.setattr(disk_tier, "run_blocks", logged_parse)
+    (pool,) = second.scheduler.groups.values()
+    grown, grows = pool.grown, []
+    monkeypatch.setattr(pool, "grown", lambda: (grows.append(pool.blocks.capacity), grown()))
+    got = run(second, a)
+    assert got[0] == expected[0] and np.allclose(got[1], expected[1], atol=1e-6, rtol=0)
+    assert second.stats().disk_hit_tokens == 5 * BS
+    # Reads i and i + 1 are in flight while run i - 1 is written; read i (into buffer
+    # i % 3) is asked for only once run i - 3, the buffer's last, has been written.
+    w = ("write",)
+    assert log == [("read", 1, 0), ("read", 1, 1), w, ("read", 1, 2), w, ("read", 1, 3), w,
+                   ("read", 1, 4), w, w]  # fmt: skip
+    assert disk_tier.READS_AHEAD == 2
+    # The pool grew once, at the first run (each growth copies the pool's arrays): for the
+    # 5 blocks loaded and one more, which the request's 45 tokens then took.
+    assert grows == [6] and pool.blocks.capacity == 6
+
+
 def test_another_model_or_block_size_never_hits(tmp_path):
     (a,) = prompts(2, 1)
     first = PagedEngine(model_of("llama"), block_size=BS, kv_disk_dir=tmp_path, kv_disk_bytes=10**8)
@@ -94,7 +132,8 @@ def test_another_model_or_block_size_never_hits(tmp_path):
 
 
 @pytest.mark.parametrize("in_mlx", [True, False])  # checked in MLX, or on the reader threads
-@pytest.mark.parametrize("batch", [64, 2])  # the third block: in the first run, or the second
+# The third block: in the first run, the second, or the third (two more reads in flight).
+@pytest.mark.parametrize("batch", [64, 2, 1])
 def test_damaged_files_are_recomputed_and_deleted(tmp_path, monkeypatch, batch, in_mlx):
     monkeypatch.setattr(disk_tier, "LOAD_BATCH", batch)
     monkeypatch.setattr(disk_tier, "CHECK_IN_MLX", in_mlx)

@@ -110,6 +110,13 @@ class BlockPool:
         """Whether ``allocate(n)`` would succeed (growable pools always can)."""
         return self.growable or n <= self.num_available
 
+    def make_room(self, n: int) -> None:
+        """Grow a growable pool now, once, if ``allocate(n)`` would grow it: a caller that
+        is about to take ``n`` blocks in several allocations spares the storage a copy per
+        growth. A fixed pool is left as it is."""
+        if self.growable and n > self.num_available:
+            self._grow(max(n - self.num_available, int(self.capacity * GROWTH)))
+
     def allocate(self, n: int) -> list[int] | None:
         """Take ``n`` blocks with refcount 1, evicting cached blocks if needed.
 
@@ -121,7 +128,7 @@ class BlockPool:
         if n > self.num_available:
             if not self.growable:
                 return None
-            self._grow(max(n - self.num_available, int(self.capacity * GROWTH)))
+            self.make_room(n)
         while len(self._free) < n:
             self._evict_one()
         ids = [self._free.popleft() for _ in range(n)]

@@ -212,6 +212,14 @@ class BlockTables:
 
     # ---- reservations -----------------------------------------------------
 
+    def make_room(self, n: int) -> None:
+        """Grow a growable pool (and its storage) once, if it must, so that ``n`` more blocks
+        fit without another growth (``BlockPool.make_room``)."""
+        capacity = self.blocks.capacity
+        self.blocks.make_room(n)
+        if self.blocks.capacity != capacity:
+            self.grown()
+
     def blocks_needed(self, table: BlockTable, start: int, end: int) -> int:
         """Blocks ``reserve(table, start, end)`` would take: new ones plus copies of shared ones."""
         return len(self._shared_in(table, start, end)) + self._missing(table, end)

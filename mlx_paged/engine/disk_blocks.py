@@ -84,6 +84,18 @@ def take_blocks(
     return table.blocks[lo : lo + n]
 
 
+def make_room(pool: KVPool, cold: bool | None, entries: int, blocks: int) -> None:
+    """Grow a full-attention group's growable pool once for a load of ``entries`` that
+    ``take_blocks`` takes run by run: its cold tier by ``entries`` for cold ones, else
+    by the ``blocks`` the prompt still needs."""
+    if cold is None:
+        return
+    if cold:
+        pool.blocks.cold.make_room(entries)
+    else:
+        pool.make_room(blocks)
+
+
 def pinned_tables(
     groups: dict[LayerKind, KVPool], path: list[list[int | None]], have: int
 ) -> dict[LayerKind, BlockTable]:

@@ -15,9 +15,9 @@ and prefix index:
   that follow what memory holds, for as long as the disk has them and the pool
   has room, writes them into fresh blocks and parks them in the index; the
   match then adopts them like any cached block. Files are read in runs of up
-  to ``LOAD_BATCH`` blocks and ``LOAD_BYTES`` bytes, into two staging buffers
-  in turn (``storage/pinned.py``), the next run on the store's threads while
-  this one is written into the pool. The threads check each file's size and
+  to ``LOAD_BATCH`` blocks and ``LOAD_BYTES`` bytes, each into its own staging
+  buffer (``storage/pinned.py``), the next ``READS_AHEAD`` runs on the store's
+  threads while this one is written into the pool. The threads check each file's size and
   header; on a GPU the arrays' checksums (``storage/disk_format.py``) are checked
   in MLX, in the evaluation that writes them into the pool, and the blocks of an
   entry that fails (and those after it) go back unindexed, its file deleted
@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import deque
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
@@ -68,6 +69,7 @@ from .disk_blocks import (
     chain_keys,
     chained_key,
     leading,
+    make_room,
     parked,
     pinned_tables,
     take_blocks,
@@ -83,6 +85,8 @@ SPILL_BATCH = 256
 LOAD_BATCH = 256
 #: ... and at most this many bytes of them (a staging buffer's size).
 LOAD_BYTES = 64 << 20
+#: Runs a load reads ahead of the one it writes into the pool.
+READS_AHEAD = 2
 #: Blocks a step loads for a request while others run (``DiskTier.step_blocks``).
 STEP_BLOCKS = 128
 #: What a snapshot's key adds to the key of the block it ends.
@@ -119,7 +123,7 @@ class DiskTier:
         self._chain: tuple[list[int], list[str]] = ([], [])  # the last tokens _key saw, keys
         self._ahead: tuple[str, Future] | None = None  # (first key, its run being read)
         self.step_blocks = STEP_BLOCKS  # most blocks a step loads while others run
-        self.staging = Staging()  # the two host buffers runs are read into
+        self.staging = Staging(READS_AHEAD + 1)  # the host buffers runs are read into
         scheduler.index.on_spill = self.spill
         scheduler.disk = self
 
@@ -263,6 +267,10 @@ class DiskTier:
             if parsed is None:
                 break
             arrays, cold, ok = parsed
+            if end == start:  # the whole load's room at once: each growth copies the pool
+                for k, c in zip(kinds, cold, strict=True):
+                    if k.window is None:
+                        make_room(groups[k], c, len(keys), -(-len(tokens) // bs) - have + 1)
             ids = [
                 take_blocks(groups[k], tables[k], end, len(run), c)
                 for k, c in zip(kinds, cold, strict=True)
@@ -315,23 +323,33 @@ class DiskTier:
                 return
 
     def _runs(self, keys: list[str]) -> Iterator[Run]:
-        """The entries of ``keys`` in runs (``_batch``) of one layout, each read
-        on the store's threads (into the two staging buffers in turn) while the caller
-        writes the one before; stops at the first missing or bad file."""
-        ahead = None
+        """The entries of ``keys`` in runs (``_batch``) of one layout, read on the store's
+        threads up to ``READS_AHEAD`` runs ahead of the one the caller writes (each into
+        its own staging buffer); stops at the first missing or bad file."""
+        ahead: deque[tuple[int, int, Future]] = deque()  # (first entry, entries, read)
         if self._ahead is not None and self._ahead[0] == keys[0]:  # read ahead by the last call
-            ahead = self._ahead[1]
+            ahead.append((0, self._batch(keys[0]), self._ahead[1]))
         self._ahead = None  # a stale one finishes first: the reader is one thread
-        ahead, pos, i = ahead or self._read(keys[: self._batch(keys[0])], 0), 0, 0
-        while ahead is not None:
+        pos, i = 0, len(ahead)  # entries yielded; reads asked for (a read's buffer)
+        while pos < len(keys):
+            while len(ahead) < READS_AHEAD:
+                lo = ahead[-1][0] + ahead[-1][1] if ahead else pos
+                if lo >= len(keys):
+                    break
+                n = min(self._batch(keys[lo]), len(keys) - lo)
+                ahead.append((lo, n, self._read(keys[lo : lo + n], i)))
+                i += 1
+            lo, n, future = ahead.popleft()
             start = time.perf_counter()
-            run = ahead.result()
+            run = future.result()
             self.seconds["load_wait"] += time.perf_counter() - start
             if run is None:
                 return
-            pos, i, ahead = pos + len(run), i + 1, None
-            if pos < len(keys):
-                ahead = self._read(keys[pos : pos + self._batch(keys[pos])], i)
+            pos += len(run)
+            if len(run) < n:  # a short run (bad file, another layout): reads after it are off
+                for _, _, later in ahead:
+                    later.result()
+                ahead.clear()
             yield run
 
     def _batch(self, key: str) -> int:
@@ -339,7 +357,7 @@ class DiskTier:
         return max(1, min(LOAD_BATCH, LOAD_BYTES // (self.store.size(key) or 1)))
 
     def _read(self, keys: list[str], i: int) -> Future:
-        """``read_run(keys)`` on the reader thread, into staging buffer ``i % 2``."""
+        """``read_run(keys)`` on the reader thread, into staging buffer ``i``."""
         out = partial(self.staging.buffer, i)
         in_mlx = mx.default_device() == mx.gpu if CHECK_IN_MLX is None else CHECK_IN_MLX
         return self._reader.submit(self.store.read_run, keys, out, payloads=not in_mlx)

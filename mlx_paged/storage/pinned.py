@@ -3,7 +3,7 @@
 MLX 0.32's CUDA backend puts an array made from host data (``mx.array(numpy)``)
 in managed memory, which the GPU then pages in: 1.1-2.3 GB/s on an H100
 (BENCHMARKS.md, run 130), slower than the GPU recomputes a 1B model's K/V.
-``Staging`` keeps two reusable host buffers; on CUDA it registers them with the
+``Staging`` keeps a few reusable host buffers; on CUDA it registers them with the
 driver (``cuMemHostRegister``, mapped), and ``to_mlx`` copies a buffer's rows
 into a new MLX array with a kernel that reads the host memory directly, in
 16-byte loads. The first use checks that copy against ``mx.array`` on a test
@@ -106,10 +106,14 @@ class _Pins:
 
 
 class Staging:
-    """Two reusable host buffers, and their copy into MLX (see the module docstring)."""
+    """Reusable host buffers, and their copy into MLX (see the module docstring).
 
-    def __init__(self) -> None:
-        self._buffers: list[np.ndarray | None] = [None, None]
+    Args:
+        count: How many buffers: reads may fill all but one while MLX copies from one.
+    """
+
+    def __init__(self, count: int = 2) -> None:
+        self._buffers: list[np.ndarray | None] = [None] * count
         self._kernel = None
         self.pinned: bool | None = None  # None: not tried yet
         self._pins = _Pins()  # the buffers pinned now
@@ -117,15 +121,16 @@ class Staging:
         weakref.finalize(self, self._pins.unpin_all).atexit = False
 
     def buffer(self, i: int, rows: int, size: int) -> np.ndarray:
-        """A ``(rows, size)`` uint8 view of buffer ``i % 2``, grown (and pinned) as needed."""
+        """A ``(rows, size)`` uint8 view of buffer ``i % count``, grown (and pinned) as needed."""
         need = -(-rows * size // 16) * 16
-        held = self._buffers[i % 2]
+        i %= len(self._buffers)
+        held = self._buffers[i]
         if held is None or held.size < need:
             if held is not None:
                 self._pins.unpin(held)
             raw = np.empty(need + PAGE, dtype=np.uint8)
             held = raw[(-raw.ctypes.data) % PAGE :][:need]
-            self._buffers[i % 2] = held
+            self._buffers[i] = held
             if self.pinned:  # a driver call, no MLX one: any thread may grow a buffer
                 self._pin(held)
         return held[: rows * size].reshape(rows, size)
