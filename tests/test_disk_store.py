@@ -47,6 +47,47 @@ def test_an_entry_comes_back_as_written_and_survives_a_restart(tmp_path):
     assert again.get("missing") is None and again.counts["misses"] == 1
 
 
+def test_a_read_refreshes_its_files_modification_time_on_the_writer_thread(tmp_path):
+    store = DiskStore(tmp_path, 10**7, FP)
+    assert store.put("abc123", arrays(1))
+    store.put_many_later([(k, arrays(2)) for k in ("p1", "p2", "p3")])
+    store.flush()
+    files = [tmp_path / f"{FP}-abc123.kv", *tmp_path.glob("*.kvp")]
+    assert len(files) == 2
+    old = time.time() - 3600
+    for f in files:
+        os.utime(f, (old, old))
+    assert same(store.get("abc123"), arrays(1))
+    run = store.read_run(["p2", "p3"])
+    assert run is not None and len(run) == 2
+    store.flush()
+    assert all(f.stat().st_mtime > old + 3000 for f in files)
+
+
+def test_reads_keep_descriptors_open_until_the_file_goes_or_they_are_closed(tmp_path):
+    store = DiskStore(tmp_path, 10**7, FP)
+    for key in ("a1", "b2"):
+        assert store.put(key, arrays(1))
+    assert same(store.get("a1"), arrays(1))
+    held = store._files._open
+    assert list(held) == [f"{FP}-a1.kv"]
+    fd = held[f"{FP}-a1.kv"].fd
+    assert same(store.get("a1"), arrays(1)) and held[f"{FP}-a1.kv"].fd == fd  # kept
+    store.close_files()
+    assert not held
+    with pytest.raises(OSError):
+        os.fstat(fd)  # closed
+    # Another process deletes a file: a miss once the descriptors are closed.
+    assert same(store.get("b2"), arrays(1))
+    (tmp_path / f"{FP}-b2.kv").unlink()
+    store.close_files()
+    assert store.get("b2") is None and "b2" not in store
+    # A file the store drops (here: the cap) closes its descriptor.
+    assert store.get("a1") is not None and list(held) == [f"{FP}-a1.kv"]
+    store.discard("a1", "a test")
+    assert not held and "a1" not in store
+
+
 def test_another_fingerprint_never_sees_the_entry(tmp_path):
     DiskStore(tmp_path, 10**7, FP).put("abc", arrays())
     other = DiskStore(tmp_path, 10**7, "othermodel")

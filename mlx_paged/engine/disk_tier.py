@@ -244,6 +244,8 @@ class DiskTier:
         loaded, more = self._load(tokens, keys, self.step_blocks if busy else None)
         if self.states is not None and not more:
             self._load_state(tokens, keys)
+        if not more:
+            self.store.close_files()
         self.seconds["load"] += time.perf_counter() - start
         return loaded, more
 

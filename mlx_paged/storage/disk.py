@@ -47,11 +47,13 @@ import numpy as np
 from .disk_files import (
     PACK_ENTRIES,
     PACK_SUFFIX,
+    OpenFiles,
     group_packs,
     list_files,
     pack_keys,
     plan_reads,
     read_segments,
+    touch,
     valid_rows,
     write_file,
 )
@@ -90,6 +92,7 @@ class DiskStore:
         self._pending: set[str] = set()  # names queued by put_later, not yet written
         self._queue: queue.Queue | None = None
         self._readers = ThreadPoolExecutor(READ_THREADS, "mlx_paged-disk-read")  # lazy threads
+        self._files = OpenFiles(self.path)
         self.counts = dict.fromkeys(("hits", "misses", "writes", "dropped"), 0)
         self.seconds = {"read": 0.0, "write": 0.0}
         try:
@@ -147,11 +150,8 @@ class DiskStore:
         if not self.enabled or not items:
             return
         names = [self._name(key) for key, _ in items]
-        if self._queue is None:
-            self._queue = queue.Queue()
-            threading.Thread(target=self._drain, name="mlx_paged-disk", daemon=True).start()
         self._pending.update(names)
-        self._queue.put((names, list(items)))
+        self._later(names, partial(self._write_many, list(items)))
 
     def flush(self) -> None:
         """Wait until every ``put_later`` is written (or dropped, if the store turned off)."""
@@ -193,7 +193,7 @@ class DiskStore:
         # small file's read costs less than handing a task to a thread, run 160), and
         # the entries of a pack that follow each other in one call.
         tasks = plan_reads(rows, READ_THREADS)
-        read = partial(read_segments, self.path, self.fingerprint, payloads)
+        read = partial(read_segments, self._files, self.fingerprint, payloads)
         if len(tasks) == 1:
             errors = read(tasks[0], data)
         else:
@@ -209,13 +209,21 @@ class DiskStore:
         if n == 0:
             self.counts["misses"] += 1
             return None
+        used = list(dict.fromkeys(name for name, _, _ in rows[:n]))
         with self._lock:
-            for name in dict.fromkeys(name for name, _, _ in rows[:n]):
+            for name in used:
                 self._index.used(name)
+        # Their modification times, for a later process's order, on the writer thread:
+        # a reader's syscalls wait for the GIL (``OpenFiles``).
+        self._later([], partial(touch, self.path, used))
         if payloads:
             self.counts["hits"] += n
         self.seconds["read"] += time.perf_counter() - start
         return Run(data[:n], specs, payload, checked=payloads)
+
+    def close_files(self) -> None:
+        """Close the descriptors reads keep open (``OpenFiles``), e.g. after a load."""
+        self._files.clear()
 
     def hit(self, n: int) -> None:
         """Count ``n`` entries of a ``read_run(payloads=False)`` found good by the caller."""
@@ -274,12 +282,19 @@ class DiskStore:
             self.seconds["write"] += time.perf_counter() - start
         return True
 
+    def _later(self, names: list[str], job: Callable[[], object]) -> None:
+        """Run ``job`` (writing the files ``names``, or none) on the background thread."""
+        if self._queue is None:
+            self._queue = queue.Queue()
+            threading.Thread(target=self._drain, name="mlx_paged-disk", daemon=True).start()
+        self._queue.put((names, job))
+
     def _drain(self) -> None:
         while True:
-            names, items = self._queue.get()
+            names, job = self._queue.get()
             try:
                 if self.enabled:
-                    self._write_many(items)
+                    job()
             except Exception:  # a write that fails for another reason must not end the thread
                 logger.exception("mlx_paged: writing the disk-tier files %s failed", names)
             finally:
@@ -310,6 +325,7 @@ class DiskStore:
     def _drop_locked(self, name: str, delete: bool = True) -> None:
         """Take a file (a pack with all its entries) out of the index (and delete it)."""
         self._index.drop(name)
+        self._files.forget(name)
         if delete:
             (self.path / name).unlink(missing_ok=True)
             self.counts["dropped"] += 1

@@ -1,15 +1,18 @@
 """The disk tier's file reads and pack layout: what ``DiskStore`` does to its files.
 
 Functions of paths and buffers, no index: read an entry file or a run of a
-pack's entries into rows of a buffer and check each one's checksums; plan which
-reader thread reads which rows; read a pack's keys; group entries into packs.
+pack's entries into rows of a buffer (through descriptors kept open,
+``OpenFiles``) and check each one's checksums; plan which reader thread reads
+which rows; read a pack's keys; group entries into packs.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -25,7 +28,6 @@ PACK_ENTRIES = 64
 #: of each entry to find its key (the prefix and a key of up to 236 bytes).
 HEAD_BYTES = 1 << 20
 HEAD_KEY = 256
-_UTIME_FD = os.utime in os.supports_fd
 
 #: One reader task's piece: (file, index in its pack or None, the file's bytes, first
 #: row of the buffer, entries).
@@ -54,7 +56,7 @@ def plan_reads(rows: list[tuple[str, int | None, int]], threads: int) -> list[li
 
 
 def read_segments(
-    directory: Path,
+    files: OpenFiles,
     fingerprint: str,
     payloads: bool,
     segments: list[Segment],
@@ -62,14 +64,14 @@ def read_segments(
 ) -> list[Exception | None]:
     """Read each segment into its rows of ``data``, in turn; one error (or ``None``) per
     entry. ``payloads``: check the payloads' sums too, not only the heads'. Runs on
-    reader threads: no shared state."""
+    reader threads: no shared state but ``files``."""
     errors: list[Exception | None] = []
     for name, index, total, row, count in segments:
         out = data[row : row + count]
         if index is None:
-            errors.append(read_entry(directory / name, out[0], fingerprint, payloads))
+            errors.append(read_entry(files, name, out[0], fingerprint, payloads))
         else:
-            errors += read_pack(directory / name, index, total, out, payloads)
+            errors += read_pack(files, name, index, total, out, payloads)
     return errors
 
 
@@ -96,60 +98,42 @@ def valid_rows(
 
 
 def read_pack(
-    path: Path, index: int, total: int, out: np.ndarray, payloads: bool = True
+    files: OpenFiles, name: str, index: int, total: int, out: np.ndarray, payloads: bool = True
 ) -> list[Exception | None]:
-    """Read entries ``index, index + 1, ...`` of the pack at ``path`` (``total`` bytes when
+    """Read entries ``index, index + 1, ...`` of the pack ``name`` (``total`` bytes when
     indexed) into the rows of ``out`` and check each one's checksums (``payloads``: the
     payload's too)."""
     try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError as e:
-        return [e] * len(out)
-    try:
-        got = os.fstat(fd).st_size
-        if got != total:
-            error = ValueError(f"truncated or rewritten ({got} bytes, {total} indexed)")
+        file = files.get(name)
+        if file.size != total:
+            error = ValueError(f"truncated or rewritten ({file.size} bytes, {total} indexed)")
             return [error] * len(out)
-        os.lseek(fd, index * out.shape[1], os.SEEK_SET)
-        got = os.readv(fd, list(out))
-        if got != out.size:
-            return [ValueError(f"truncated ({got} of {out.size} bytes read)")] * len(out)
-        why = [check(row, payloads) for row in out]
-        errors = [None if w is None else ValueError(f"an entry: {w}") for w in why]
-        if not any(errors):
-            _touch(fd, path)
-        return errors
+        got = os.preadv(file.fd, list(out), index * out.shape[1])
     except OSError as e:
         return [e] * len(out)
-    finally:
-        os.close(fd)
+    if got != out.size:
+        return [ValueError(f"truncated ({got} of {out.size} bytes read)")] * len(out)
+    why = [check(row, payloads) for row in out]
+    return [None if w is None else ValueError(f"an entry: {w}") for w in why]
 
 
 def read_entry(
-    path: Path, out: np.ndarray, fingerprint: str, payloads: bool = True
+    files: OpenFiles, name: str, out: np.ndarray, fingerprint: str, payloads: bool = True
 ) -> Exception | None:
-    """Read the entry file at ``path`` into ``out`` (its whole size) and check its length
-    and checksums (``payloads``: the payload's too); the error, or ``None``. A bare file
-    descriptor, not a file object: a small file's read is mostly per-call cost."""
+    """Read the entry file ``name`` into ``out`` (its whole size) and check its length
+    and checksums (``payloads``: the payload's too); the error, or ``None``."""
     try:
-        fd = os.open(path, os.O_RDONLY)
+        file = files.get(name)
+        got = os.preadv(file.fd, [out], 0)
     except OSError as e:
         return e
-    try:
-        got = os.readv(fd, [out])
-        grown = os.fstat(fd).st_size > out.size
-        if got == out.size and not grown:
-            why = check(out, payloads)
-            if why is None:
-                _touch(fd, path)
-                return None
-            error = ValueError(why)
-        else:
-            error = ValueError(f"truncated or rewritten ({got} bytes read, {out.size} indexed)")
-    except OSError as e:
-        return e
-    finally:
-        os.close(fd)
+    if got == out.size == file.size:
+        why = check(out, payloads)
+        if why is None:
+            return None
+        error = ValueError(why)
+    else:
+        error = ValueError(f"truncated or rewritten ({file.size} bytes, {out.size} indexed)")
     try:  # the header may say more: another format, version or fingerprint
         parse(out[:got], fingerprint)
     except (ValueError, KeyError, UnicodeDecodeError) as e:
@@ -157,12 +141,80 @@ def read_entry(
     return error
 
 
-def _touch(fd: int, path: Path) -> None:
-    """Mark a file most recently used, for a later process too."""
-    try:
-        os.utime(fd if _UTIME_FD else path)
-    except OSError:
-        pass
+class OpenFiles:
+    """Read-only descriptors of a directory's files, kept open between reads.
+
+    A read through a fresh descriptor costs an open, a stat and a close besides the
+    read, each a trip of the reader thread through the GIL, where it waits while any
+    other thread runs Python (BENCHMARKS.md, run 186). A descriptor closes once its
+    file is forgotten (``forget``, or the oldest past ``most``) and no read holds it.
+    """
+
+    def __init__(self, directory: Path, most: int = 64):
+        self.directory, self.most = directory, most
+        self._open: OrderedDict[str, _Open] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, name: str) -> _Open:
+        """The open file ``name``: its descriptor and its size when opened.
+
+        Raises:
+            OSError: if it cannot be opened (e.g. another process deleted it).
+        """
+        with self._lock:
+            file = self._open.get(name)
+            if file is not None:
+                self._open.move_to_end(name)
+                return file
+        file = _Open(self.directory / name)
+        with self._lock:
+            self._open[name] = file
+            while len(self._open) > self.most:
+                self._open.popitem(last=False)
+        return file
+
+    def forget(self, name: str) -> None:
+        """Close ``name``'s descriptor once no read holds it (its file is going)."""
+        with self._lock:
+            self._open.pop(name, None)
+
+    def clear(self) -> None:
+        """Close every descriptor once no read holds it: a file another process deleted
+        keeps its disk space while a descriptor of it is open."""
+        with self._lock:
+            self._open.clear()
+
+
+class _Open:
+    """One open file; its descriptor closes when the last holder lets go of it."""
+
+    __slots__ = ("fd", "size")
+
+    def __init__(self, path: Path):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            size = os.fstat(fd).st_size
+        except OSError:
+            os.close(fd)
+            raise
+        self.fd, self.size = fd, size
+
+    def __del__(self) -> None:
+        fd = getattr(self, "fd", None)  # none if opening failed
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+def touch(directory: Path, names: Sequence[str]) -> None:
+    """Mark files most recently used, for a later process too (by modification time)."""
+    for name in names:
+        try:
+            os.utime(directory / name)
+        except OSError:
+            pass
 
 
 def pack_keys(path: Path, size: int, fingerprint: str) -> tuple[list[str], int]:
