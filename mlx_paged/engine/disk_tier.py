@@ -180,9 +180,11 @@ class DiskTier:
         return self.store.counts["writes"] - before
 
     def rehearse(self) -> bool:
-        """Run a spill's and a load's MLX work once on a cached block, writing no file, so
-        that a fresh process builds their kernels before its first request (the block is
-        rewritten with its own bytes); whether there was a block to do it on."""
+        """Make (and pin) the staging buffers, and run a spill's and a load's MLX work once
+        on a cached block, writing no file, so that a fresh process does neither during
+        its first load (the block is rewritten with its own bytes); whether there was a
+        block to do it on."""
+        self.staging.reserve(LOAD_BYTES)
         found = parked(self.scheduler.index)
         blocks = found[0][1] if found else None
         cold = tiers(blocks or ())

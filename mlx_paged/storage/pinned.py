@@ -135,6 +135,16 @@ class Staging:
                 self._pin(held)
         return held[: rows * size].reshape(rows, size)
 
+    def reserve(self, nbytes: int) -> None:
+        """Make every buffer ``nbytes`` long now, pinned where copies run pinned: pinning
+        (``cuMemHostRegister``) while a load runs costs that load. Call it on the thread
+        that makes the MLX calls (the first call builds and checks the copy)."""
+        self._ready()
+        for i in range(len(self._buffers)):
+            self.buffer(i, 1, nbytes)
+            if self.pinned:
+                self._pin(self._buffers[i])
+
     def stage(self, data: np.ndarray) -> np.ndarray:
         """``(rows, size)`` uint8 ``data`` copied into buffer 0, as a read would leave it."""
         out = self.buffer(0, *data.shape)
