@@ -19,10 +19,12 @@ file that a later start deletes. A truncated, corrupted, foreign (another
 fingerprint) or old-format file is deleted with a log line and reads as a miss;
 a pack with one bad entry goes as a whole.
 The directory is kept under ``max_bytes`` by deleting the least recently used
-files (by modification time, which a read refreshes), whichever model wrote
-them. Several processes may share the directory: each writes its own temporary
-files, and a file another one deleted is a miss. A directory that cannot be
-written (read-only, full, not a directory) turns the store off with one warning.
+files (by modification time, which a read refreshes on the background thread),
+whichever model wrote them. Several processes may share the directory: each
+writes its own temporary files, and a file another one deleted is a miss (once
+``close_files`` has closed the descriptors reads keep open, ``OpenFiles``). A
+directory that cannot be written (read-only, full, not a directory) turns the
+store off with one warning.
 
 Writes may go through ``put_later``: a background thread encodes and writes
 them, so the caller's thread does not wait for the disk; ``flush`` waits for
@@ -283,10 +285,12 @@ class DiskStore:
         return True
 
     def _later(self, names: list[str], job: Callable[[], object]) -> None:
-        """Run ``job`` (writing the files ``names``, or none) on the background thread."""
-        if self._queue is None:
-            self._queue = queue.Queue()
-            threading.Thread(target=self._drain, name="mlx_paged-disk", daemon=True).start()
+        """Run ``job`` (writing the files ``names``, or none) on the background thread.
+        Reader threads call it too: the thread starts once."""
+        with self._lock:
+            if self._queue is None:
+                self._queue = queue.Queue()
+                threading.Thread(target=self._drain, name="mlx_paged-disk", daemon=True).start()
         self._queue.put((names, job))
 
     def _drain(self) -> None:

@@ -146,7 +146,7 @@ class OpenFiles:
 
     A read through a fresh descriptor costs an open, a stat and a close besides the
     read, each a trip of the reader thread through the GIL, where it waits while any
-    other thread runs Python (BENCHMARKS.md, run 186). A descriptor closes once its
+    other thread runs Python (BENCHMARKS.md, runs 190–191). A descriptor closes once its
     file is forgotten (``forget``, or the oldest past ``most``) and no read holds it.
     """
 
