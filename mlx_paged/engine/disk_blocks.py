@@ -3,13 +3,17 @@
 A block's key hashes its parent's key and its own tokens (``chain_keys``), so one
 key names a whole prefix. A load takes fresh blocks (``take_blocks``) into
 tables that hold memory's blocks before them (``pinned_tables``); ``parked``
-lists what ``spill_cached`` writes.
+lists what ``spill_cached`` writes; ``read_ahead`` reads a load's files in runs,
+ahead of the pool writes.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
 
 import mlx.core as mx
 import numpy as np
@@ -17,6 +21,7 @@ import numpy as np
 from ..blocks import COLD, BlockTable, LayerKind, is_cold
 from ..blocks.prefix_index import PrefixIndex, spill_parked
 from ..storage import KVPool
+from ..storage.disk_format import Run
 
 
 def parked(index: PrefixIndex) -> list[tuple[list[int], list[int], int | None]]:
@@ -125,3 +130,41 @@ def leading(ok: mx.array, n: int) -> int:
 def tiers(blocks: Sequence[int | None]) -> tuple[bool | None, ...]:
     """Per group: whether the block is cold, or ``None`` for none."""
     return tuple(None if b is None else is_cold(b) for b in blocks)
+
+
+def read_ahead(
+    keys: list[str],
+    first: tuple[int, Future] | None,
+    batch: Callable[[str], int],
+    read: Callable[[list[str], int], Future],
+    depth: int,
+    seconds: dict[str, float],
+) -> Iterator[Run]:
+    """The entries of ``keys`` in runs of up to ``batch(key)`` entries, each ``read``
+    (``read(keys, i)`` into staging buffer ``i``) up to ``depth`` runs ahead of the one
+    the caller writes; stops at the first missing or bad file. ``first``: (entries, read)
+    of a first run already asked for, in buffer 0. Adds the waits to ``seconds["load_wait"]``."""
+    ahead: deque[tuple[int, int, Future]] = deque()  # (first entry, entries, read)
+    if first is not None:
+        ahead.append((0, *first))
+    pos, i = 0, len(ahead)  # entries yielded; reads asked for (a read's buffer)
+    while pos < len(keys):
+        while len(ahead) < depth:
+            lo = ahead[-1][0] + ahead[-1][1] if ahead else pos
+            if lo >= len(keys):
+                break
+            n = min(batch(keys[lo]), len(keys) - lo)
+            ahead.append((lo, n, read(keys[lo : lo + n], i)))
+            i += 1
+        lo, n, future = ahead.popleft()
+        start = time.perf_counter()
+        run = future.result()
+        seconds["load_wait"] += time.perf_counter() - start
+        if run is None:
+            return
+        pos += len(run)
+        if len(run) < n:  # a short run (bad file, another layout): reads after it are off
+            for _, _, later in ahead:
+                later.result()
+            ahead.clear()
+        yield run

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import os
 import time
-from collections import deque
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
@@ -72,6 +71,7 @@ from .disk_blocks import (
     make_room,
     parked,
     pinned_tables,
+    read_ahead,
     take_blocks,
     tiers,
 )
@@ -327,34 +327,13 @@ class DiskTier:
                 return
 
     def _runs(self, keys: list[str]) -> Iterator[Run]:
-        """The entries of ``keys`` in runs (``_batch``) of one layout, read on the store's
-        threads up to ``READS_AHEAD`` runs ahead of the one the caller writes (each into
-        its own staging buffer); stops at the first missing or bad file."""
-        ahead: deque[tuple[int, int, Future]] = deque()  # (first entry, entries, read)
-        if self._ahead is not None and self._ahead[0] == keys[0]:  # read ahead by the last call
-            ahead.append((0, self._batch(keys[0]), self._ahead[1]))
+        """The entries of ``keys`` in runs of one layout (``read_ahead``); a run the last
+        call read ahead comes first if it starts there."""
+        first = None
+        if self._ahead is not None and self._ahead[0] == keys[0]:
+            first = (self._batch(keys[0]), self._ahead[1])
         self._ahead = None  # a stale one finishes first: the reader is one thread
-        pos, i = 0, len(ahead)  # entries yielded; reads asked for (a read's buffer)
-        while pos < len(keys):
-            while len(ahead) < READS_AHEAD:
-                lo = ahead[-1][0] + ahead[-1][1] if ahead else pos
-                if lo >= len(keys):
-                    break
-                n = min(self._batch(keys[lo]), len(keys) - lo)
-                ahead.append((lo, n, self._read(keys[lo : lo + n], i)))
-                i += 1
-            lo, n, future = ahead.popleft()
-            start = time.perf_counter()
-            run = future.result()
-            self.seconds["load_wait"] += time.perf_counter() - start
-            if run is None:
-                return
-            pos += len(run)
-            if len(run) < n:  # a short run (bad file, another layout): reads after it are off
-                for _, _, later in ahead:
-                    later.result()
-                ahead.clear()
-            yield run
+        return read_ahead(keys, first, self._batch, self._read, READS_AHEAD, self.seconds)
 
     def _batch(self, key: str) -> int:
         """Files of a run from ``key`` on: ``LOAD_BATCH``, fewer where they pass ``LOAD_BYTES``."""

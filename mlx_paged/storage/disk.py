@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import threading
 import time
 import uuid
@@ -49,6 +48,7 @@ import numpy as np
 from .disk_files import (
     PACK_ENTRIES,
     PACK_SUFFIX,
+    Background,
     OpenFiles,
     group_packs,
     list_files,
@@ -92,7 +92,7 @@ class DiskStore:
         self._index = DiskIndex(fingerprint)  # guarded by the lock
         self._lock = threading.Lock()
         self._pending: set[str] = set()  # names queued by put_later, not yet written
-        self._queue: queue.Queue | None = None
+        self._later = Background("mlx_paged-disk", lambda: self.enabled)  # writes, touches
         self._readers = ThreadPoolExecutor(READ_THREADS, "mlx_paged-disk-read")  # lazy threads
         self._files = OpenFiles(self.path)
         self.counts = dict.fromkeys(("hits", "misses", "writes", "dropped"), 0)
@@ -153,12 +153,12 @@ class DiskStore:
             return
         names = [self._name(key) for key, _ in items]
         self._pending.update(names)
-        self._later(names, partial(self._write_many, list(items)))
+        done = partial(self._pending.difference_update, names)
+        self._later.put(partial(self._write_many, list(items)), done)
 
     def flush(self) -> None:
         """Wait until every ``put_later`` is written (or dropped, if the store turned off)."""
-        if self._queue is not None:
-            self._queue.join()
+        self._later.join()
 
     # ---- reads ------------------------------------------------------------
 
@@ -217,7 +217,7 @@ class DiskStore:
                 self._index.used(name)
         # Their modification times, for a later process's order, on the writer thread:
         # a reader's syscalls wait for the GIL (``OpenFiles``).
-        self._later([], partial(touch, self.path, used))
+        self._later.put(partial(touch, self.path, used))
         if payloads:
             self.counts["hits"] += n
         self.seconds["read"] += time.perf_counter() - start
@@ -283,27 +283,6 @@ class DiskStore:
             self._shrink_locked()
             self.seconds["write"] += time.perf_counter() - start
         return True
-
-    def _later(self, names: list[str], job: Callable[[], object]) -> None:
-        """Run ``job`` (writing the files ``names``, or none) on the background thread.
-        Reader threads call it too: the thread starts once."""
-        with self._lock:
-            if self._queue is None:
-                self._queue = queue.Queue()
-                threading.Thread(target=self._drain, name="mlx_paged-disk", daemon=True).start()
-        self._queue.put((names, job))
-
-    def _drain(self) -> None:
-        while True:
-            names, job = self._queue.get()
-            try:
-                if self.enabled:
-                    job()
-            except Exception:  # a write that fails for another reason must not end the thread
-                logger.exception("mlx_paged: writing the disk-tier files %s failed", names)
-            finally:
-                self._pending.difference_update(names)
-                self._queue.task_done()
 
     def _scan(self) -> None:
         """Index the directory's entry files by age; delete dead writers' temporary files."""

@@ -8,12 +8,14 @@ which rows; read a pack's keys; group entries into packs.
 
 from __future__ import annotations
 
+import logging
 import os
+import queue
 import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -206,6 +208,44 @@ class _Open:
                 os.close(fd)
             except OSError:
                 pass
+
+
+class Background:
+    """A daemon thread, started by the first job, that runs jobs in order while
+    ``enabled()`` holds; a job that raises is logged and the thread goes on."""
+
+    def __init__(self, name: str, enabled: Callable[[], bool]):
+        self.name, self.enabled = name, enabled
+        self._queue: queue.Queue | None = None
+        self._lock = threading.Lock()  # any thread may queue the first job
+
+    def put(self, job: Callable[[], object], after: Callable[[], object] | None = None) -> None:
+        """Queue ``job``; ``after`` runs once it is done (or skipped, or failed)."""
+        with self._lock:
+            if self._queue is None:
+                self._queue = queue.Queue()
+                args = (self._queue,)
+                threading.Thread(target=self._run, args=args, name=self.name, daemon=True).start()
+        self._queue.put((job, after))
+
+    def join(self) -> None:
+        """Wait for every job queued so far."""
+        if self._queue is not None:
+            self._queue.join()
+
+    def _run(self, jobs: queue.Queue) -> None:
+        while True:
+            job, after = jobs.get()
+            try:
+                if self.enabled():
+                    job()
+            except Exception:  # a job that fails for another reason must not end the thread
+                what = getattr(getattr(job, "func", job), "__name__", "a job")
+                logging.getLogger("mlx_paged.disk").exception("mlx_paged: disk %s failed", what)
+            finally:
+                if after is not None:
+                    after()
+                jobs.task_done()
 
 
 def touch(directory: Path, names: Sequence[str]) -> None:
