@@ -68,6 +68,26 @@ def test_a_pinned_buffer_is_unpinned_before_its_memory_can_be_freed():
     assert sorted(driver.calls[4:]) == sorted([("unregister", b), ("unregister", grown)])
 
 
+def test_reserve_makes_and_pins_every_buffer_once_so_that_loads_pin_nothing():
+    staging = Staging(3)
+    driver = staging._pins.driver = RecordingDriver()
+    staging.pinned = True  # as after a passed check on CUDA
+    staging.reserve(64_000)
+    held = [b.ctypes.data for b in staging._buffers]
+    assert len(set(held)) == 3 and all(b.size == 64_000 for b in staging._buffers)
+    assert driver.calls == [("register", a) for a in held]
+    for i in range(6):  # runs up to the reserved size reuse the buffers, pinning nothing
+        assert staging.buffer(i, 16, 4000).ctypes.data == held[i % 3]
+    assert len(driver.calls) == 3
+
+
+def test_off_cuda_reserve_makes_the_buffers_and_pins_nothing():
+    staging = Staging(3)
+    staging.reserve(4096)
+    assert staging.pinned is False  # tried: the CPU
+    assert [b.size for b in staging._buffers] == [4096] * 3
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not mx.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_cuda_a_pinned_copy_equals_the_host_bytes():
