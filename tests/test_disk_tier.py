@@ -11,7 +11,7 @@ import pytest
 from tiny_models import VOCAB, model_of, solo, tiny_model
 
 from mlx_paged import PagedEngine
-from mlx_paged.engine import disk_tier
+from mlx_paged.engine import disk_blocks, disk_tier
 from mlx_paged.engine.disk_tier import chain_keys
 from mlx_paged.storage.disk_entries import pool_arrays
 
@@ -88,29 +88,40 @@ def test_a_load_reads_two_runs_ahead_into_buffers_no_write_still_needs(tmp_path,
     second = PagedEngine(model_of("llama"), block_size=BS, kv_disk_dir=tmp_path,
                          kv_disk_bytes=10**8)  # fmt: skip
     log = []
-    read, parse = second.disk._read, disk_tier.run_blocks
+    read, copy, make = second.disk._read, disk_blocks.run_blocks, disk_tier.write_blocks
+    wait = disk_blocks.Writes.wait
 
     def logged_read(keys, i):
         log.append(("read", len(keys), i))
         return read(keys, i)
 
-    def logged_parse(*args, **kwargs):  # one per run, evaluated before the next is parsed
-        log.append(("write",))
-        return parse(*args, **kwargs)
+    def logged(name, f):
+        return lambda *args, **kwargs: (log.append(name), f(*args, **kwargs))[1]
+
+    def logged_wait(writes):
+        if writes._run is not None:  # writes in flight
+            log.append("wait")
+        return wait(writes)
 
     monkeypatch.setattr(second.disk, "_read", logged_read)
-    monkeypatch.setattr(disk_tier, "run_blocks", logged_parse)
+    monkeypatch.setattr(disk_blocks, "run_blocks", logged("copy", copy))
+    monkeypatch.setattr(disk_tier, "write_blocks", logged("write", make))
+    monkeypatch.setattr(disk_blocks.Writes, "wait", logged_wait)
     (pool,) = second.scheduler.groups.values()
     grown, grows = pool.grown, []
     monkeypatch.setattr(pool, "grown", lambda: (grows.append(pool.blocks.capacity), grown()))
     got = run(second, a)
     assert got[0] == expected[0] and np.allclose(got[1], expected[1], atol=1e-6, rtol=0)
     assert second.stats().disk_hit_tokens == 5 * BS
-    # Reads i and i + 1 are in flight while run i - 1 is written; read i (into buffer
-    # i % 3) is asked for only once run i - 3, the buffer's last, has been written.
-    w = ("write",)
-    assert log == [("read", 1, 0), ("read", 1, 1), w, ("read", 1, 2), w, ("read", 1, 3), w,
-                   ("read", 1, 4), w, w]  # fmt: skip
+    # Reads i and i + 1 are in flight while run i - 1 is copied in; run i's copy starts
+    # before run i - 1's pool writes are waited for, and its writes are made after that
+    # wait. Read i (into buffer i % 3) is asked for only once run i - 3's writes, the
+    # buffer's last, are done.
+    assert log == [("read", 1, 0), ("read", 1, 1), "copy", "write",
+                   ("read", 1, 2), "copy", "wait", "write",
+                   ("read", 1, 3), "copy", "wait", "write",
+                   ("read", 1, 4), "copy", "wait", "write",
+                   "copy", "wait", "write", "wait"]  # fmt: skip
     assert disk_tier.READS_AHEAD == 2
     # The pool grew once, at the first run (each growth copies the pool's arrays): for the
     # 5 blocks loaded and one more, which the request's 45 tokens then took.

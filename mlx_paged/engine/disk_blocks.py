@@ -21,6 +21,7 @@ import numpy as np
 from ..blocks import COLD, BlockTable, LayerKind, is_cold
 from ..blocks.prefix_index import PrefixIndex, spill_parked
 from ..storage import KVPool
+from ..storage.disk_entries import Entries, pool_arrays, run_blocks
 from ..storage.disk_format import Run
 
 
@@ -168,3 +169,56 @@ def read_ahead(
                 later.result()
             ahead.clear()
         yield run
+
+
+def stage(
+    run: Run,
+    pools: list[KVPool],
+    windows: list[int | None],
+    to_mlx: Callable[[np.ndarray], mx.array],
+    stream: mx.Stream,
+    seconds: dict[str, float],
+) -> tuple[Entries, list[bool | None], mx.array | None] | None:
+    """``run_blocks`` of ``run`` on ``stream``, its copy into MLX and checks started
+    (``mx.async_eval``) so that they run beside the pool writes on the default stream.
+    Adds the time taken to ``seconds["load_copy"]``."""
+    start = time.perf_counter()
+    with mx.stream(stream):
+        staged = run_blocks(pools, windows, run, to_mlx)
+        if staged is not None:
+            entries, _, ok = staged
+            mx.async_eval(ok, [a for a, _ in entries.values()])
+    seconds["load_copy"] += time.perf_counter() - start
+    return staged
+
+
+class Writes:
+    """A load's pool writes in flight, one run's at a time: the next run's are made only
+    once these are done, since a pool write that waits on one still in flight copies the
+    whole pool (DESIGN.md).
+
+    Args:
+        pools: The pools written.
+        seconds: ``seconds["load_eval"]`` adds the time ``wait`` waits.
+    """
+
+    def __init__(self, pools: list[KVPool], seconds: dict[str, float]):
+        self.pools, self.seconds = pools, seconds
+        self._run: tuple[int, mx.array | None] | None = None  # (entries, their checks)
+
+    def start(self, entries: int, ok: mx.array | None) -> None:
+        """Start the writes made of a run of ``entries``, with their checks ``ok`` (``None``:
+        the host checked them)."""
+        mx.async_eval([a for p in self.pools for a in pool_arrays(p)])
+        self._run = (entries, ok)
+
+    def wait(self) -> tuple[int, int, bool]:
+        """Wait for the writes in flight: ``(entries, how many from the first passed their
+        check, whether the host checked them)``; ``(0, 0, True)`` when none were."""
+        if self._run is None:
+            return 0, 0, True
+        (entries, ok), self._run = self._run, None
+        start = time.perf_counter()
+        mx.eval(ok, [a for p in self.pools for a in pool_arrays(p)])
+        self.seconds["load_eval"] += time.perf_counter() - start
+        return entries, leading(ok, entries), ok is None

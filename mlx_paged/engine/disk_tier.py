@@ -44,6 +44,7 @@ import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
+from itertools import chain
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -57,7 +58,6 @@ from ..storage.disk_entries import (
     fingerprint,
     host_state,
     pool_arrays,
-    run_blocks,
     state_parts,
     to_host,
     write_blocks,
@@ -65,13 +65,14 @@ from ..storage.disk_entries import (
 from ..storage.disk_format import Run
 from ..storage.pinned import Staging
 from .disk_blocks import (
+    Writes,
     chain_keys,
     chained_key,
-    leading,
     make_room,
     parked,
     pinned_tables,
     read_ahead,
+    stage,
     take_blocks,
     tiers,
 )
@@ -122,6 +123,7 @@ class DiskTier:
         self._reader = ThreadPoolExecutor(1, "mlx_paged-disk-ahead")  # reads the next run
         self._chain: tuple[list[int], list[str]] = ([], [])  # the last tokens _key saw, keys
         self._ahead: tuple[str, Future] | None = None  # (first key, its run being read)
+        self._stream: mx.Stream | None = None  # where runs are copied in, beside pool writes
         self.step_blocks = STEP_BLOCKS  # most blocks a step loads while others run
         self.staging = Staging(READS_AHEAD + 1)  # the host buffers runs are read into
         scheduler.index.on_spill = self.spill
@@ -194,7 +196,8 @@ class DiskTier:
         run = Run.of(self.store.fingerprint, "rehearsal", to_host(*got)[0])
         # The staging copy's kernel too, and the payload check's.
         run = Run(self.staging.stage(run.data), run.specs, run.payload, checked=False)
-        entries, _, ok = run_blocks(self.pools, self.windows, run, self.staging.to_mlx)
+        copy = (self.staging.to_mlx, self._copies(), dict.fromkeys(["load_copy"], 0.0))
+        entries, _, ok = stage(run, self.pools, self.windows, *copy)
         for g, pool in enumerate(self.pools):
             if cold[g] is not None:
                 write_blocks(pool, g, [blocks[g]], entries, cold[g])
@@ -264,14 +267,24 @@ class DiskTier:
         keys, rest = keys[: min(n, limit or n)], keys[min(n, limit or n) : n]
         start = end = have * bs
         tables = pinned_tables(groups, path_blocks(index, tokens, have), have)
-        for run in self._runs(keys):
-            start_copy = time.perf_counter()
-            parsed = run_blocks(self.pools, self.windows, run, self.staging.to_mlx)
-            self.seconds["load_copy"] += time.perf_counter() - start_copy
-            if parsed is None:
+        writes, copy = Writes(self.pools, self.seconds), (self.staging.to_mlx, self._copies())
+        for i, run in enumerate(chain(self._runs(keys), [None])):
+            # A run's copy and checks start on the copy stream beside the last run's pool
+            # writes; its own writes are made once those are done (Writes). Blocks written
+            # from a bad entry on are given back below, never indexed.
+            staged = run and stage(run, self.pools, self.windows, *copy, self.seconds)
+            n, good, checked = writes.wait()
+            if not checked:  # the store counted a run it checked itself
+                self.store.hit(good)
+            end += good * bs
+            if good < n:
+                bad = keys[(end - start) // bs]
+                self.store.discard(bad, "the checksum of an entry's arrays does not match")
                 break
-            arrays, cold, ok = parsed
-            if end == start:  # the whole load's room at once: each growth copies the pool
+            if staged is None:
+                break
+            arrays, cold, ok = staged
+            if i == 0:  # the whole load's room at once: each growth copies the pool
                 for k, c in zip(kinds, cold, strict=True):
                     if k.window is None:
                         make_room(groups[k], c, len(keys), -(-len(tokens) // bs) - have + 1)
@@ -284,21 +297,7 @@ class DiskTier:
             for g in range(len(kinds)):
                 if cold[g] is not None:
                     write_blocks(self.pools[g], g, ids[g], arrays, cold[g])
-            # Each run's writes finish before the next run's start: a pool write that
-            # waits on one still in flight would copy the whole pool (DESIGN.md). The
-            # payloads' sums are checked in the same evaluation; blocks written from a
-            # bad entry on are given back below, never indexed.
-            start_eval = time.perf_counter()
-            mx.eval(ok, [a for p in self.pools for a in pool_arrays(p)])
-            self.seconds["load_eval"] += time.perf_counter() - start_eval
-            good = leading(ok, len(run))
-            if not run.checked:  # the store counted a run it checked itself
-                self.store.hit(good)
-            end += good * bs
-            if good < len(run):
-                bad = keys[(end - start) // bs]
-                self.store.discard(bad, "the checksum of an entry's arrays does not match")
-                break
+            writes.start(len(run), ok)
         if end > start:
             for table in tables.values():
                 table.lengths[:] = [end] * len(table.lengths)
@@ -334,6 +333,12 @@ class DiskTier:
             first = (self._batch(keys[0]), self._ahead[1])
         self._ahead = None  # a stale one finishes first: the reader is one thread
         return read_ahead(keys, first, self._batch, self._read, READS_AHEAD, self.seconds)
+
+    def _copies(self) -> mx.Stream:
+        """The stream runs are copied in on (made on the first load's thread, the engine's)."""
+        if self._stream is None:
+            self._stream = mx.new_stream(mx.default_device())
+        return self._stream
 
     def _batch(self, key: str) -> int:
         """Files of a run from ``key`` on: ``LOAD_BATCH``, fewer where they pass ``LOAD_BYTES``."""
