@@ -194,9 +194,9 @@ def main() -> None:
                 f"prefill {phases['prefill']:.3f} s; "
                 f"{restarted.stats().disk_hit_tokens} tokens loaded in "
                 f"{tier.seconds['load']:.3f} s "
-                f"(waiting on reads {tier.seconds['load_wait']:.3f} s, copies into MLX "
-                f"{tier.seconds['load_copy']:.3f} s, waiting on them and the pool writes "
-                f"{tier.seconds['load_eval']:.3f} s; reads and checks took "
+                f"(waiting on reads {tier.seconds['load_wait']:.3f} s, starting the copies "
+                f"into MLX {tier.seconds['load_copy']:.3f} s, starting and waiting for the "
+                f"pool writes {tier.seconds['load_eval']:.3f} s; reads and checks took "
                 f"{tier.store.seconds['read']:.3f} s on their threads); "
                 f"page cache {'dropped' if dropped else 'kept'}; "
                 f"{restarted.stats().cold_blocks} cold blocks",

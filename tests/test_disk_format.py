@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from mlx_paged.storage import disk_format
 from mlx_paged.storage.disk import DiskStore
-from mlx_paged.storage.disk_entries import payload_ok
+from mlx_paged.storage.disk_entries import _entry_view, payload_ok
 from mlx_paged.storage.disk_format import ALIGN, Run, check, encode, payload_sums
 
 FP = "model0fingerprint"
@@ -105,3 +105,23 @@ def test_a_run_read_unchecked_still_checks_the_head(tmp_path, where):
     data[30 if where == "header" else -8] ^= 0x01  # a byte of the JSON, or the head's CRC
     path.write_bytes(bytes(data))
     assert store.read_run(["a"], payloads=False) is None and not path.exists()
+
+
+@pytest.mark.parametrize(
+    ("start", "shape", "dtype", "viewed"),
+    [
+        (32, (4, 2, 6), "float16", True),  # a full-precision block: (bs, heads, head dim bytes)
+        (16, (4, 2, 8), "uint32", True),  # packed values
+        (48, (4, 2, 4), "bfloat16", True),
+        (33, (4, 2, 6), "float16", False),  # not aligned to the type: sliced and copied
+    ],
+)
+def test_entry_views_hold_each_rows_bytes_as_the_dtype(start, shape, dtype, viewed):
+    rows = np.random.default_rng(0).integers(0, 256, (3, 96), dtype=np.uint8)
+    n = int(np.prod(shape))
+    views = {}
+    got = _entry_view(mx.array(rows), start, shape, getattr(mx, dtype), views)
+    assert got.shape == (3, *shape[:-1], shape[-1] // getattr(mx, dtype).size)
+    want = rows[:, start : start + n].reshape(3, *shape)
+    assert np.array_equal(np.array(got.view(mx.uint8)).reshape(want.shape), want)
+    assert len(views) == viewed  # the rows as the dtype, shared by a run's views

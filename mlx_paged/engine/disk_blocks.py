@@ -179,15 +179,14 @@ def stage(
     stream: mx.Stream,
     seconds: dict[str, float],
 ) -> tuple[Entries, list[bool | None], mx.array | None] | None:
-    """``run_blocks`` of ``run`` on ``stream``, its copy into MLX and checks started
-    (``mx.async_eval``) so that they run beside the pool writes on the default stream.
+    """``run_blocks`` of ``run``, its copy into MLX and checks on ``stream`` and started
+    (``mx.async_eval``), so that they run beside the pool writes on the default stream.
     Adds the time taken to ``seconds["load_copy"]``."""
     start = time.perf_counter()
-    with mx.stream(stream):
-        staged = run_blocks(pools, windows, run, to_mlx)
-        if staged is not None:
-            entries, _, ok = staged
-            mx.async_eval(ok, [a for a, _ in entries.values()])
+    staged = run_blocks(pools, windows, run, to_mlx, stream)
+    if staged is not None:
+        entries, _, ok = staged
+        mx.async_eval(ok if ok is not None else [a for a, _ in entries.values()])
     seconds["load_copy"] += time.perf_counter() - start
     return staged
 
@@ -199,7 +198,7 @@ class Writes:
 
     Args:
         pools: The pools written.
-        seconds: ``seconds["load_eval"]`` adds the time ``wait`` waits.
+        seconds: ``seconds["load_eval"]`` adds the time taken to start and wait for them.
     """
 
     def __init__(self, pools: list[KVPool], seconds: dict[str, float]):
@@ -209,7 +208,9 @@ class Writes:
     def start(self, entries: int, ok: mx.array | None) -> None:
         """Start the writes made of a run of ``entries``, with their checks ``ok`` (``None``:
         the host checked them)."""
+        start = time.perf_counter()
         mx.async_eval([a for p in self.pools for a in pool_arrays(p)])
+        self.seconds["load_eval"] += time.perf_counter() - start
         self._run = (entries, ok)
 
     def wait(self) -> tuple[int, int, bool]:

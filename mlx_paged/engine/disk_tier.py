@@ -115,9 +115,9 @@ class DiskTier:
         recurrent = scheduler.recurrent
         self.states = recurrent.slots if recurrent is not None else None  # a StatePool
         self.block_size = scheduler.block_size
-        # Loading into the pool (of which: waiting on file reads, building the copies into
-        # MLX, waiting for them and the pool writes), and spilling (the engine thread's
-        # part: reading the pools out).
+        # Loading into the pool (of which: waiting on file reads, starting the copies into
+        # MLX and their checks, starting the pool writes and waiting for them), and
+        # spilling (the engine thread's part: reading the pools out).
         keys = ("load", "load_wait", "load_copy", "load_eval", "write")
         self.seconds = dict.fromkeys(keys, 0.0)
         self._reader = ThreadPoolExecutor(1, "mlx_paged-disk-ahead")  # reads the next run

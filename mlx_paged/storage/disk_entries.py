@@ -11,7 +11,9 @@ host arrays hold bytes (their last axis counts bytes): numpy has no bfloat16.
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Callable
+from contextlib import nullcontext
 from functools import lru_cache
 
 import mlx.core as mx
@@ -89,12 +91,14 @@ def run_blocks(
     windows: list[int | None],
     run: Run,
     to_mlx: Callable[[np.ndarray], mx.array] = mx.array,
+    stream: mx.Stream | None = None,
 ) -> tuple[Entries, list[bool | None], mx.array | None] | None:
     """A run of block entries in MLX, one copy (``to_mlx``); per group whether its
     blocks are cold (``None``: the entries hold none, as a sliding-window group may);
     and for a run whose payloads the host did not check, whether each entry's sum
     matches (``payload_ok``, lazy). ``None`` when the entries are not of these pools'
-    layout."""
+    layout. The copy and the sums go on ``stream`` (default: the default stream); the
+    entries are views of the copy, on the default stream."""
     parsed = {}
     for spec in run.specs:
         group, layer, which, dtype, model = spec.name.split(".")
@@ -117,13 +121,39 @@ def run_blocks(
         or any(c and p.quant is None for c, p in zip(cold, pools, strict=True))
     ):
         return None
-    data = to_mlx(run.data)  # (n, file bytes) uint8: the one copy into MLX
+    with mx.stream(stream) if stream is not None else nullcontext():
+        data = to_mlx(run.data)  # (n, file bytes) uint8: the one copy into MLX
+        ok = None if run.checked else payload_ok(data, run)
+    views: dict[mx.Dtype, mx.array] = {}  # the rows as each dtype (no copy)
     out = {}
     for name, (spec, dtype, model) in parsed.items():
-        lo = run.payload + spec.start
-        raw = data[:, lo : lo + spec.size].reshape(len(run), *spec.shape)
-        out[name] = (raw.view(dtype), model)
-    return out, cold, None if run.checked else payload_ok(data, run)
+        out[name] = (_entry_view(data, run.payload + spec.start, spec.shape, dtype, views), model)
+    return out, cold, ok
+
+
+def _entry_view(
+    data: mx.array,
+    start: int,
+    shape: tuple[int, ...],
+    dtype: mx.Dtype,
+    views: dict[mx.Dtype, mx.array],
+) -> mx.array:
+    """The ``(n, *shape)`` array of each row's bytes from ``start`` (``shape``'s last axis in
+    bytes), as ``dtype``: a strided view of the rows viewed as ``dtype``, which a pool write
+    reads in place (a byte slice viewed as a wider type would be copied first)."""
+    n, row = data.shape
+    size = dtype.size
+    *outer, last = shape
+    if row % size or start % size or last % size:  # not aligned: slice and copy
+        raw = data[:, start : start + math.prod(shape)].reshape(n, *shape)
+        return raw.view(dtype)
+    if dtype not in views:
+        views[dtype] = data.view(dtype)
+    dims = (*outer, last // size)
+    strides = [1]
+    for d in reversed(dims[1:]):
+        strides.insert(0, strides[0] * d)
+    return mx.as_strided(views[dtype], (n, *dims), (row // size, *strides), start // size)
 
 
 def payload_ok(data: mx.array, run: Run) -> mx.array:
