@@ -17,11 +17,13 @@ and prefix index:
   match then adopts them like any cached block. Files are read in runs of up
   to ``LOAD_BATCH`` blocks and ``LOAD_BYTES`` bytes, each into its own staging
   buffer (``storage/pinned.py``), the next ``READS_AHEAD`` runs on the store's
-  threads while this one is written into the pool. The threads check each file's size and
-  header; on a GPU the arrays' checksums (``storage/disk_format.py``) are checked
-  in MLX, in the evaluation that writes them into the pool, and the blocks of an
-  entry that fails (and those after it) go back unindexed, its file deleted
-  (elsewhere the threads check them too: ``CHECK_IN_MLX``). While
+  threads while this one is written into the pool. A run's copy into MLX goes on
+  a stream of its own, beside the last run's pool writes; its entries are views
+  of that copy, which the writes read in place. The threads check each file's
+  size and header; on a GPU the arrays' checksums (``storage/disk_format.py``)
+  are checked in MLX, on the copy's stream, and the blocks of an entry that
+  fails (and those after it) go back unindexed, its file deleted (elsewhere the
+  threads check them too: ``CHECK_IN_MLX``). While
   other requests run, the scheduler asks for at most ``step_blocks`` blocks a
   step and the request waits for the rest, whose first run is read meanwhile:
   their decoding never stalls for a whole prompt's load. For a hybrid model, the
@@ -82,10 +84,11 @@ __all__ = ["DiskTier", "chain_keys"]
 
 #: Blocks ``spill_cached`` reads out of the pools per evaluation.
 SPILL_BATCH = 256
-#: Blocks ``load`` reads per run: two runs' files are in host memory at once.
+#: Blocks ``load`` reads per run.
 LOAD_BATCH = 256
-#: ... and at most this many bytes of them (a staging buffer's size).
-LOAD_BYTES = 64 << 20
+#: ... and at most this many bytes of them: a staging buffer's size, of which a load
+#: holds ``READS_AHEAD + 1``. Fewer runs make fewer MLX calls (BENCHMARKS.md, runs 199-201).
+LOAD_BYTES = 128 << 20
 #: Runs a load reads ahead of the one it writes into the pool.
 READS_AHEAD = 2
 #: Blocks a step loads for a request while others run (``DiskTier.step_blocks``).
