@@ -87,7 +87,7 @@ SPILL_BATCH = 256
 #: Blocks ``load`` reads per run.
 LOAD_BATCH = 256
 #: ... and at most this many bytes of them: a staging buffer's size, of which a load
-#: holds ``READS_AHEAD + 1``. Fewer runs make fewer MLX calls (BENCHMARKS.md, runs 199-201).
+#: holds ``READS_AHEAD + 1``. Fewer runs make fewer MLX calls (BENCHMARKS.md, runs 200-202).
 LOAD_BYTES = 128 << 20
 #: Runs a load reads ahead of the one it writes into the pool.
 READS_AHEAD = 2
