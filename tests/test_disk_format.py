@@ -125,3 +125,18 @@ def test_entry_views_hold_each_rows_bytes_as_the_dtype(start, shape, dtype, view
     want = rows[:, start : start + n].reshape(3, *shape)
     assert np.array_equal(np.array(got.view(mx.uint8)).reshape(want.shape), want)
     assert len(views) == viewed  # the rows as the dtype, shared by a run's views
+
+
+def test_same_headers_finds_exactly_the_rows_of_another_key_or_header():
+    rows = np.stack([row(s) for s in range(6)])
+    keys = [f"key{s}" for s in range(6)]
+    payload = disk_format.parse(rows[0], FP)[1]
+    assert disk_format.same_headers(rows, keys, payload).tolist() == [True] * 6
+    rows[2, disk_format.PREFIX.size + 5] ^= 1  # a header byte past the key
+    rows[4, disk_format.PREFIX.size + 1] ^= 4  # a key byte
+    keys[5] = "key05"  # a key of another length than the rows'
+    assert disk_format.same_headers(rows, keys, payload).tolist() == [
+        True, True, False, True, False, False,
+    ]  # fmt: skip
+    rows[0, payload] ^= 1  # the payload is not the header's business
+    assert disk_format.same_headers(rows, keys, payload)[0]

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .disk_format import ArraySpec, check, entry_key, parse, parse_head, same_header
+from .disk_format import ArraySpec, check, entry_key, parse, parse_head, same_headers
 
 SUFFIX = ".kv"
 PACK_SUFFIX = ".kvp"
@@ -84,19 +84,21 @@ def valid_rows(
     from the first on: no error, and the first one's header, ``keys``' key in each; the
     first row's array specs and payload start; and the error of the row after them, if
     any."""
-    n, specs, payload = 0, None, 0
-    for key, error in zip(keys, errors, strict=False):
-        if error is None and n == 0:
-            try:
-                specs, payload = parse(data[0], fingerprint)
-            except ValueError as e:
-                error = e
-        if error is None and not same_header(data[0], data[n], key, payload):
+    m = min(len(keys), len(errors))
+    if not m or errors[0] is not None:
+        return 0, None, 0, errors[0] if m else None
+    try:
+        specs, payload = parse(data[0], fingerprint)
+    except ValueError as e:
+        return 0, None, 0, e
+    same = same_headers(data[:m], keys[:m], payload)
+    for n in range(m):
+        error = errors[n]
+        if error is None and not same[n]:
             error = ValueError("written for another key, or in another layout than the first")
         if error is not None:
             return n, specs, payload, error
-        n += 1
-    return n, specs, payload, None
+    return m, specs, payload, None
 
 
 def read_pack(

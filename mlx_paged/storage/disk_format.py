@@ -18,7 +18,7 @@ against someone forging files.
 
 Entries of one layout (the same arrays, shapes and dtypes under keys of one
 length) have the same header and size, so many of them can be read into one
-buffer and checked against the first (``same_header``).
+buffer and checked against the first (``same_headers``).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import struct
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -169,15 +170,20 @@ def entry_key(buf: np.ndarray) -> str:
     return bytes(buf[PREFIX.size : PREFIX.size + key_len]).decode()
 
 
-def same_header(first: np.ndarray, entry: np.ndarray, key: str, payload: int) -> bool:
-    """Whether ``entry`` begins as ``first`` does (``payload`` bytes: the prefix and the
-    header) but for its key, which is ``key``."""
+def same_headers(rows: np.ndarray, keys: Sequence[str], payload: int) -> np.ndarray:
+    """Per row of ``rows`` (entries of one size, one per key), whether it begins as the
+    first does (``payload`` bytes: the prefix and the header) but for its key, which is
+    ``keys[i]``: a few array operations for the whole run."""
+    first = rows[0]
     lo, hi = PREFIX.size, PREFIX.size + PREFIX.unpack_from(first)[2]
-    return (
-        np.array_equal(entry[:lo], first[:lo])
-        and bytes(entry[lo:hi]) == key.encode()
-        and np.array_equal(entry[hi:payload], first[hi:payload])
-    )
+    encoded = [k.encode() for k in keys]
+    ok = np.array([len(k) == hi - lo for k in encoded], dtype=bool)
+    want = b"".join(k if len(k) == hi - lo else bytes(hi - lo) for k in encoded)
+    head = rows[: len(keys), :payload]
+    ok &= (head[:, :lo] == first[:lo]).all(axis=1)
+    ok &= (head[:, lo:hi] == np.frombuffer(want, np.uint8).reshape(len(keys), hi - lo)).all(axis=1)
+    ok &= (head[:, hi:] == first[hi:payload]).all(axis=1)
+    return ok
 
 
 def check(buf: np.ndarray, payload_too: bool = True) -> str | None:
