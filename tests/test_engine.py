@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -554,6 +555,16 @@ def test_peak_live_blocks_counts_requests_that_finish_at_once():
     engine.generate([[1, 2, 3] * 5, [4, 5] * 7], max_tokens=1)  # 2 blocks each
     stats = engine.stats()
     assert (stats.peak_live_blocks, stats.live_blocks) == (4, 0)
+
+
+@pytest.mark.parametrize("make", [list, tuple, lambda t: [np.int64(x) for x in t]])
+def test_token_ids_of_any_int_type_are_kept_as_a_list_of_plain_ints(make):
+    engine = PagedEngine(model_of("llama"), block_size=BS)
+    given = make([3, 1, VOCAB - 1])
+    uid = engine.add_request(given, 2)
+    (req,) = [r for r in engine.waiting if r.uid == uid]
+    assert req.prompt == [3, 1, VOCAB - 1] and all(type(t) is int for t in req.prompt)
+    assert req.prompt is not given  # the engine's own copy
 
 
 @pytest.mark.parametrize("bad", [[1, VOCAB], [-1, 2], [1.5], ["7"], [True], [2**40]])

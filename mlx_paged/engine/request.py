@@ -183,23 +183,26 @@ def make_request(
         isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0
     ):
         raise ValueError(f"logprobs must be None or an int >= 0, got {logprobs!r}.")
-    return Request(uid, [int(t) for t in tokens], max_tokens, **settings)
+    plain = check_tokens(tokens, vocab)
+    return Request(uid, list(tokens) if plain else [int(t) for t in tokens], max_tokens, **settings)
 
 
-def check_tokens(tokens: Sequence[object], vocab: int | None) -> None:
-    """Raise ValueError unless every token is an int id in ``[0, vocab)``.
+def check_tokens(tokens: Sequence[object], vocab: int | None) -> bool:
+    """Raise ValueError unless every token is an int id in ``[0, vocab)``; return whether
+    they are all plain ``int``s.
 
     MLX does not bounds-check the embedding's gather: an id outside the table
     reads stray memory or crashes the process, so ids are checked here. Plain
-    ``int`` lists (the usual case) are checked with ``min``/``max``; anything
-    else token by token.
+    ``int`` sequences (the usual case) are checked with ``min``/``max``, in C: a long
+    prompt's checks count in its time to first token; anything else token by token.
     """
-    if tokens and all(type(t) is int for t in tokens):
+    if tokens and set(map(type, tokens)) == {int}:
         if min(tokens) >= 0 and (vocab is None or max(tokens) < vocab):
-            return
+            return True
     for i, t in enumerate(tokens):
         if isinstance(t, bool) or not isinstance(t, numbers.Integral):
             raise ValueError(f"token {i} is {t!r}; token ids must be ints.")
         if t < 0 or (vocab is not None and t >= vocab):
             bound = f"[0, {vocab})" if vocab is not None else ">= 0"
             raise ValueError(f"token {i} is {t}, outside the vocabulary {bound}.")
+    return False
