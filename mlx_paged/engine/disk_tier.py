@@ -45,7 +45,7 @@ import os
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from functools import partial
+from functools import cached_property, partial
 from itertools import chain
 
 import mlx.core as mx
@@ -123,10 +123,10 @@ class DiskTier:
         # spilling (the engine thread's part: reading the pools out).
         keys = ("load", "load_wait", "load_copy", "load_eval", "write")
         self.seconds = dict.fromkeys(keys, 0.0)
-        self._reader = ThreadPoolExecutor(1, "mlx_paged-disk-ahead")  # reads the next run
+        # Reads runs, two at once: a run's reads start while the last one's slowest finish.
+        self._reader = ThreadPoolExecutor(READS_AHEAD, "mlx_paged-disk-ahead")
         self._chain: tuple[list[int], list[str]] = ([], [])  # the last tokens _key saw, keys
         self._ahead: tuple[str, Future] | None = None  # (first key, its run being read)
-        self._stream: mx.Stream | None = None  # where runs are copied in, beside pool writes
         self.step_blocks = STEP_BLOCKS  # most blocks a step loads while others run
         self.staging = Staging(READS_AHEAD + 1)  # the host buffers runs are read into
         scheduler.index.on_spill = self.spill
@@ -199,7 +199,7 @@ class DiskTier:
         run = Run.of(self.store.fingerprint, "rehearsal", to_host(*got)[0])
         # The staging copy's kernel too, and the payload check's.
         run = Run(self.staging.stage(run.data), run.specs, run.payload, checked=False)
-        copy = (self.staging.to_mlx, self._copies(), dict.fromkeys(["load_copy"], 0.0))
+        copy = (self.staging.to_mlx, self._copies, dict.fromkeys(["load_copy"], 0.0))
         entries, _, ok = stage(run, self.pools, self.windows, *copy)
         for g, pool in enumerate(self.pools):
             if cold[g] is not None:
@@ -270,7 +270,7 @@ class DiskTier:
         keys, rest = keys[: min(n, limit or n)], keys[min(n, limit or n) : n]
         start = end = have * bs
         tables = pinned_tables(groups, path_blocks(index, tokens, have), have)
-        writes, copy = Writes(self.pools, self.seconds), (self.staging.to_mlx, self._copies())
+        writes, copy = Writes(self.pools, self.seconds), (self.staging.to_mlx, self._copies)
         for i, run in enumerate(chain(self._runs(keys), [None])):
             # A run's copy and checks start on the copy stream beside the last run's pool
             # writes; its own writes are made once those are done (Writes). Blocks written
@@ -331,17 +331,17 @@ class DiskTier:
     def _runs(self, keys: list[str]) -> Iterator[Run]:
         """The entries of ``keys`` in runs of one layout (``read_ahead``); a run the last
         call read ahead comes first if it starts there."""
-        first = None
-        if self._ahead is not None and self._ahead[0] == keys[0]:
-            first = (self._batch(keys[0]), self._ahead[1])
-        self._ahead = None  # a stale one finishes first: the reader is one thread
+        first, ahead, self._ahead = None, self._ahead, None
+        if ahead is not None and ahead[0] == keys[0]:
+            first = (self._batch(keys[0]), ahead[1])
+        elif ahead is not None:
+            ahead[1].result()  # a stale read: done with its buffer before it is reused
         return read_ahead(keys, first, self._batch, self._read, READS_AHEAD, self.seconds)
 
+    @cached_property
     def _copies(self) -> mx.Stream:
         """The stream runs are copied in on (made on the first load's thread, the engine's)."""
-        if self._stream is None:
-            self._stream = mx.new_stream(mx.default_device())
-        return self._stream
+        return mx.new_stream(mx.default_device())
 
     def _batch(self, key: str) -> int:
         """Files of a run from ``key`` on: ``LOAD_BATCH``, fewer where they pass ``LOAD_BYTES``."""

@@ -187,7 +187,7 @@ class DiskStore:
         with self._lock:
             rows, size = self._index.run_rows(keys) if self.enabled else ([], 0)
         if not rows:
-            self.counts["misses"] += 1
+            self._count("misses", 1)
             return None
         start = time.perf_counter()
         data = out(len(rows), size) if out else np.empty((len(rows), size), dtype=np.uint8)
@@ -209,7 +209,7 @@ class DiskStore:
             with self._lock:
                 self._drop_locked(name, delete=not gone)
         if n == 0:
-            self.counts["misses"] += 1
+            self._count("misses", 1)
             return None
         used = list(dict.fromkeys(name for name, _, _ in rows[:n]))
         with self._lock:
@@ -218,9 +218,9 @@ class DiskStore:
         # Their modification times, for a later process's order, on the writer thread:
         # a reader's syscalls wait for the GIL (``OpenFiles``).
         self._later.put(partial(touch, self.path, used))
-        if payloads:
-            self.counts["hits"] += n
-        self.seconds["read"] += time.perf_counter() - start
+        with self._lock:  # reads of several runs may overlap, and the engine's hit() too
+            self.counts["hits"] += n if payloads else 0
+            self.seconds["read"] += time.perf_counter() - start
         return Run(data[:n], specs, payload, checked=payloads)
 
     def close_files(self) -> None:
@@ -229,7 +229,11 @@ class DiskStore:
 
     def hit(self, n: int) -> None:
         """Count ``n`` entries of a ``read_run(payloads=False)`` found good by the caller."""
-        self.counts["hits"] += n
+        self._count("hits", n)
+
+    def _count(self, what: str, n: int) -> None:
+        with self._lock:
+            self.counts[what] += n
 
     def discard(self, key: str, why: str) -> None:
         """Delete ``key``'s file (a whole pack) with a log line: its reader found it bad."""
