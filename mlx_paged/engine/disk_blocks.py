@@ -4,7 +4,8 @@ A block's key hashes its parent's key and its own tokens (``chain_keys``), so on
 key names a whole prefix. A load takes fresh blocks (``take_blocks``) into
 tables that hold memory's blocks before them (``pinned_tables``); ``parked``
 lists what ``spill_cached`` writes; ``read_ahead`` reads a load's files in runs,
-ahead of the pool writes.
+ahead of the pool writes; ``stage`` starts a run's copy into MLX on a stream of its
+own, and ``Writes`` keeps one run's pool writes in flight beside the next copy.
 """
 
 from __future__ import annotations
