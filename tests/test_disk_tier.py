@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from functools import cache
 
 import numpy as np
@@ -393,6 +394,44 @@ def test_while_others_decode_a_load_spreads_over_steps_and_stalls_none(tmp_path,
     assert engine.disk.store.counts["hits"] == 12  # each file read once: the read-ahead was used
     assert got[0] == expected[0]
     assert np.allclose(got[1], expected[1], atol=1e-6, rtol=0)
+
+
+def test_a_stale_read_ahead_finishes_before_a_new_load_reads_into_its_buffer(tmp_path, monkeypatch):
+    monkeypatch.setattr(disk_tier, "LOAD_BATCH", 2)
+    a, b, c = prompts(15, 3, length=97)
+    first = PagedEngine(model_of("llama"), block_size=BS, kv_disk_dir=tmp_path, kv_disk_bytes=10**8)
+    run(first, a)
+    expected = run(first, c)
+    first.disk.spill_cached()
+    engine = PagedEngine(tiny_model("llama"), block_size=BS, kv_disk_dir=tmp_path,
+                         kv_disk_bytes=10**8)  # fmt: skip
+    engine.disk.step_blocks = 4
+    read_run, slow = engine.disk.store.read_run, chain_keys(a, BS)[4]
+
+    def slow_read_run(keys, *args, **kwargs):  # the read ahead past a's first step: slow
+        if keys[0] == slow:
+            time.sleep(0.3)
+        return read_run(keys, *args, **kwargs)
+
+    monkeypatch.setattr(engine.disk.store, "read_run", slow_read_run)
+    engine.add_request(b, 12)
+    engine.step()  # b is running: loads take 4 blocks a step
+    uid = engine.add_request(a, MAX_TOKENS)
+    engine.step()  # a's first 4 blocks; the run after them is being read ahead
+    stale = engine.disk._ahead
+    assert stale is not None and engine.stats().disk_hit_tokens == 4 * BS
+    engine.abort(uid)  # a never asks for that run
+    reads, read = [], engine.disk._read
+
+    def logged_read(*args):
+        reads.append(stale[1].done())
+        return read(*args)
+
+    monkeypatch.setattr(engine.disk, "_read", logged_read)
+    got = run(engine, c)
+    assert reads and all(reads)  # c's reads came after the stale one was done with buffer 0
+    assert engine.disk._ahead is None or engine.disk._ahead is not stale
+    assert got[0] == expected[0] and np.allclose(got[1], expected[1], atol=1e-6, rtol=0)
 
 
 def test_an_idle_engine_loads_a_whole_prompt_at_once(tmp_path):
