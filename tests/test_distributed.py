@@ -10,6 +10,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import pickle
 import re
 import shutil
 import signal
@@ -261,3 +262,25 @@ def test_pipeline_server_answers_like_one_process(tmp_path):
         assert second.usage.prompt_tokens_details.cached_tokens > 0
     finally:
         stop_all(staged)
+
+
+def test_share_waits_for_the_other_ranks_in_mx_eval(monkeypatch):
+    """``bytes`` of an unevaluated array waits holding the GIL, and mx.eval lets go of it:
+    a rank hung in ``share`` must leave the server's timeout watchdog free to run."""
+    import mlx.core as mx
+
+    from mlx_paged.engine import distributed
+
+    class Pair:  # rank 0 of two
+        def size(self) -> int:
+            return 2
+
+        def rank(self) -> int:
+            return 0
+
+    evaluated, real_eval = [], mx.eval
+    monkeypatch.setattr(mx.distributed, "all_sum", lambda x, group: x + 0)  # the others add 0
+    monkeypatch.setattr(mx, "eval", lambda *a: (evaluated.extend(a), real_eval(*a))[1])
+    sent = [("add", {"prompt": [1, 2, 3]})]
+    assert distributed.share(sent, Pair()) == sent
+    assert [(a.dtype, a.size) for a in evaluated] == [(mx.uint8, len(pickle.dumps(sent)))]

@@ -92,7 +92,12 @@ def share(obj: Any, group: mx.distributed.Group) -> Any:
     size = mx.distributed.all_sum(size, group=group).item()
     if data is None:
         data = mx.zeros(size, mx.uint8)
-    return pickle.loads(bytes(mx.distributed.all_sum(data, group=group)))
+    data = mx.distributed.all_sum(data, group=group)
+    # Evaluated by mx.eval, which lets go of the GIL while it waits; ``bytes`` of an
+    # unevaluated array would wait holding it, and a rank that hangs there would stop
+    # every other thread of this process too (the server's timeout watchdog among them).
+    mx.eval(data)
+    return pickle.loads(bytes(data))
 
 
 class Agreement:
