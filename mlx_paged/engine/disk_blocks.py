@@ -214,13 +214,13 @@ class Writes:
         self.seconds["load_eval"] += time.perf_counter() - start
         self._run = (entries, ok)
 
-    def wait(self) -> tuple[int, int, bool]:
+    def wait(self) -> tuple[int, int]:
         """Wait for the writes in flight: ``(entries, how many from the first passed their
-        check, whether the host checked them)``; ``(0, 0, True)`` when none were."""
+        check)``; ``(0, 0)`` when none were."""
         if self._run is None:
-            return 0, 0, True
+            return 0, 0
         (entries, ok), self._run = self._run, None
         start = time.perf_counter()
         mx.eval(ok, [a for p in self.pools for a in pool_arrays(p)])
         self.seconds["load_eval"] += time.perf_counter() - start
-        return entries, leading(ok, entries), ok is None
+        return entries, leading(ok, entries)

@@ -276,9 +276,8 @@ class DiskTier:
             # writes; its own writes are made once those are done (Writes). Blocks written
             # from a bad entry on are given back below, never indexed.
             staged = run and stage(run, self.pools, self.windows, *copy, self.seconds)
-            n, good, checked = writes.wait()
-            if not checked:  # the store counted a run it checked itself
-                self.store.hit(good)
+            n, good = writes.wait()
+            self.store.hit(good)
             end += good * bs
             if good < n:
                 bad = keys[(end - start) // bs]

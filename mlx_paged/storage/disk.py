@@ -165,7 +165,10 @@ class DiskStore:
     def get(self, key: str) -> dict[str, np.ndarray] | None:
         """The entry's arrays, or ``None`` when there is no valid one (a bad file is deleted)."""
         run = self.read_run([key])
-        return run.arrays(0) if run is not None else None
+        if run is None:
+            return None
+        self.hit(1)
+        return run.arrays(0)
 
     def read_run(
         self,
@@ -180,9 +183,9 @@ class DiskStore:
         the first of them, and before the first file of another size. ``out(rows,
         size)``, if given, returns the ``(rows, size)`` uint8 buffer to read into
         (reusing memory spares the page faults). ``payloads=False`` leaves the
-        payloads' sums unchecked (``Run.checked``): the caller checks them,
-        ``discard``s the file of the first entry that fails and counts the good
-        ones (``hit``).
+        payloads' sums unchecked (``Run.checked``): the caller checks them and
+        ``discard``s the file of the first entry that fails. The caller counts
+        the entries it uses (``hit``): a run read ahead may never be used.
         """
         with self._lock:
             rows, size = self._index.run_rows(keys) if self.enabled else ([], 0)
@@ -218,8 +221,7 @@ class DiskStore:
         # Their modification times, for a later process's order, on the writer thread:
         # a reader's syscalls wait for the GIL (``OpenFiles``).
         self._later.put(partial(touch, self.path, used))
-        with self._lock:  # reads of several runs may overlap, and the engine's hit() too
-            self.counts["hits"] += n if payloads else 0
+        with self._lock:  # reads of several runs may overlap
             self.seconds["read"] += time.perf_counter() - start
         return Run(data[:n], specs, payload, checked=payloads)
 
@@ -228,7 +230,7 @@ class DiskStore:
         self._files.clear()
 
     def hit(self, n: int) -> None:
-        """Count ``n`` entries of a ``read_run(payloads=False)`` found good by the caller."""
+        """Count ``n`` entries of a ``read_run`` that the caller found good and used."""
         self._count("hits", n)
 
     def _count(self, what: str, n: int) -> None:
