@@ -23,8 +23,9 @@ the kernel reads them quantized, the gather path dequantizes them, and dense SDP
 still reads float16.
 
 Run: ``python benchmarks/attention.py [--iters N] [--sweep FILE]``; ``--sweep`` also times
-the kernel's tuning variants (warps per block, rows per warp step, splits) in each cell,
-in graph, writes them all to FILE and prints the fastest.
+the kernel's tuning variants (warps per block, rows per warp step, splits; with a cold
+tier loads per lane per step and prefetch) in each cell, in graph, writes them all to
+FILE and prints the fastest.
 """
 
 from __future__ import annotations
@@ -95,6 +96,8 @@ def best_of(fns, warmup: int, iters: int, rounds: int) -> list[float]:
 
 
 VARIANTS = [(8, 8, 8), (8, 8, 16), (4, 4, 8), (8, 2, 8), (8, 1, 8), (4, 1, 8)]
+# With a cold tier ``rows`` counts 16-byte loads per lane per step (cuda.COLD_SLOTS).
+COLD_VARIANTS = [(8, 1, 2), (8, 1, 4), (8, 1, 8), (4, 1, 2), (4, 1, 4), (4, 1, 8)]
 
 
 def sweep(B: int, L: int, q, views, scale: float, want: mx.array, chain: int, out) -> str:
@@ -102,18 +105,21 @@ def sweep(B: int, L: int, q, views, scale: float, want: mx.array, chain: int, ou
     return the best."""
     splits = [None] + [s for s in (1, 2, 4, 8, 16, 32) if s * B <= 2048 and L // s >= 64]
     best = None
-    for nw, hw, rows in VARIANTS:
+    variants = VARIANTS if views[0].cold is None else COLD_VARIANTS
+    prefetch = [None] if views[0].cold is None else [True, False]
+    for (nw, hw, rows), pf in ((v, pf) for v in variants for pf in prefetch):
         for S in splits:
 
-            def run(x, i=0, S=S, nw=nw, rows=rows, hw=hw):
+            def run(x, i=0, S=S, nw=nw, rows=rows, hw=hw, pf=pf):
                 view = views[i % len(views)]
                 return paged_decode_cuda(
-                    x, view, scale, None, S, num_warps=nw, rows=rows, head_warps=hw
+                    x, view, scale, None, S, num_warps=nw, rows=rows, head_warps=hw, prefetch=pf
                 )
 
             err = mx.abs(run(q).astype(mx.float32) - want).max().item()
             ms = min(chained(run, q, chain) for _ in range(3))
-            line = f"B={B} L={L} warps={nw} head_warps={hw} rows={rows} splits={S} ms={ms:.4f} "
+            line = f"B={B} L={L} warps={nw} head_warps={hw} rows={rows} prefetch={pf} "
+            line += f"splits={S} ms={ms:.4f} "
             line += f"err={err:.2g}"
             print(line, file=out, flush=True)
             if err < 1e-2 and (best is None or ms < best[0]):

@@ -18,7 +18,7 @@ from tiny_models import VOCAB, tiny_model
 from mlx_paged import PagedEngine, make_paged_cache
 from mlx_paged.attention import routing, set_attention_path
 from mlx_paged.attention.kernels import source
-from mlx_paged.attention.kernels.cuda import paged_decode_cuda
+from mlx_paged.attention.kernels.cuda import COLD_SLOTS, paged_decode_cuda, rows_per_step
 from mlx_paged.attention.kernels.plan import plan_decode
 from mlx_paged.attention.kernels.reference import reference_paged_decode
 from mlx_paged.attention.kernels.synthetic import dense_decode, random_paged_batch
@@ -124,10 +124,11 @@ def kernel_function(name, body, inputs, outputs, space="", attrs=(), qualifier="
 
 
 def instantiation(
-    name, dtype, rows, prefetch, bits, warps, inputs, outputs, attrs=(), qualifier=""
+    name, dtype, rows, prefetch, bits, warps, inputs, outputs, attrs=(), qualifier="", hg=4
 ):
-    """The explicit instantiation of ``kernel_function(name, ...)`` for ``dtype``."""
-    args = f"{dtype}, {dtype}, 128, 128, 32, 8, 4, 4, 16, 0, true, 1000, {warps}, 1, {rows}, "
+    """The explicit instantiation of ``kernel_function(name, ...)`` for ``dtype``, with ``hg``
+    query heads per warp."""
+    args = f"{dtype}, {dtype}, 128, 128, 32, 8, 4, {hg}, 16, 0, true, 1000, {warps}, 1, {rows}, "
     args += f"{str(prefetch).lower()}, {bits}, 64"
     types = [f"const {x.split(':')[1]}*" for x in inputs] + ["const int*"] * len(inputs)
     types += [f"{x.split(':')[1]}*" for x in outputs]
@@ -162,7 +163,10 @@ def test_the_metal_build_parses_as_cpp_with_metal_stand_ins(tmp_path, bits):
     code += kernel_function("decode", body, DECODE_INPUTS, DECODE_OUTPUTS, "device ", attrs)
     code += kernel_function("merge", merge, MERGE_INPUTS, ["out:T"], "device ", attrs)
     dtype = "float16_t"
-    code += instantiation("decode", dtype, 8, False, bits, 4, DECODE_INPUTS, DECODE_OUTPUTS, attrs)
+    rows = rows_per_step(128, 128, 4, COLD_SLOTS if bits else 8, bits)  # the mock's is 4 bytes
+    code += instantiation(
+        "decode", dtype, rows, False, bits, 4, DECODE_INPUTS, DECODE_OUTPUTS, attrs
+    )
     code += instantiation("merge", dtype, 8, False, bits, 4, MERGE_INPUTS, ["out:T"], attrs)
     read_header, read_body = source.block_read_source("metal")
     read_header = read_header.split("// ---- header", 1)[-1]
@@ -177,16 +181,23 @@ def test_the_metal_build_parses_as_cpp_with_metal_stand_ins(tmp_path, bits):
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 def test_the_cuda_build_compiles_without_spilling(tmp_path):
-    """nvcc builds the CUDA decode kernel for the launch shapes cuda.py picks (16 rows per
-    step at full precision, 8 with a cold tier) and the block read, with no register spills."""
+    """nvcc builds the CUDA decode kernel for the launch shapes cuda.py picks for the
+    llama-1B shape (16 rows per step and 4 heads per warp at full precision; 4 loads per
+    lane, so 16 rows at 8 bits and 32 at 4, and 2 and 1 heads per warp with a cold tier)
+    and the block read, with no register spills."""
     header, body = source.decode_source("cuda", merge_inline=True)
     inputs = [*DECODE_INPUTS[:7], "counters:int32_t", *DECODE_INPUTS[7:]]
     code = "#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n#include <cstdint>\n" + header
     code += kernel_function("decode", body, inputs, DECODE_OUTPUTS, qualifier="__global__ ")
-    for bits, rows in ((0, 16), (4, 8), (8, 8)):
+    for bits in (0, 4, 8):
+        batch = random_paged_batch([64], 32, 8, 128, 128, 16, mx.float16, kv_bits=bits or None)
+        plan = plan_decode(batch.queries, batch.view)
+        rows = rows_per_step(128, 128, 2, 4 if bits else 16, bits)
+        assert (rows, plan.heads_per_block) == {0: (16, 4), 4: (32, 1), 8: (16, 2)}[bits]
         code += instantiation(
-            "decode", "__half", rows, True, bits, 8, inputs, DECODE_OUTPUTS, qualifier="__global__ "
-        )
+            "decode", "__half", rows, True, bits, 8, inputs, DECODE_OUTPUTS,
+            qualifier="__global__ ", hg=plan.heads_per_block,
+        )  # fmt: skip
     read_header, read_body = source.block_read_source("cuda")
     code += read_header[read_header.index("template <int H") :]
     code += read_function(read_body, qualifier="__global__ ")

@@ -37,6 +37,7 @@ from .plan import (
     LaunchCache,
     base_template,
     call_key,
+    cold_lane_elems,
     compiled_launch,
     kernel_templates,
     plan_decode,
@@ -60,6 +61,9 @@ HEAD_WARPS = 1
 ROWS_PER_STEP = 16
 ROWS_PER_STEP_SHORT = 8
 LONG_RUN = 128
+# With a cold tier: 16-byte loads per lane per step for K and again for V (a cold row's
+# packed words each, or a share of a full-precision row). Measured on an H100.
+COLD_SLOTS = 4
 PREFETCH = True  # load a warp's next step while it computes this one (measured 1.1-1.3x)
 # Split a sequence when the batch alone gives fewer warps than this. Measured on an H100
 # with prefetch: B=16 ran fastest unsplit; B=1 in sqrt(tokens / 64) splits (4 at 1k, 8 at
@@ -100,12 +104,19 @@ def _as(x: mx.array, dtype: mx.Dtype) -> mx.array:
     return x if x.dtype == dtype else x.astype(dtype)
 
 
-def rows_per_step(dk: int, dv: int, itemsize: int, base: int = ROWS_PER_STEP) -> int:
+def rows_per_step(dk: int, dv: int, itemsize: int, base: int = ROWS_PER_STEP, bits: int = 0) -> int:
     """Rows a warp loads per step: ``base`` for 256-byte rows, fewer for wider rows.
 
-    A power of two, and at least the rows one warp load covers for K and for V.
+    A power of two, and at least the rows one warp load covers for K and for V. With
+    a cold tier of ``bits`` (the kernel's cold layout) ``base`` counts 16-byte loads
+    per lane instead (``COLD_SLOTS``), and a step holds at least one full-precision
+    row.
     """
     vec = 16 // itemsize
+    if bits:
+        per = cold_lane_elems(bits)
+        per_load = max(32 // (d // per) for d in (dk, dv))  # rows one warp load covers
+        return per_load * max(base, per // vec)
     per_load = max(32 // min(d // vec, 32) for d in (dk, dv))
     rows = max(1, base * 256 // (max(dk, dv) * itemsize))
     return max(per_load, 1 << (rows.bit_length() - 1))
@@ -174,9 +185,10 @@ def _make_launch(
     wh, wr = warp_layout(groups, nw, hw)
     run = math.ceil(_span(view) / (S * wr))  # rows each warp walks
     base = rows or (ROWS_PER_STEP if run >= LONG_RUN else ROWS_PER_STEP_SHORT)
-    if view.cold is not None and not rows:
-        base = ROWS_PER_STEP_SHORT  # a cold row's scales and biases take registers too
-    rs = rows_per_step(plan.dk, dv, view.keys.dtype.size, base)
+    bits = 0 if view.cold is None else view.cold.bits
+    if bits:  # ``rows`` overrides the cold tier's slots per lane
+        base = rows or COLD_SLOTS
+    rs = rows_per_step(plan.dk, dv, view.keys.dtype.size, base, bits)
     # Logits live in the log2 domain (exp2f), so the scale carries log2(e).
     template = base_template(plan, queries, view, has_sinks, scale * LOG2E)
     pf = PREFETCH if prefetch is None else prefetch
@@ -250,10 +262,11 @@ def decode_launch(
         num_splits: force the number of splits per sequence (1 turns split-K off);
             ``None`` picks one from the batch size and the table width.
         num_warps, rows, head_warps, prefetch: tuning overrides (warps per block;
-            rows per warp step for 256-byte rows; most head groups per block; load the
-            next step during this one); ``None`` takes ``NUM_WARPS`` (or ``NUM_WARPS_WIDE``) /
-            ``ROWS_PER_STEP`` or ``ROWS_PER_STEP_SHORT`` / ``HEAD_WARPS`` /
-            ``PREFETCH``.
+            rows per warp step for 256-byte rows, or with a cold tier 16-byte loads per
+            lane per step; most head groups per block; load the next step during this
+            one); ``None`` takes ``NUM_WARPS`` (or ``NUM_WARPS_WIDE``) /
+            ``ROWS_PER_STEP``, ``ROWS_PER_STEP_SHORT`` or ``COLD_SLOTS`` /
+            ``HEAD_WARPS`` / ``PREFETCH``.
     """
     key = call_key(queries, view, scale, sinks, num_splits, num_warps, rows, head_warps, prefetch)
     return _launches.get(

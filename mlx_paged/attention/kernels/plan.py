@@ -35,6 +35,11 @@ class DecodePlan:
     reason: str | None = None
 
 
+def cold_lane_elems(bits: int) -> int:
+    """Elements of a cold row one lane takes: those of 16 bytes of packed words."""
+    return 128 // bits
+
+
 def _lanes_ok(dim: int, vec: int) -> bool:
     """A row of ``dim`` elements splits evenly into 16-byte loads over 1..32 lanes, or k*32."""
     if dim % vec:
@@ -69,8 +74,11 @@ def plan_decode(queries: mx.array, view: PagedView, max_lanes_elems: int = 32) -
         return DecodePlan(reason=f"block_tables {view.block_tables.shape} for batch {B}")
     if view.cold is not None and (why := _cold_reason(view, dk, dv)):
         return DecodePlan(reason=why)
-    # Elements one lane holds per head: a 16-byte vector, more when a row exceeds 32 lanes.
+    # Elements one lane holds per head: a 16-byte vector (of T, or of a cold row's packed
+    # words), more when a row exceeds 32 lanes.
     per_lane = max(vec, dk // 32, dv // 32)
+    if view.cold is not None:
+        per_lane = max(per_lane, cold_lane_elems(view.cold.bits))
     group = n_heads // n_kv
     hg = max(h for h in range(1, group + 1) if group % h == 0 and h * per_lane <= max_lanes_elems)
     return DecodePlan(B, n_heads, n_kv, group, hg, dk, dv)
@@ -83,6 +91,10 @@ def _cold_reason(view: PagedView, dk: int, dv: int) -> str | None:
         return f"cold tier of {cold.bits} bits in groups of {cold.group_size}"
     if dv % cold.group_size:
         return f"cold tier groups of {cold.group_size} for v_head_dim {dv}"
+    # A lane takes 16 bytes of a cold row's words, within one group; a row takes 1-32 lanes.
+    per = cold_lane_elems(cold.bits)
+    if not all(_lanes_ok(d, per) and d <= 32 * per for d in (dk, dv)):
+        return f"head dims {dk}/{dv} do not split into 16-byte lanes of {cold.bits}-bit words"
     for parts, d in ((cold.keys, dk), (cold.values, dv)):
         words, scales, biases = parts
         lead = words.shape[:3]
