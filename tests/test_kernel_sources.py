@@ -182,9 +182,9 @@ def test_the_metal_build_parses_as_cpp_with_metal_stand_ins(tmp_path, bits):
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 def test_the_cuda_build_compiles_without_spilling(tmp_path):
     """nvcc builds the CUDA decode kernel for the launch shapes cuda.py picks for the
-    llama-1B shape (16 rows per step and 4 heads per warp at full precision; 4 loads per
-    lane, so 16 rows at 8 bits and 32 at 4, and 2 and 1 heads per warp with a cold tier)
-    and the block read, with no register spills."""
+    llama-1B shape (16 rows per step, prefetched, and 4 heads per warp at full precision;
+    with a cold tier 4 loads per lane, so 16 rows at 8 bits and 32 at 4, 4 and 2 heads per
+    warp, no prefetch) and the block read, with no register spills."""
     header, body = source.decode_source("cuda", merge_inline=True)
     inputs = [*DECODE_INPUTS[:7], "counters:int32_t", *DECODE_INPUTS[7:]]
     code = "#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n#include <cstdint>\n" + header
@@ -192,10 +192,10 @@ def test_the_cuda_build_compiles_without_spilling(tmp_path):
     for bits in (0, 4, 8):
         batch = random_paged_batch([64], 32, 8, 128, 128, 16, mx.float16, kv_bits=bits or None)
         plan = plan_decode(batch.queries, batch.view)
-        rows = rows_per_step(128, 128, 2, 4 if bits else 16, bits)
-        assert (rows, plan.heads_per_block) == {0: (16, 4), 4: (32, 1), 8: (16, 2)}[bits]
+        rows = rows_per_step(128, 128, 2, COLD_SLOTS if bits else 16, bits)
+        assert (rows, plan.heads_per_block) == {0: (16, 4), 4: (32, 2), 8: (16, 4)}[bits]
         code += instantiation(
-            "decode", "__half", rows, True, bits, 8, inputs, DECODE_OUTPUTS,
+            "decode", "__half", rows, not bits, bits, 8, inputs, DECODE_OUTPUTS,
             qualifier="__global__ ", hg=plan.heads_per_block,
         )  # fmt: skip
     read_header, read_body = source.block_read_source("cuda")

@@ -164,11 +164,9 @@ class DiskStore:
 
     def get(self, key: str) -> dict[str, np.ndarray] | None:
         """The entry's arrays, or ``None`` when there is no valid one (a bad file is deleted)."""
-        run = self.read_run([key])
-        if run is None:
-            return None
-        self.hit(1)
-        return run.arrays(0)
+        if (run := self.read_run([key])) is not None:
+            self.hit(1)
+        return run and run.arrays(0)
 
     def read_run(
         self,

@@ -62,8 +62,13 @@ ROWS_PER_STEP = 16
 ROWS_PER_STEP_SHORT = 8
 LONG_RUN = 128
 # With a cold tier: 16-byte loads per lane per step for K and again for V (a cold row's
-# packed words each, or a share of a full-precision row). Measured on an H100.
+# packed words each, or a share of a full-precision row); query heads per warp times a
+# lane's elements (16 at 8 bits, 32 at 4) at most COLD_HEAD_ELEMS; no prefetch. Measured
+# on an H100 (BENCHMARKS.md, runs 206-207): 4 heads a warp dequantize each row once for
+# all of them, and their registers leave no room for a second step's loads.
 COLD_SLOTS = 4
+COLD_HEAD_ELEMS = 64
+COLD_PREFETCH = False
 PREFETCH = True  # load a warp's next step while it computes this one (measured 1.1-1.3x)
 # Split a sequence when the batch alone gives fewer warps than this. Measured on an H100
 # with prefetch: B=16 ran fastest unsplit; B=1 in sqrt(tokens / 64) splits (4 at 1k, 8 at
@@ -147,7 +152,7 @@ def cuda_plan(
     head_warps: int = HEAD_WARPS,
 ) -> DecodePlan:
     """How the kernel would run this call, or a plan with ``reason`` set if it cannot."""
-    plan = plan_decode(queries, view, max_lanes_elems=32)
+    plan = plan_decode(queries, view, max_lanes_elems=32 if view.cold is None else COLD_HEAD_ELEMS)
     if plan.reason:
         return plan
     if num_splits is None:
@@ -191,7 +196,7 @@ def _make_launch(
     rs = rows_per_step(plan.dk, dv, view.keys.dtype.size, base, bits)
     # Logits live in the log2 domain (exp2f), so the scale carries log2(e).
     template = base_template(plan, queries, view, has_sinks, scale * LOG2E)
-    pf = PREFETCH if prefetch is None else prefetch
+    pf = (COLD_PREFETCH if bits else PREFETCH) if prefetch is None else prefetch
     template += [("NW", nw), ("WH", wh), ("RS", rs), ("PF", pf)]
     kernel_templates.add(("cuda_paged_decode", *template))
     blocks = groups // wh
