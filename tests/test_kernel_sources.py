@@ -18,7 +18,7 @@ from tiny_models import VOCAB, tiny_model
 from mlx_paged import PagedEngine, make_paged_cache
 from mlx_paged.attention import routing, set_attention_path
 from mlx_paged.attention.kernels import source
-from mlx_paged.attention.kernels.cuda import COLD_SLOTS, paged_decode_cuda, rows_per_step
+from mlx_paged.attention.kernels.cuda import COLD_SLOTS, cuda_plan, paged_decode_cuda, rows_per_step
 from mlx_paged.attention.kernels.plan import plan_decode
 from mlx_paged.attention.kernels.reference import reference_paged_decode
 from mlx_paged.attention.kernels.synthetic import dense_decode, random_paged_batch
@@ -191,7 +191,7 @@ def test_the_cuda_build_compiles_without_spilling(tmp_path):
     code += kernel_function("decode", body, inputs, DECODE_OUTPUTS, qualifier="__global__ ")
     for bits in (0, 4, 8):
         batch = random_paged_batch([64], 32, 8, 128, 128, 16, mx.float16, kv_bits=bits or None)
-        plan = plan_decode(batch.queries, batch.view)
+        plan = cuda_plan(batch.queries, batch.view)
         rows = rows_per_step(128, 128, 2, COLD_SLOTS if bits else 16, bits)
         assert (rows, plan.heads_per_block) == {0: (16, 4), 4: (32, 2), 8: (16, 4)}[bits]
         code += instantiation(
