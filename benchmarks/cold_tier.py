@@ -191,6 +191,7 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=64)
     parser.add_argument("--max-n", type=int, default=256)
     args = parser.parse_args()
+    args.shape = "llama"  # engine.build_model: a llama with head_dim 64
     model = build_model(args)
     print(
         f"device={mx.default_device()} dtype={args.dtype} layers={args.layers} "
