@@ -16,7 +16,7 @@ from test_parity import max_diff
 from tiny_models import VOCAB, tiny_model
 
 from mlx_paged import PagedEngine, make_paged_cache
-from mlx_paged.attention import routing, set_attention_path
+from mlx_paged.attention import path_counts, routing, set_attention_path
 from mlx_paged.attention.kernels import source
 from mlx_paged.attention.kernels.cuda import COLD_SLOTS, cuda_plan, paged_decode_cuda, rows_per_step
 from mlx_paged.attention.kernels.plan import plan_decode
@@ -306,3 +306,26 @@ def test_cuda_kernel_reads_cold_blocks_like_the_reference(config, dtype, splits,
     got = paged_decode_cuda(batch.queries, batch.view, scale, batch.sinks, splits)
     tol = {mx.float32: 1e-4, mx.float16: 4e-3, mx.bfloat16: 3e-2}[dtype]
     assert max_diff(got.astype(mx.float32), want) <= tol
+
+
+@cuda_only
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
+def test_the_engine_through_the_cold_kernel_matches_the_gather_path(bits, dtype):
+    """Decode batches that move blocks into the cold tier as they go (all-cold steps, steps
+    holding the hot tail, blocks of 8 under steps of 16-128 rows) give the tokens of the
+    portable path, which dequantizes the same blocks, on the same GPU."""
+    model = tiny_model("llama", head_dim=64)
+    model.set_dtype(dtype)
+    prompts = [[(7 * i + s) % VOCAB for i in range(130 + 23 * s)] for s in range(4)]
+    results = {}
+    for path in ("gather", "auto"):
+        set_attention_path(path)
+        before = path_counts["cuda_paged_decode"]
+        engine = PagedEngine(model, block_size=8, kv_bits=bits, hot_tokens=16, max_batch_size=4)
+        results[path] = engine.generate(prompts, max_tokens=24)
+        assert engine.stats().migrations > 0
+        used = path_counts["cuda_paged_decode"] > before
+        assert used == (path == "auto")
+    set_attention_path("auto")
+    assert results["gather"] == results["auto"]
