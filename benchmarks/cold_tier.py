@@ -12,7 +12,8 @@ For each tier it reports the largest N held without preemption (bisection,
 one engine run per probe), then, at the full-precision tier's largest N:
 generated tok/s, decode step time, and the decode attention time of one
 layer (the layer's read and attention over every running request, timed
-alone) times the layer count.
+alone) times the layer count. ``--decode-rounds R`` also times decode steps
+alone at that N, the three tiers' engines taking turns for R rounds.
 
 Usage:
     python benchmarks/cold_tier.py --dtype float16                      # on a GPU
@@ -150,6 +151,37 @@ def speed(model, args, bits: int | None, n: int) -> dict:
     )
 
 
+def decode_turns(model, args, n: int, rounds: int, steps: int = 32) -> dict:
+    """ms per decode step of n running requests, for each tier, the tiers taking turns.
+
+    One engine per tier holds n requests at once (prefilled, blocks moved into the
+    cold tier); then each round runs ``steps`` decode steps of every engine in turn.
+    Returns ``{tier: (best, median)}`` over the rounds; taking turns keeps the host's
+    and the GPU's swings from deciding which tier looks faster.
+    """
+    tiers = [None, 8, 4]
+    engines = {}
+    for bits in tiers:
+        engine = engine_for(model, args, bits, n)
+        for p in prompts(args, n):
+            engine.add_request(p, (rounds + 4) * steps)
+        while engine.waiting or len(engine.running) < n:
+            engine.step()
+        for _ in range(2 * steps):  # past the first moves into the tier
+            engine.step()
+        engines[bits] = engine
+    times: dict = {bits: [] for bits in tiers}
+    for _ in range(rounds):
+        for bits, engine in engines.items():
+            start = time.perf_counter()
+            for _ in range(steps):
+                engine.step()
+            mx.synchronize()
+            times[bits].append(1e3 * (time.perf_counter() - start) / steps)
+            assert len(engine.running) == n and not engine.stats().preemptions
+    return {bits: (min(t), sorted(t)[len(t) // 2]) for bits, t in times.items()}
+
+
 def attention_time(engine: PagedEngine, args, iters: int = 20) -> float:
     """ms of one layer's decode read + attention over the running requests, x layers."""
     pool = engine.runner.pools[LayerKind()]
@@ -190,6 +222,13 @@ def main() -> None:
     parser.add_argument("--hot-tokens", type=int, nargs="+", default=[64])
     parser.add_argument("--group-size", type=int, default=64)
     parser.add_argument("--max-n", type=int, default=256)
+    parser.add_argument(
+        "--decode-rounds",
+        type=int,
+        default=0,
+        help="also time decode steps at the full-precision tier's largest N, the tiers "
+        "taking turns for this many rounds of 32 steps",
+    )
     args = parser.parse_args()
     args.shape = "llama"  # engine.build_model: a llama with head_dim 64
     model = build_model(args)
@@ -206,6 +245,16 @@ def main() -> None:
     base = largest_n(model, args, None)
     fp = speed(model, args, None, base)
     print(f"full precision: largest N {base}; at N={base}: {fp}", flush=True)
+    if args.decode_rounds:
+        turns = decode_turns(model, args, base, args.decode_rounds)
+        for bits, (best, median) in turns.items():
+            ratio = turns[None][1] / median
+            print(
+                f"decode steps at N={base}, {bits or 'full precision'}"
+                f"{'-bit cold' if bits else ''}: best {best:.2f} ms, median {median:.2f} ms, "
+                f"{base / median * 1e3:.0f} tok/s ({ratio:.2f}x full precision's median)",
+                flush=True,
+            )
     for hot in hot_choices:
         args.hot_tokens = hot
         for bits in (8, 4):
