@@ -151,23 +151,27 @@ def speed(model, args, bits: int | None, n: int) -> dict:
     )
 
 
-def decode_turns(model, args, n: int, rounds: int, steps: int = 32) -> dict:
+def decode_turns(model, args, n: int, rounds: int, warm: int = 16) -> dict:
     """ms per decode step of n running requests, for each tier, the tiers taking turns.
 
-    One engine per tier holds n requests at once (prefilled, blocks moved into the
-    cold tier); then each round runs ``steps`` decode steps of every engine in turn.
+    One engine per tier holds n requests of W at once (prefilled, ``warm`` steps
+    run, blocks moved into the cold tier); then each round runs an equal share of
+    the rest of ``--gen``'s decode steps (a round's worth kept as room) of every engine in turn.
     Returns ``{tier: (best, median)}`` over the rounds; taking turns keeps the host's
     and the GPU's swings from deciding which tier looks faster.
     """
     tiers = [None, 8, 4]
+    steps = (args.gen - warm) // (rounds + 1)  # a round's worth of room for admission
+    if steps < 1:
+        raise ValueError(f"--gen {args.gen} leaves no decode steps for {rounds} rounds")
     engines = {}
     for bits in tiers:
         engine = engine_for(model, args, bits, n)
         for p in prompts(args, n):
-            engine.add_request(p, (rounds + 4) * steps)
+            engine.add_request(p, args.gen)
         while engine.waiting or len(engine.running) < n:
             engine.step()
-        for _ in range(2 * steps):  # past the first moves into the tier
+        for _ in range(warm):  # past the first moves into the tier
             engine.step()
         engines[bits] = engine
     times: dict = {bits: [] for bits in tiers}
@@ -227,7 +231,7 @@ def main() -> None:
         type=int,
         default=0,
         help="also time decode steps at the full-precision tier's largest N, the tiers "
-        "taking turns for this many rounds of 32 steps",
+        "taking turns for this many rounds (--gen's steps split among them)",
     )
     args = parser.parse_args()
     args.shape = "llama"  # engine.build_model: a llama with head_dim 64
