@@ -20,7 +20,8 @@ K+V read / per-call time) and the host time to build one call of each path.
 With ``--kv-bits 4|8`` every block but the last ``--hot-tokens`` of each
 sequence lies in the quantized cold tier, as ``kv_bits`` leaves a long sequence:
 the kernel reads them quantized, the gather path dequantizes them, and dense SDPA
-still reads float16.
+still reads float16. ``--cold-lane-bytes 8|16`` overrides how many bytes of a cold
+row's packed words one lane loads (``cuda.COLD_LANE_BYTES``).
 
 Run: ``python benchmarks/attention.py [--iters N] [--sweep FILE]``; ``--sweep`` also times
 the kernel's tuning variants (warps per block, rows per warp step, splits; with a cold
@@ -96,7 +97,7 @@ def best_of(fns, warmup: int, iters: int, rounds: int) -> list[float]:
 
 
 VARIANTS = [(8, 8, 8), (8, 8, 16), (4, 4, 8), (8, 2, 8), (8, 1, 8), (4, 1, 8)]
-# With a cold tier ``rows`` counts 16-byte loads per lane per step (cuda.COLD_SLOTS).
+# With a cold tier ``rows`` counts loads per lane per step (cuda.COLD_SLOTS).
 COLD_VARIANTS = [(8, 1, 2), (8, 1, 4), (8, 1, 8), (4, 1, 2), (4, 1, 4), (4, 1, 8)]
 
 
@@ -180,6 +181,7 @@ def cell(
     sweep_out=None,
     kv_bits: int | None = None,
     hot: int = 256,
+    lane_bytes: int | None = None,
 ) -> str:
     dtype = mx.float16
     sets = [paged_layer(B, L, dtype, kv_bits, hot) for _ in range(layers)]
@@ -192,7 +194,7 @@ def cell(
         return mx.fast.scaled_dot_product_attention(x, k, v, scale=scale)
 
     def kernel(x=q, i=0):
-        return paged_decode_cuda(x, sets[i % layers][2], scale, None)
+        return paged_decode_cuda(x, sets[i % layers][2], scale, None, lane_bytes=lane_bytes)
 
     def gather(x=q):
         def read(pool, cold):
@@ -249,13 +251,17 @@ def main() -> None:
     )
     ap.add_argument("--kv-bits", type=int, choices=(4, 8), help="quantize the old blocks")
     ap.add_argument("--hot-tokens", type=int, default=256, help="tokens kept full precision")
+    ap.add_argument(
+        "--cold-lane-bytes", type=int, choices=(8, 16), help="bytes of a cold row a lane loads"
+    )
     args = ap.parse_args()
     D = args.head_dim
     sweep_out = open(args.sweep, "w") if args.sweep else None  # noqa: SIM115
     info = mx.device_info().get("device_name", "")
     print(
         f"device: {mx.default_device()} {info} head_dim={D} layers={args.layers} "
-        f"kv_bits={args.kv_bits} hot_tokens={args.hot_tokens if args.kv_bits else '-'}"
+        f"kv_bits={args.kv_bits} hot_tokens={args.hot_tokens if args.kv_bits else '-'} "
+        f"cold_lane_bytes={args.cold_lane_bytes or 'default'}"
     )
     print(
         "| B | L | per call: kernel ms | dense SDPA ms | gather+SDPA ms | kernel/dense "
@@ -277,6 +283,7 @@ def main() -> None:
                     sweep_out,
                     args.kv_bits,
                     args.hot_tokens,
+                    args.cold_lane_bytes,
                 )
             )
 

@@ -9,10 +9,12 @@
 typedef unsigned int uint;
 typedef unsigned short ushort;
 struct uint3 { uint x, y, z; };
+struct uint2 { uint x, y; };
 struct uint4 {
   uint x, y, z, w;
   uint4() = default;
   explicit uint4(uint v) : x(v), y(v), z(v), w(v) {}
+  uint4(uint a, uint b, uint c, uint d) : x(a), y(b), z(c), w(d) {}
 };
 enum class mem_flags { mem_none, mem_threadgroup, mem_device };
 void threadgroup_barrier(mem_flags);

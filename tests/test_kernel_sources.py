@@ -19,7 +19,7 @@ from mlx_paged import PagedEngine, make_paged_cache
 from mlx_paged.attention import path_counts, routing, set_attention_path
 from mlx_paged.attention.kernels import source
 from mlx_paged.attention.kernels.cuda import COLD_SLOTS, cuda_plan, paged_decode_cuda, rows_per_step
-from mlx_paged.attention.kernels.plan import plan_decode
+from mlx_paged.attention.kernels.plan import cold_lane_elems, plan_decode
 from mlx_paged.attention.kernels.reference import reference_paged_decode
 from mlx_paged.attention.kernels.synthetic import dense_decode, random_paged_batch
 
@@ -100,7 +100,8 @@ def test_both_builds_run_the_same_body():
 
 TEMPLATE = (
     "typename T, typename OT, int DK, int DV, int HQ, int HKV, int G, int HG, int BS, "
-    "int WINDOW, bool SINKS, int SCALE_BITS, int NW, int WH, int RS, bool PF, int QBITS, int QGS"
+    "int WINDOW, bool SINKS, int SCALE_BITS, int NW, int WH, int RS, bool PF, int QBITS, int QGS, "
+    "int CE"
 )
 DECODE_INPUTS = [
     *("queries:T", "keys:T", "values:T", "block_tables:int32_t", "starts:int32_t"),
@@ -124,12 +125,12 @@ def kernel_function(name, body, inputs, outputs, space="", attrs=(), qualifier="
 
 
 def instantiation(
-    name, dtype, rows, prefetch, bits, warps, inputs, outputs, attrs=(), qualifier="", hg=4
+    name, dtype, rows, prefetch, bits, warps, inputs, outputs, attrs=(), qualifier="", hg=4, ce=16
 ):
     """The explicit instantiation of ``kernel_function(name, ...)`` for ``dtype``, with ``hg``
-    query heads per warp."""
+    query heads per warp and ``ce`` elements of a cold row a lane."""
     args = f"{dtype}, {dtype}, 128, 128, 32, 8, 4, {hg}, 16, 0, true, 1000, {warps}, 1, {rows}, "
-    args += f"{str(prefetch).lower()}, {bits}, 64"
+    args += f"{str(prefetch).lower()}, {bits}, 64, {ce}"
     types = [f"const {x.split(':')[1]}*" for x in inputs] + ["const int*"] * len(inputs)
     types += [f"{x.split(':')[1]}*" for x in outputs]
     types += [a.split()[0] for a in attrs]
@@ -151,10 +152,11 @@ def read_function(body, space="", attrs=(), qualifier=""):
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
-@pytest.mark.parametrize("bits", [0, 4, 8])
-def test_the_metal_build_parses_as_cpp_with_metal_stand_ins(tmp_path, bits):
+@pytest.mark.parametrize(("bits", "lane_bytes"), [(0, 16), (4, 16), (4, 8), (8, 16), (8, 8)])
+def test_the_metal_build_parses_as_cpp_with_metal_stand_ins(tmp_path, bits, lane_bytes):
     """Not a Metal compiler (none runs here): g++ with tests/metal_mock.h checks that the
-    Metal build is well-formed C++ with the prelude's spellings, for every tier."""
+    Metal build is well-formed C++ with the prelude's spellings, for every tier and both
+    widths of a lane's load of a cold row."""
     attrs = ["uint3 threadgroup_position_in_grid", "uint thread_index_in_threadgroup"]
     attrs += ["uint3 threadgroups_per_grid", "uint3 threads_per_threadgroup"]
     header, body = source.decode_source("metal", merge_inline=False)
@@ -163,10 +165,12 @@ def test_the_metal_build_parses_as_cpp_with_metal_stand_ins(tmp_path, bits):
     code += kernel_function("decode", body, DECODE_INPUTS, DECODE_OUTPUTS, "device ", attrs)
     code += kernel_function("merge", merge, MERGE_INPUTS, ["out:T"], "device ", attrs)
     dtype = "float16_t"
-    rows = rows_per_step(128, 128, 4, COLD_SLOTS if bits else 8, bits)  # the mock's is 4 bytes
+    ce = cold_lane_elems(bits, lane_bytes) if bits else 0
+    rows = rows_per_step(128, 128, 4, COLD_SLOTS if bits else 8, ce)  # the mock's is 4 bytes
     code += instantiation(
-        "decode", dtype, rows, False, bits, 4, DECODE_INPUTS, DECODE_OUTPUTS, attrs
-    )
+        "decode", dtype, rows, False, bits, 4, DECODE_INPUTS, DECODE_OUTPUTS, attrs,
+        ce=ce or 16,
+    )  # fmt: skip
     code += instantiation("merge", dtype, 8, False, bits, 4, MERGE_INPUTS, ["out:T"], attrs)
     read_header, read_body = source.block_read_source("metal")
     read_header = read_header.split("// ---- header", 1)[-1]
@@ -183,20 +187,22 @@ def test_the_metal_build_parses_as_cpp_with_metal_stand_ins(tmp_path, bits):
 def test_the_cuda_build_compiles_without_spilling(tmp_path):
     """nvcc builds the CUDA decode kernel for the launch shapes cuda.py picks for the
     llama-1B shape (16 rows per step, prefetched, and 4 heads per warp at full precision;
-    with a cold tier 4 loads per lane, so 16 rows at 8 bits and 32 at 4, 4 and 2 heads per
-    warp, no prefetch) and the block read, with no register spills."""
+    with a cold tier 4 loads per lane of 16 elements, so 16 rows and 4 heads per warp at 8
+    and 4 bits, no prefetch; and 16-byte loads at 4 bits, 32 rows and 2 heads) and the
+    block read, with no register spills."""
     header, body = source.decode_source("cuda", merge_inline=True)
     inputs = [*DECODE_INPUTS[:7], "counters:int32_t", *DECODE_INPUTS[7:]]
     code = "#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n#include <cstdint>\n" + header
     code += kernel_function("decode", body, inputs, DECODE_OUTPUTS, qualifier="__global__ ")
-    for bits in (0, 4, 8):
+    shapes = {(0, None): (16, 4), (4, None): (16, 4), (8, None): (16, 4), (4, 16): (32, 2)}
+    for (bits, lane_bytes), want in shapes.items():
         batch = random_paged_batch([64], 32, 8, 128, 128, 16, mx.float16, kv_bits=bits or None)
-        plan = cuda_plan(batch.queries, batch.view)
-        rows = rows_per_step(128, 128, 2, COLD_SLOTS if bits else 16, bits)
-        assert (rows, plan.heads_per_block) == {0: (16, 4), 4: (32, 2), 8: (16, 4)}[bits]
+        plan = cuda_plan(batch.queries, batch.view, lane_bytes=lane_bytes)
+        rows = rows_per_step(128, 128, 2, COLD_SLOTS if bits else 16, plan.cold_elems)
+        assert (rows, plan.heads_per_block) == want
         code += instantiation(
             "decode", "__half", rows, not bits, bits, 8, inputs, DECODE_OUTPUTS,
-            qualifier="__global__ ", hg=plan.heads_per_block,
+            qualifier="__global__ ", hg=plan.heads_per_block, ce=plan.cold_elems or 16,
         )  # fmt: skip
     read_header, read_body = source.block_read_source("cuda")
     code += read_header[read_header.index("template <int H") :]
@@ -207,7 +213,7 @@ def test_the_cuda_build_compiles_without_spilling(tmp_path):
     done = subprocess.run(cmd, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     spills = re.findall(r"(\d+) bytes spill stores", done.stderr)
-    assert len(spills) == 4 and set(spills) == {"0"}, done.stderr[-3000:]  # 3 decodes, 1 read
+    assert len(spills) == 5 and set(spills) == {"0"}, done.stderr[-3000:]  # 4 decodes, 1 read
 
 
 # ---- kernels reading the cold tier -------------------------------------------------
@@ -234,6 +240,11 @@ def test_plan_declines_cold_tiers_the_kernels_cannot_read():
         cold=view.cold._replace(keys=(words, scales.astype(mx.float16), biases))
     )
     assert "cold scales" in plan_decode(q, bad_dtype).reason
+    # A lane loads 8 or 16 bytes of a cold row: 16 or 32 elements at 4 bits.
+    assert plan_decode(q, view, 64, cold_lane_bytes=8).cold_elems == 16
+    assert plan_decode(q, view, 64, cold_lane_bytes=16).cold_elems == 32
+    with pytest.raises(ValueError, match="8 or 16 bytes"):
+        plan_decode(q, view, 64, cold_lane_bytes=12)
 
 
 @pytest.fixture
@@ -283,6 +294,7 @@ def test_the_engines_decode_batches_hand_kernels_their_cold_blocks(recording_ref
 
 @cuda_only
 @pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("lane_bytes", [8, 16])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize(
@@ -294,7 +306,7 @@ def test_the_engines_decode_batches_hand_kernels_their_cold_blocks(recording_ref
     ],
     ids=lambda c: f"L{c[0]}-d{c[3]}",
 )
-def test_cuda_kernel_reads_cold_blocks_like_the_reference(config, dtype, splits, bits):
+def test_cuda_kernel_reads_cold_blocks_like_the_reference(config, dtype, splits, lane_bytes, bits):
     lengths, hq, hkv, dk, dv, bs, window, sinks, first = config
     batch = random_paged_batch(
         lengths, hq, hkv, dk, dv, bs, dtype, window, sinks, first, kv_bits=bits
@@ -303,7 +315,9 @@ def test_cuda_kernel_reads_cold_blocks_like_the_reference(config, dtype, splits,
     with mx.stream(mx.cpu):
         want = reference_paged_decode(batch.queries, batch.view, scale, batch.sinks)
         want = want.astype(mx.float32)
-    got = paged_decode_cuda(batch.queries, batch.view, scale, batch.sinks, splits)
+    got = paged_decode_cuda(
+        batch.queries, batch.view, scale, batch.sinks, splits, lane_bytes=lane_bytes
+    )
     tol = {mx.float32: 1e-4, mx.float16: 4e-3, mx.bfloat16: 3e-2}[dtype]
     assert max_diff(got.astype(mx.float32), want) <= tol
 

@@ -37,7 +37,6 @@ from .plan import (
     LaunchCache,
     base_template,
     call_key,
-    cold_lane_elems,
     compiled_launch,
     kernel_templates,
     plan_decode,
@@ -61,13 +60,15 @@ HEAD_WARPS = 1
 ROWS_PER_STEP = 16
 ROWS_PER_STEP_SHORT = 8
 LONG_RUN = 128
-# With a cold tier: 16-byte loads per lane per step for K and again for V (a cold row's
-# packed words each, or a share of a full-precision row); query heads per warp times a
-# lane's elements (16 at 8 bits, 32 at 4) at most COLD_HEAD_ELEMS; no prefetch. Measured
-# on an H100 (BENCHMARKS.md, runs 206-207): 4 heads a warp dequantize each row once for
-# all of them, and their registers leave no room for a second step's loads.
+# With a cold tier: loads per lane per step for K and again for V (a cold row's packed
+# words each, COLD_LANE_BYTES of them, or 16 bytes of a full-precision row); query heads
+# per warp times a lane's elements (16 at both 8 and 4 bits) at most COLD_HEAD_ELEMS; no
+# prefetch. Measured on an H100 (BENCHMARKS.md, runs 206-207 and 213): 4 heads a warp
+# dequantize each row once for all of them, and their registers leave no room for a
+# second step's loads; at 4 bits, 8-byte loads keep 4 heads a warp.
 COLD_SLOTS = 4
 COLD_HEAD_ELEMS = 64
+COLD_LANE_BYTES = {8: 16, 4: 8}
 COLD_PREFETCH = False
 PREFETCH = True  # load a warp's next step while it computes this one (measured 1.1-1.3x)
 # Split a sequence when the batch alone gives fewer warps than this. Measured on an H100
@@ -109,17 +110,19 @@ def _as(x: mx.array, dtype: mx.Dtype) -> mx.array:
     return x if x.dtype == dtype else x.astype(dtype)
 
 
-def rows_per_step(dk: int, dv: int, itemsize: int, base: int = ROWS_PER_STEP, bits: int = 0) -> int:
+def rows_per_step(
+    dk: int, dv: int, itemsize: int, base: int = ROWS_PER_STEP, cold_elems: int = 0
+) -> int:
     """Rows a warp loads per step: ``base`` for 256-byte rows, fewer for wider rows.
 
     A power of two, and at least the rows one warp load covers for K and for V. With
-    a cold tier of ``bits`` (the kernel's cold layout) ``base`` counts 16-byte loads
-    per lane instead (``COLD_SLOTS``), and a step holds at least one full-precision
-    row.
+    a cold tier whose lanes take ``cold_elems`` elements of a row (the kernel's cold
+    layout) ``base`` counts loads per lane instead (``COLD_SLOTS``), and a step holds
+    at least one full-precision row.
     """
     vec = 16 // itemsize
-    if bits:
-        per = cold_lane_elems(bits)
+    if cold_elems:
+        per = cold_elems
         per_load = max(32 // (d // per) for d in (dk, dv))  # rows one warp load covers
         return per_load * max(base, per // vec)
     per_load = max(32 // min(d // vec, 32) for d in (dk, dv))
@@ -150,9 +153,17 @@ def cuda_plan(
     num_splits: int | None = None,
     num_warps: int = NUM_WARPS,
     head_warps: int = HEAD_WARPS,
+    lane_bytes: int | None = None,
 ) -> DecodePlan:
-    """How the kernel would run this call, or a plan with ``reason`` set if it cannot."""
-    plan = plan_decode(queries, view, max_lanes_elems=32 if view.cold is None else COLD_HEAD_ELEMS)
+    """How the kernel would run this call, or a plan with ``reason`` set if it cannot.
+
+    ``lane_bytes`` overrides ``COLD_LANE_BYTES`` (bytes of a cold row a lane loads).
+    """
+    if view.cold is None:
+        plan = plan_decode(queries, view)
+    else:
+        lane_bytes = lane_bytes or COLD_LANE_BYTES.get(view.cold.bits, 16)
+        plan = plan_decode(queries, view, COLD_HEAD_ELEMS, lane_bytes)
     if plan.reason:
         return plan
     if num_splits is None:
@@ -176,11 +187,12 @@ def _make_launch(
     rows: int | None,
     head_warps: int | None,
     prefetch: bool | None,
+    lane_bytes: int | None,
 ) -> Launch | None:
     """The launch for this call's shapes, or ``None`` if the kernel cannot run them."""
     nw = num_warps or NUM_WARPS
     hw = head_warps or HEAD_WARPS
-    plan = cuda_plan(queries, view, num_splits, nw, hw)
+    plan = cuda_plan(queries, view, num_splits, nw, hw, lane_bytes)
     if plan.reason:
         return None
     B, HQ, dv, S = plan.batch, plan.n_heads, plan.dv, plan.num_splits
@@ -193,7 +205,7 @@ def _make_launch(
     bits = 0 if view.cold is None else view.cold.bits
     if bits:  # ``rows`` overrides the cold tier's slots per lane
         base = rows or COLD_SLOTS
-    rs = rows_per_step(plan.dk, dv, view.keys.dtype.size, base, bits)
+    rs = rows_per_step(plan.dk, dv, view.keys.dtype.size, base, plan.cold_elems)
     # Logits live in the log2 domain (exp2f), so the scale carries log2(e).
     template = base_template(plan, queries, view, has_sinks, scale * LOG2E)
     pf = (COLD_PREFETCH if bits else PREFETCH) if prefetch is None else prefetch
@@ -256,6 +268,7 @@ def decode_launch(
     rows: int | None = None,
     head_warps: int | None = None,
     prefetch: bool | None = None,
+    lane_bytes: int | None = None,
 ) -> Launch | None:
     """The launch for calls shaped like this one (made once per shape), or ``None`` if the
     kernel does not support their shapes or dtypes.
@@ -266,14 +279,17 @@ def decode_launch(
         scale, sinks: as in ``mx.fast.scaled_dot_product_attention``.
         num_splits: force the number of splits per sequence (1 turns split-K off);
             ``None`` picks one from the batch size and the table width.
-        num_warps, rows, head_warps, prefetch: tuning overrides (warps per block;
-            rows per warp step for 256-byte rows, or with a cold tier 16-byte loads per
-            lane per step; most head groups per block; load the next step during this
-            one); ``None`` takes ``NUM_WARPS`` (or ``NUM_WARPS_WIDE``) /
-            ``ROWS_PER_STEP``, ``ROWS_PER_STEP_SHORT`` or ``COLD_SLOTS`` /
-            ``HEAD_WARPS`` / ``PREFETCH``.
+        num_warps, rows, head_warps, prefetch, lane_bytes: tuning overrides (warps
+            per block; rows per warp step for 256-byte rows, or with a cold tier loads
+            per lane per step; most head groups per block; load the next step during
+            this one; bytes of a cold row a lane loads, 8 or 16); ``None`` takes
+            ``NUM_WARPS`` (or ``NUM_WARPS_WIDE``) / ``ROWS_PER_STEP``,
+            ``ROWS_PER_STEP_SHORT`` or ``COLD_SLOTS`` / ``HEAD_WARPS`` / ``PREFETCH``
+            (``COLD_PREFETCH``) / ``COLD_LANE_BYTES``.
     """
-    key = call_key(queries, view, scale, sinks, num_splits, num_warps, rows, head_warps, prefetch)
+    key = call_key(
+        queries, view, scale, sinks, num_splits, num_warps, rows, head_warps, prefetch, lane_bytes
+    )
     return _launches.get(
         key,
         lambda: _make_launch(
@@ -286,6 +302,7 @@ def decode_launch(
             rows,
             head_warps,
             prefetch,
+            lane_bytes,
         ),
     )
 

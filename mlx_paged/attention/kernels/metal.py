@@ -99,8 +99,8 @@ def _make_launch(
         return None
     B, HQ, dv, S = plan.batch, plan.n_heads, plan.dv, plan.num_splits
     nw = NUM_SIMDGROUPS
-    bits = 0 if view.cold is None else view.cold.bits
-    rs = rows_per_step(plan.dk, dv, view.keys.dtype.size, COLD_SLOTS if bits else ROWS, bits)
+    base = COLD_SLOTS if plan.cold_elems else ROWS
+    rs = rows_per_step(plan.dk, dv, view.keys.dtype.size, base, plan.cold_elems)
     # Logits live in the log2 domain (exp2), so the scale carries log2(e).
     template = base_template(plan, queries, view, has_sinks, scale * LOG2E)
     template += [("NW", nw), ("WH", 1), ("RS", rs), ("PF", PREFETCH)]

@@ -32,12 +32,16 @@ class DecodePlan:
     dk: int = 0
     dv: int = 0
     num_splits: int = 1
+    cold_elems: int = 0  # elements of a cold row one lane takes (0 without a cold tier)
     reason: str | None = None
 
 
-def cold_lane_elems(bits: int) -> int:
-    """Elements of a cold row one lane takes: those of 16 bytes of packed words."""
-    return 128 // bits
+def cold_lane_elems(bits: int, lane_bytes: int = 16) -> int:
+    """Elements of a cold row one lane takes: those of ``lane_bytes`` (8 or 16) bytes of
+    packed words."""
+    if lane_bytes not in (8, 16):
+        raise ValueError(f"a lane loads 8 or 16 bytes of a cold row, not {lane_bytes}")
+    return lane_bytes * 8 // bits
 
 
 def _lanes_ok(dim: int, vec: int) -> bool:
@@ -48,12 +52,16 @@ def _lanes_ok(dim: int, vec: int) -> bool:
     return (n <= 32 and n & (n - 1) == 0) or n % 32 == 0
 
 
-def plan_decode(queries: mx.array, view: PagedView, max_lanes_elems: int = 32) -> DecodePlan:
+def plan_decode(
+    queries: mx.array, view: PagedView, max_lanes_elems: int = 32, cold_lane_bytes: int = 16
+) -> DecodePlan:
     """Check a decode call against what the kernels support and size the thread blocks.
 
     Args:
         max_lanes_elems: register budget: query-head slices times elements per
             lane that one thread may hold.
+        cold_lane_bytes: with a cold tier, bytes of a cold row's packed words one
+            lane loads (8 or 16).
     """
     if queries.ndim != 4 or queries.shape[2] != 1:
         return DecodePlan(reason=f"not a decode call: queries {queries.shape}")
@@ -72,29 +80,27 @@ def plan_decode(queries: mx.array, view: PagedView, max_lanes_elems: int = 32) -
         return DecodePlan(reason=f"head dims {dk}/{dv} do not split into 16-byte lanes")
     if view.block_tables.ndim != 2 or view.block_tables.shape[0] != B:
         return DecodePlan(reason=f"block_tables {view.block_tables.shape} for batch {B}")
-    if view.cold is not None and (why := _cold_reason(view, dk, dv)):
+    cold_elems = 0 if view.cold is None else cold_lane_elems(view.cold.bits, cold_lane_bytes)
+    if view.cold is not None and (why := _cold_reason(view, dk, dv, cold_elems)):
         return DecodePlan(reason=why)
-    # Elements one lane holds per head: a 16-byte vector (of T, or of a cold row's packed
-    # words), more when a row exceeds 32 lanes.
-    per_lane = max(vec, dk // 32, dv // 32)
-    if view.cold is not None:
-        per_lane = max(per_lane, cold_lane_elems(view.cold.bits))
+    # Elements one lane holds per head: a 16-byte vector of T, or a cold row's slice;
+    # more when a row exceeds 32 lanes.
+    per_lane = max(vec, dk // 32, dv // 32, cold_elems)
     group = n_heads // n_kv
     hg = max(h for h in range(1, group + 1) if group % h == 0 and h * per_lane <= max_lanes_elems)
-    return DecodePlan(B, n_heads, n_kv, group, hg, dk, dv)
+    return DecodePlan(B, n_heads, n_kv, group, hg, dk, dv, cold_elems=cold_elems)
 
 
-def _cold_reason(view: PagedView, dk: int, dv: int) -> str | None:
-    """Why the kernels cannot read this cold tier, or ``None``."""
+def _cold_reason(view: PagedView, dk: int, dv: int, per: int) -> str | None:
+    """Why the kernels cannot read this cold tier in lanes of ``per`` elements, or ``None``."""
     cold = view.cold
     if cold.bits not in COLD_BITS or cold.group_size % 32 or dk % cold.group_size:
         return f"cold tier of {cold.bits} bits in groups of {cold.group_size}"
     if dv % cold.group_size:
         return f"cold tier groups of {cold.group_size} for v_head_dim {dv}"
-    # A lane takes 16 bytes of a cold row's words, within one group; a row takes 1-32 lanes.
-    per = cold_lane_elems(cold.bits)
+    # A lane takes per elements of a cold row, within one group; a row takes 1-32 lanes.
     if not all(_lanes_ok(d, per) and d <= 32 * per for d in (dk, dv)):
-        return f"head dims {dk}/{dv} do not split into 16-byte lanes of {cold.bits}-bit words"
+        return f"head dims {dk}/{dv} do not split into lanes of {per} {cold.bits}-bit elements"
     for parts, d in ((cold.keys, dk), (cold.values, dv)):
         words, scales, biases = parts
         lead = words.shape[:3]
@@ -154,6 +160,7 @@ def base_template(
         ("SCALE_BITS", float_bits(scale)),
         ("QBITS", 0 if cold is None else cold.bits),
         ("QGS", 32 if cold is None else cold.group_size),
+        ("CE", plan.cold_elems or 16),
     ]
 
 

@@ -13,6 +13,7 @@
 #define PD_INT_AS_FLOAT(i) as_type<float>(int(i))
 // 2^23 + byte k of w as a float's bits.
 #define PD_BYTE_AS_FLOAT(w, k) as_type<float>(0x4B000000u | (((w) >> (8 * (k))) & 0xFFu))
+#define PD_UINT4(a, b, c, d) uint4((a), (b), (c), (d))
 #define PD_ZERO4 uint4(0u)
 #define PD_LOAD_SHARED_RESULT(p) (*(p))
 #define PD_NEG_INF (-metal::numeric_limits<float>::infinity())
