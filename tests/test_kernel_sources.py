@@ -247,6 +247,16 @@ def test_plan_declines_cold_tiers_the_kernels_cannot_read():
         plan_decode(q, view, 64, cold_lane_bytes=12)
 
 
+def test_kernel_tuning_overrides_are_checked():
+    """A block of 16 warps does not launch on an H100 (too many registers); it is refused
+    before anything is built, as is a cold lane load that is not 8 or 16 bytes."""
+    batch = random_paged_batch([40, 20], 4, 2, 64, 64, 16, kv_bits=4)
+    with pytest.raises(ValueError, match="num_warps"):
+        paged_decode_cuda(batch.queries, batch.view, 0.125, None, num_warps=16)
+    with pytest.raises(ValueError, match="8 or 16 bytes"):
+        paged_decode_cuda(batch.queries, batch.view, 0.125, None, lane_bytes=4)
+
+
 @pytest.fixture
 def recording_reference(monkeypatch):
     """The reference as the only KERNELS entry, recording whether each view had cold blocks."""

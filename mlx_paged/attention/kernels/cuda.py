@@ -286,7 +286,13 @@ def decode_launch(
             ``NUM_WARPS`` (or ``NUM_WARPS_WIDE``) / ``ROWS_PER_STEP``,
             ``ROWS_PER_STEP_SHORT`` or ``COLD_SLOTS`` / ``HEAD_WARPS`` / ``PREFETCH``
             (``COLD_PREFETCH``) / ``COLD_LANE_BYTES``.
+
+    Raises:
+        ValueError: ``num_warps`` other than 1, 2, 4 or 8, or ``lane_bytes`` other
+            than 8 or 16 with a cold tier.
     """
+    if num_warps not in (None, 1, 2, 4, 8):  # 16 warps of 32 threads need too many registers
+        raise ValueError(f"num_warps must be 1, 2, 4 or 8, not {num_warps}")
     key = call_key(
         queries, view, scale, sinks, num_splits, num_warps, rows, head_warps, prefetch, lane_bytes
     )
