@@ -405,6 +405,33 @@ def test_while_others_decode_a_load_spreads_over_steps_and_stalls_none(tmp_path,
     assert np.allclose(got[1], expected[1], atol=1e-6, rtol=0)
 
 
+def test_a_read_ahead_larger_than_a_step_takes_no_more_than_the_step(tmp_path, monkeypatch):
+    """Runs of more files than a step loads (128 MB runs of 16-token blocks hold 256, a step
+    128): the read ahead takes only the next step's blocks, so every step loads its share
+    and the whole prompt comes from disk, none of it recomputed."""
+    monkeypatch.setattr(disk_tier, "LOAD_BATCH", 8)
+    a, b = prompts(13, 2, length=97)
+    first = PagedEngine(model_of("llama"), block_size=BS, kv_disk_dir=tmp_path, kv_disk_bytes=10**8)
+    expected = run(first, a)
+    first.disk.spill_cached()
+    engine = PagedEngine(tiny_model("llama"), block_size=BS, kv_disk_dir=tmp_path,
+                         kv_disk_bytes=10**8)  # fmt: skip
+    engine.disk.step_blocks = 4
+    engine.add_request(b, 12)
+    engine.step()  # b is running
+    uid = engine.add_request(a, MAX_TOKENS)
+    loaded, got = [], []
+    while engine.waiting or engine.running:
+        events = engine.step()
+        engine.check_invariants()
+        loaded.append(engine.stats().disk_hit_tokens)
+        got += [e.token for e in events if e.uid == uid]
+    assert loaded[:3] == [4 * BS, 8 * BS, 12 * BS]  # 12 blocks, 4 a step
+    assert engine.stats().prefix_hit_tokens == 96  # all 12 from disk
+    assert engine.disk.store.counts["hits"] == 12  # each file read once
+    assert got == expected[0]
+
+
 def test_a_stale_read_ahead_finishes_before_a_new_load_reads_into_its_buffer(tmp_path, monkeypatch):
     monkeypatch.setattr(disk_tier, "LOAD_BATCH", 2)
     a, b, c = prompts(15, 3, length=97)
@@ -433,7 +460,7 @@ def test_a_stale_read_ahead_finishes_before_a_new_load_reads_into_its_buffer(tmp
     reads, read = [], engine.disk._read
 
     def logged_read(*args):
-        reads.append(stale[1].done())
+        reads.append(stale[-1].done())
         return read(*args)
 
     monkeypatch.setattr(engine.disk, "_read", logged_read)

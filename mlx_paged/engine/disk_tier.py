@@ -126,7 +126,8 @@ class DiskTier:
         # Reads runs, two at once: a run's reads start while the last one's slowest finish.
         self._reader = ThreadPoolExecutor(READS_AHEAD, "mlx_paged-disk-ahead")
         self._chain: tuple[list[int], list[str]] = ([], [])  # the last tokens _key saw, keys
-        self._ahead: tuple[str, Future] | None = None  # (first key, its run being read)
+        # (first key, entries, their run being read): the next step's first run
+        self._ahead: tuple[str, int, Future] | None = None
         self.step_blocks = STEP_BLOCKS  # most blocks a step loads while others run
         self.staging = Staging(READS_AHEAD + 1)  # the host buffers runs are read into
         scheduler.index.on_spill = self.spill
@@ -308,8 +309,10 @@ class DiskTier:
         for kind, table in tables.items():  # blocks taken past a bad file go back too
             groups[kind].release(table)
         more = bool(rest) and end - start == len(keys) * bs
-        if more:  # the next call's first run, read while the engine steps
-            self._ahead = (rest[0], self._read(rest[: self._batch(rest[0])], 0))
+        if more:  # the next call's first run, read while the engine steps; no more than
+            # that call takes, else its first run would load past its step's share
+            n = min(self._batch(rest[0]), limit or len(rest), len(rest))
+            self._ahead = (rest[0], n, self._read(rest[:n], 0))
         return end - start, more
 
     def _load_state(self, tokens: Sequence[int], keys: list[str]) -> None:
@@ -331,10 +334,10 @@ class DiskTier:
         """The entries of ``keys`` in runs of one layout (``read_ahead``); a run the last
         call read ahead comes first if it starts there."""
         first, ahead, self._ahead = None, self._ahead, None
-        if ahead is not None and ahead[0] == keys[0]:
-            first = (self._batch(keys[0]), ahead[1])
+        if ahead is not None and ahead[0] == keys[0] and ahead[1] <= len(keys):
+            first = ahead[1:]
         elif ahead is not None:
-            ahead[1].result()  # a stale read: done with its buffer before it is reused
+            ahead[2].result()  # a stale read: done with its buffer before it is reused
         return read_ahead(keys, first, self._batch, self._read, READS_AHEAD, self.seconds)
 
     @cached_property
