@@ -375,17 +375,25 @@ def test_block_keys_reused_along_a_walk_equal_the_chain_of_each_prefix(tmp_path)
         assert engine.disk._key(tokens) == chain_keys(tokens, BS)[-1]
 
 
-def test_while_others_decode_a_load_spreads_over_steps_and_stalls_none(tmp_path, monkeypatch):
-    monkeypatch.setattr(disk_tier, "LOAD_BATCH", 2)
+def restarted_while_one_decodes(tmp_path) -> tuple[PagedEngine, int, list[int], tuple]:
+    """A 12-block prompt spilled to disk, a restarted engine that loads 4 blocks a step
+    while others run, and another request running in it: the engine, that request's id,
+    the prompt and the first engine's tokens and logprobs for it."""
     a, b = prompts(13, 2, length=97)
     first = PagedEngine(model_of("llama"), block_size=BS, kv_disk_dir=tmp_path, kv_disk_bytes=10**8)
     expected = run(first, a)
     first.disk.spill_cached()
     engine = PagedEngine(tiny_model("llama"), block_size=BS, kv_disk_dir=tmp_path,
                          kv_disk_bytes=10**8)  # fmt: skip
-    engine.disk.step_blocks = 4  # two runs of two blocks a step
+    engine.disk.step_blocks = 4
     other = engine.add_request(b, 12)
     engine.step()  # b is running
+    return engine, other, a, expected
+
+
+def test_while_others_decode_a_load_spreads_over_steps_and_stalls_none(tmp_path, monkeypatch):
+    monkeypatch.setattr(disk_tier, "LOAD_BATCH", 2)  # two runs of two blocks a step
+    engine, other, a, expected = restarted_while_one_decodes(tmp_path)
     uid = engine.add_request(a, MAX_TOKENS, logprobs=0)
     loaded, got = [], ([], [])
     while engine.waiting or engine.running:
@@ -410,15 +418,7 @@ def test_a_read_ahead_larger_than_a_step_takes_no_more_than_the_step(tmp_path, m
     128): the read ahead takes only the next step's blocks, so every step loads its share
     and the whole prompt comes from disk, none of it recomputed."""
     monkeypatch.setattr(disk_tier, "LOAD_BATCH", 8)
-    a, b = prompts(13, 2, length=97)
-    first = PagedEngine(model_of("llama"), block_size=BS, kv_disk_dir=tmp_path, kv_disk_bytes=10**8)
-    expected = run(first, a)
-    first.disk.spill_cached()
-    engine = PagedEngine(tiny_model("llama"), block_size=BS, kv_disk_dir=tmp_path,
-                         kv_disk_bytes=10**8)  # fmt: skip
-    engine.disk.step_blocks = 4
-    engine.add_request(b, 12)
-    engine.step()  # b is running
+    engine, _, a, expected = restarted_while_one_decodes(tmp_path)
     uid = engine.add_request(a, MAX_TOKENS)
     loaded, got = [], []
     while engine.waiting or engine.running:
