@@ -126,8 +126,7 @@ class DiskTier:
         # Reads runs, two at once: a run's reads start while the last one's slowest finish.
         self._reader = ThreadPoolExecutor(READS_AHEAD, "mlx_paged-disk-ahead")
         self._chain: tuple[list[int], list[str]] = ([], [])  # the last tokens _key saw, keys
-        # (first key, entries, their run being read): the next step's first run
-        self._ahead: tuple[str, int, Future] | None = None
+        self._ahead: tuple[str, int, Future] | None = None  # (first key, entries, their read)
         self.step_blocks = STEP_BLOCKS  # most blocks a step loads while others run
         self.staging = Staging(READS_AHEAD + 1)  # the host buffers runs are read into
         scheduler.index.on_spill = self.spill
@@ -309,8 +308,7 @@ class DiskTier:
         for kind, table in tables.items():  # blocks taken past a bad file go back too
             groups[kind].release(table)
         more = bool(rest) and end - start == len(keys) * bs
-        if more:  # the next call's first run, read while the engine steps; no more than
-            # that call takes, else its first run would load past its step's share
+        if more:  # the next call's first run (no more than it takes), read while we step
             n = min(self._batch(rest[0]), limit or len(rest), len(rest))
             self._ahead = (rest[0], n, self._read(rest[:n], 0))
         return end - start, more
