@@ -18,11 +18,14 @@ come back into the cold tier, so the disk holds fewer bytes per token. The
 recompute in the same configuration and a full-precision one are both printed.
 
 Then the prompt comes back from disk while another request decodes, loaded
-in one step or 128 blocks a step: the time to its first token, and the longest
-the other request waits for a token meanwhile.
+in one step, in the tier's default steps (``DiskTier.step_blocks`` and
+``step_bytes``) or 128 blocks a step: the time to its first token, the steps
+it took, and the longest the other request waits for a token meanwhile.
 
 Each restarted engine makes and pins its staging buffers first, outside the
-clock, as a server's warm-up does (``DiskTier.rehearse``). The first two
+clock, and moves the objects made so far out of the garbage collector's
+generations, as a server's warm-up does (``DiskTier.rehearse``, ``gc.freeze``;
+``--no-gc-freeze`` leaves them there). The first two
 restarts read the files from the page cache, as a restarted server would; the
 ones after ask the kernel to drop its page cache first
 (``/proc/sys/vm/drop_caches``, root only) and say whether it could. The first
@@ -32,6 +35,7 @@ restart pays the process's first-use work at the prompt's length.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import random
 import shutil
@@ -97,25 +101,41 @@ def drop_page_cache() -> bool:
         return False
 
 
-def while_decoding(engine: PagedEngine, prompt: list[int], other: list[int]) -> tuple[float, float]:
-    """Add ``prompt`` while ``other`` decodes: seconds to ``prompt``'s first token, and the
-    longest wait between two of ``other``'s tokens meanwhile."""
+def while_decoding(
+    engine: PagedEngine, prompt: list[int], other: list[int]
+) -> tuple[float, float, int]:
+    """Add ``prompt`` while ``other`` decodes: seconds to ``prompt``'s first token, the
+    longest wait between two of ``other``'s tokens meanwhile, and the steps it took."""
     busy = engine.add_request(other, 100_000)
     for _ in range(3):
         engine.step()
     mx.synchronize()
     start = last = time.perf_counter()
     uid = engine.add_request(prompt, 1)
-    gap = 0.0
+    gap, steps = 0.0, 0
     while True:
         events = engine.step()
         mx.synchronize()
-        now = time.perf_counter()
+        now, steps = time.perf_counter(), steps + 1
         if any(e.uid == busy for e in events):
             gap, last = max(gap, now - last), now
         if any(e.uid == uid for e in events):
             engine.abort(busy)
-            return now - start, gap
+            return now - start, gap, steps
+
+
+def restart(model, path: str, freeze: bool, **kw) -> PagedEngine:
+    """A new engine over ``path``, ready as a server's warm-up leaves it: its staging
+    buffers made and pinned (``DiskTier.rehearse``) and, with ``freeze``, every object so
+    far out of the garbage collector's generations (``gc.freeze``)."""
+    gc.unfreeze()  # the last engine's objects can go
+    gc.collect()
+    engine = PagedEngine(model, kv_disk_dir=path, kv_disk_bytes=10**12, **kw)
+    engine.disk.rehearse()
+    if freeze:
+        gc.collect()
+        gc.freeze()
+    return engine
 
 
 def main() -> None:
@@ -132,6 +152,12 @@ def main() -> None:
     ap.add_argument("--kv-bits", type=int, choices=(4, 8), default=None, help="a cold tier's bits")
     ap.add_argument("--kv-group-size", type=int, default=64)
     ap.add_argument("--hot-tokens", type=int, default=256)
+    ap.add_argument(
+        "--no-gc-freeze",
+        action="store_true",
+        help="leave the objects made before a restart's request in the collector's "
+        "generations (the server moves them out after its warm-up)",
+    )
     args = ap.parse_args()
     if args.model:
         from mlx_lm import load
@@ -184,8 +210,7 @@ def main() -> None:
         )
         for i in range(args.restarts):
             dropped = drop_page_cache() if i >= 2 else False
-            restarted = PagedEngine(model, kv_disk_dir=path, kv_disk_bytes=10**12, **kw)
-            restarted.disk.rehearse()  # a server's warm-up: the staging buffers, pinned
+            restarted = restart(model, path, not args.no_gc_freeze, **kw)
             disk = first_token(restarted, prompt)
             tier, phases = restarted.disk, restarted.clock.seconds
             print(
@@ -203,22 +228,22 @@ def main() -> None:
                 flush=True,
             )
             del restarted
-        for step_blocks in (None, 128):  # the whole load in one step, or 128 blocks a step
-            restarted = PagedEngine(model, kv_disk_dir=path, kv_disk_bytes=10**12, **kw)
-            restarted.disk.rehearse()
-            if step_blocks is not None:
-                restarted.disk.step_blocks = step_blocks
-            else:
-                restarted.disk.step_blocks = 1 << 30
+        # The whole load in one step, the default steps, and 128 blocks a step.
+        for steps in ("all", "default", "128 blocks"):
+            restarted = restart(model, path, not args.no_gc_freeze, **kw)
+            if steps != "default":
+                restarted.disk.step_bytes = 1 << 62
+                restarted.disk.step_blocks = 128 if steps == "128 blocks" else 1 << 62
             other = [rng.randrange(vocab) for _ in range(64)]
-            ttft, gap = while_decoding(restarted, prompt, other)
+            ttft, gap, n = while_decoding(restarted, prompt, other)
             print(
-                f"{tag} from disk while another request decodes, "
-                f"{step_blocks or 'all'} blocks a step: first token {ttft:.3f} s; "
-                f"the other's longest gap between tokens {gap * 1e3:.1f} ms",
+                f"{tag} from disk while another request decodes, {steps} a step: first "
+                f"token {ttft:.3f} s after {n} steps; the other's longest gap between "
+                f"tokens {gap * 1e3:.1f} ms",
                 flush=True,
             )
             del restarted
+        gc.unfreeze()
         cold = first_token(PagedEngine(model, **kw), prompt)
         print(
             f"{tag} recompute (engine without the tier) {cold:.3f} s; last from disk "

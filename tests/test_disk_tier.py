@@ -372,7 +372,7 @@ def test_block_keys_reused_along_a_walk_equal_the_chain_of_each_prefix(tmp_path)
     walk = [trunk[: i * BS] for i in range(1, 7)] + [branch[: i * BS] for i in range(4, 7)]
     walk += [trunk[:BS], branch + [1] * (BS - 1), trunk[: 2 * BS + 3]]
     for tokens in walk:
-        assert engine.disk._key(tokens) == chain_keys(tokens, BS)[-1]
+        assert engine.disk._spills.key(tokens) == chain_keys(tokens, BS)[-1]
 
 
 def restarted_while_one_decodes(tmp_path) -> tuple[PagedEngine, int, list[int], tuple]:

@@ -1,12 +1,12 @@
 """The disk tier's keys and the tables a load fills: functions of the index and the pools.
 
 A block's key hashes its parent's key and its own tokens (``chain_keys``), so one
-key names a whole prefix. A load takes fresh blocks (``take_blocks``) into
+key names a whole prefix; ``KeyChain`` reuses the keys of the last tokens asked
+about. A load takes fresh blocks (``take_blocks``) into
 tables that hold memory's blocks before them (``pinned_tables``); ``parked``
 lists what ``spill_cached`` writes; ``read_ahead`` reads a load's files in runs,
 ahead of the pool writes; ``stage`` starts a run's copy into MLX on a stream of its
-own, and ``Writes`` keeps one run's pool writes in flight beside the next copy.
-"""
+own, and ``Writes`` keeps one run's pool writes in flight beside the next copy."""
 
 from __future__ import annotations
 
@@ -49,22 +49,32 @@ def chain_keys(tokens: Sequence[int], block_size: int, parent: str = "") -> list
     return keys
 
 
-def chained_key(
-    last: tuple[list[int], list[str]], tokens: list[int], bs: int
-) -> tuple[str, tuple[list[int], list[str]]]:
-    """The key of the last full block of ``tokens``, reusing the keys of the blocks they
-    share with the ``last`` tokens asked about (an eviction walks a prefix parents first);
-    and what to pass as ``last`` next time."""
-    (seen, keys), n = last, len(tokens) // bs
-    same = min(n, len(keys))
-    if tokens[: same * bs] != seen[: same * bs]:  # not an extension: find where they part
-        same = 0
-        while same < min(n, len(keys)) and (
-            tokens[same * bs : (same + 1) * bs] == seen[same * bs : (same + 1) * bs]
-        ):
-            same += 1
-    keys = keys[:same] + chain_keys(tokens[same * bs : n * bs], bs, keys[same - 1] if same else "")
-    return keys[-1], (tokens, keys)
+class KeyChain:
+    """``chain_keys`` of the last tokens asked about, reused for the next tokens that share
+    blocks with them: an eviction walks a prefix parents first, and a load that goes step
+    by step asks about one prompt each step."""
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self._seen: list[int] = []  # the full blocks' tokens last asked about
+        self._keys: list[str] = []  # ... and their keys
+
+    def keys(self, tokens: Sequence[int]) -> list[str]:
+        """The key of each full block of ``tokens`` (a new list)."""
+        bs, seen, keys = self.block_size, self._seen, self._keys
+        tokens = list(tokens[: len(tokens) // bs * bs])
+        same = min(len(tokens), len(seen)) // bs
+        if tokens[: same * bs] != seen[: same * bs]:  # not an extension: find where they part
+            same = 0
+            while tokens[same * bs : (same + 1) * bs] == seen[same * bs : (same + 1) * bs]:
+                same += 1
+        parent = keys[same - 1] if same else ""
+        self._seen, self._keys = tokens, keys[:same] + chain_keys(tokens[same * bs :], bs, parent)
+        return list(self._keys)
+
+    def key(self, tokens: Sequence[int]) -> str:
+        """The key of the last full block of ``tokens``."""
+        return self.keys(tokens)[-1]
 
 
 def take_blocks(

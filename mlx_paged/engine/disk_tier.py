@@ -67,9 +67,9 @@ from ..storage.disk_entries import (
 from ..storage.disk_format import Run
 from ..storage.pinned import Staging
 from .disk_blocks import (
+    KeyChain,
     Writes,
     chain_keys,
-    chained_key,
     make_room,
     parked,
     pinned_tables,
@@ -91,8 +91,11 @@ LOAD_BATCH = 256
 LOAD_BYTES = 128 << 20
 #: Runs a load reads ahead of the one it writes into the pool.
 READS_AHEAD = 2
-#: Blocks a step loads for a request while others run (``DiskTier.step_blocks``).
-STEP_BLOCKS = 128
+#: Blocks a step loads for a request while others run (``DiskTier.step_blocks``) ...
+STEP_BLOCKS = 512
+#: ... and at most this many bytes of them (``DiskTier.step_bytes``): a step's load costs
+#: per block as much as per byte (BENCHMARKS.md, runs 218-219).
+STEP_BYTES = 256 << 20
 #: What a snapshot's key adds to the key of the block it ends.
 STATE = "s"
 #: Where a load checks its entries' word sums: in MLX, on the bytes copied to the device,
@@ -125,9 +128,10 @@ class DiskTier:
         self.seconds = dict.fromkeys(keys, 0.0)
         # Reads runs, two at once: a run's reads start while the last one's slowest finish.
         self._reader = ThreadPoolExecutor(READS_AHEAD, "mlx_paged-disk-ahead")
-        self._chain: tuple[list[int], list[str]] = ([], [])  # the last tokens _key saw, keys
+        self._spills, self._loads = KeyChain(self.block_size), KeyChain(self.block_size)
         self._ahead: tuple[str, int, Future] | None = None  # (first key, entries, their read)
-        self.step_blocks = STEP_BLOCKS  # most blocks a step loads while others run
+        self.step_blocks = STEP_BLOCKS  # most blocks a step loads while others run,
+        self.step_bytes = STEP_BYTES  # ... and most bytes of them
         self.staging = Staging(READS_AHEAD + 1)  # the host buffers runs are read into
         scheduler.index.on_spill = self.spill
         scheduler.disk = self
@@ -163,7 +167,7 @@ class DiskTier:
     def spill(self, tokens: Sequence[int], blocks: Sequence[int], snapshot: int | None = None):
         """Write one full block (the last of ``tokens``) and the recurrent-state snapshot
         ending there, if any, unless the disk has them."""
-        key = self._key(tokens)
+        key = self._spills.key(tokens)
         self._spill([(key, list(blocks))])
         if snapshot is not None:
             self._spill_state(key, snapshot)
@@ -173,7 +177,7 @@ class DiskTier:
         writes; return how many files were written."""
         before = self.store.counts["writes"]
         found = [
-            (self._key(tokens), blocks, snap)
+            (self._spills.key(tokens), blocks, snap)
             for tokens, blocks, snap in parked(self.scheduler.index)
         ]
         for lo in range(0, len(found), SPILL_BATCH):
@@ -207,11 +211,6 @@ class DiskTier:
         mx.eval(ok, [a for p in self.pools for a in pool_arrays(p)])
         return True
 
-    def _key(self, tokens: list[int]) -> str:
-        """The key of the last full block of ``tokens`` (see ``_chained_key``)."""
-        key, self._chain = chained_key(self._chain, tokens, self.block_size)
-        return key
-
     def _spill(self, items: list[tuple[str, list[int]]]) -> None:
         """Read the blocks of ``(key, block per group)`` items the disk lacks out of the
         pools, one evaluation per tier, and queue them on the store's writer (which packs
@@ -241,15 +240,16 @@ class DiskTier:
 
     def load(self, tokens: Sequence[int], busy: bool = False) -> tuple[int, bool]:
         """Bring the full blocks of ``tokens`` past what memory holds back from disk, as
-        parked blocks (at most ``step_blocks`` when ``busy``: other requests are running),
+        parked blocks (at most ``step_blocks`` and ``step_bytes`` when ``busy``: other
+        requests are running),
         with the deepest snapshot past memory's for a hybrid model once no more are to come.
         Returns the tokens loaded, and whether more are on disk (the next part is being read
         ahead) after a load that took all it could."""
         if not self.store.enabled:
             return 0, False
         start = time.perf_counter()
-        keys = chain_keys(tokens, self.block_size)
-        loaded, more = self._load(tokens, keys, self.step_blocks if busy else None)
+        keys = self._loads.keys(tokens)
+        loaded, more = self._load(tokens, keys, busy)
         if self.states is not None and not more:
             self._load_state(tokens, keys)
         if not more:
@@ -257,14 +257,14 @@ class DiskTier:
         self.seconds["load"] += time.perf_counter() - start
         return loaded, more
 
-    def _load(self, tokens: Sequence[int], keys: list[str], limit: int | None) -> tuple[int, bool]:
+    def _load(self, tokens: Sequence[int], keys: list[str], busy: bool) -> tuple[int, bool]:
         bs, index, groups = self.block_size, self.scheduler.index, self.scheduler.groups
         kinds = self.scheduler.kinds
         have = index.full_blocks_matched(tokens) // bs
         keys = keys[have:]
-        n = 0
-        while n < len(keys) and keys[n] in self.store:
-            n += 1
+        limit = self._most(keys[0], self.step_blocks, self.step_bytes) if busy and keys else None
+        # What this call loads, and the next call's first run (read ahead) past it.
+        n = self.store.leading(keys if limit is None else keys[: limit + LOAD_BATCH])
         if not n:
             return 0, False
         keys, rest = keys[: min(n, limit or n)], keys[min(n, limit or n) : n]
@@ -309,7 +309,7 @@ class DiskTier:
             groups[kind].release(table)
         more = bool(rest) and end - start == len(keys) * bs
         if more:  # the next call's first run (no more than it takes), read while we step
-            n = min(self._batch(rest[0]), limit or len(rest), len(rest))
+            n = min(self._most(rest[0]), limit or len(rest), len(rest))
             self._ahead = (rest[0], n, self._read(rest[:n], 0))
         return end - start, more
 
@@ -336,16 +336,18 @@ class DiskTier:
             first = ahead[1:]
         elif ahead is not None:
             ahead[2].result()  # a stale read: done with its buffer before it is reused
-        return read_ahead(keys, first, self._batch, self._read, READS_AHEAD, self.seconds)
+        return read_ahead(keys, first, self._most, self._read, READS_AHEAD, self.seconds)
 
     @cached_property
     def _copies(self) -> mx.Stream:
         """The stream runs are copied in on (made on the first load's thread, the engine's)."""
         return mx.new_stream(mx.default_device())
 
-    def _batch(self, key: str) -> int:
-        """Files of a run from ``key`` on: ``LOAD_BATCH``, fewer where they pass ``LOAD_BYTES``."""
-        return max(1, min(LOAD_BATCH, LOAD_BYTES // (self.store.size(key) or 1)))
+    def _most(self, key: str, blocks: int | None = None, most: int | None = None) -> int:
+        """Entries from ``key`` on that make a run, or a step's load: ``blocks``
+        (``LOAD_BATCH``), fewer where they pass ``most`` bytes (``LOAD_BYTES``)."""
+        blocks, most = blocks or LOAD_BATCH, most or LOAD_BYTES
+        return max(1, min(blocks, most // (self.store.size(key) or 1)))
 
     def _read(self, keys: list[str], i: int) -> Future:
         """``read_run(keys)`` on the reader thread, into staging buffer ``i``."""

@@ -107,7 +107,14 @@ class DiskStore:
             self._disable(f"the directory {str(self.path)!r} cannot be used: {e}")
 
     def __contains__(self, key: str) -> bool:
-        return self.enabled and (self._name(key) in self._pending or self._locate(key) is not None)
+        return self.leading([key]) == 1
+
+    def leading(self, keys: Sequence[str]) -> int:
+        """How many of ``keys``, from the first, the store has (or is writing)."""
+        if not self.enabled:
+            return 0
+        with self._lock:
+            return self._index.leading(keys, self._pending)
 
     @property
     def bytes(self) -> int:
@@ -140,7 +147,9 @@ class DiskStore:
         the write failed (which turns it off)."""
         if not self.enabled:
             return False
-        return self._write(self._name(key), key, arrays)
+        return self._write_file(
+            self._index.name(key), [encode(self.fingerprint, key, arrays)], [key]
+        )
 
     def put_later(self, key: str, arrays: dict[str, np.ndarray]) -> None:
         """``put`` on the background writer; ``key in store`` holds from now on."""
@@ -151,7 +160,7 @@ class DiskStore:
         follow each other go into one file, up to ``PACK_ENTRIES`` at a time."""
         if not self.enabled or not items:
             return
-        names = [self._name(key) for key, _ in items]
+        names = [self._index.name(key) for key, _ in items]
         self._pending.update(names)
         done = partial(self._pending.difference_update, names)
         self._later.put(partial(self._write_many, list(items)), done)
@@ -245,17 +254,9 @@ class DiskStore:
 
     # ---- internals --------------------------------------------------------
 
-    def _name(self, key: str) -> str:
-        return self._index.name(key)
-
     def _locate(self, key: str) -> tuple[str, int | None, int] | None:
-        if not self.enabled:
-            return None
         with self._lock:
-            return self._index.locate(key)
-
-    def _write(self, name: str, key: str, arrays: dict[str, np.ndarray]) -> bool:
-        return self._write_file(name, [encode(self.fingerprint, key, arrays)], [key])
+            return self._index.locate(key) if self.enabled else None
 
     def _write_many(self, items: list[tuple[str, dict[str, np.ndarray]]]) -> None:
         """Write ``(key, arrays)`` entries: runs of one size in packs, others alone."""
@@ -267,7 +268,7 @@ class DiskStore:
                 return
             keys, datas = [k for k, _ in group], [d for _, d in group]
             if len(group) == 1:
-                self._write_file(self._name(keys[0]), datas, keys)
+                self._write_file(self._index.name(keys[0]), datas, keys)
             else:
                 name = f"{self.fingerprint}-{keys[0]}-{uuid.uuid4().hex[:12]}{PACK_SUFFIX}"
                 self._write_file(name, datas, keys, pack=True)

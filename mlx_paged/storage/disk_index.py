@@ -46,6 +46,17 @@ class DiskIndex:
             return None
         return at[0], at[1], self._packs[at[0]][1]
 
+    def leading(self, keys: Sequence[str], pending: set[str]) -> int:
+        """How many of ``keys``, from the first, have an entry here or a file name in
+        ``pending`` (written soon)."""
+        n = 0
+        for key in keys:
+            name = self.name(key)
+            if name not in self.files and key not in self._where and name not in pending:
+                break
+            n += 1
+        return n
+
     def run_rows(self, keys: Sequence[str]) -> tuple[list[tuple[str, int | None, int]], int]:
         """``(file, index in its pack or None, file bytes)`` of the leading ``keys`` whose
         entries are indexed and of one size, and that size."""
