@@ -219,6 +219,19 @@ def test_a_full_disk_turns_the_tier_off_with_one_warning(tmp_path, caplog, monke
     assert not list(tmp_path.glob("*.tmp"))  # its temporary file went too
 
 
+def test_the_store_counts_the_leading_keys_it_has_or_is_writing(tmp_path):
+    store = DiskStore(tmp_path, 10**7, FP)
+    assert store.put("a1", arrays(1)) and store.put("b2", arrays(2))
+    store.put_many_later([("c3", arrays(3))])  # counted from now on, written or not
+    assert store.leading(["a1", "b2", "c3", "d4", "a1"]) == 3
+    assert store.leading(["d4", "a1"]) == 0 and store.leading([]) == 0
+    assert "c3" in store and "d4" not in store
+    store.flush()
+    assert store.leading(["c3", "b2"]) == 2
+    with pytest.raises(ValueError, match="letters and digits"):
+        store.leading(["a1", "../x"])
+
+
 @pytest.mark.parametrize("bad", ["", "a/b", "../x", "a-b"])
 def test_keys_and_fingerprints_are_checked(tmp_path, bad):
     store = DiskStore(tmp_path, 10**7, FP)
@@ -361,9 +374,10 @@ def test_the_cap_drops_a_least_recently_used_pack_whole(tmp_path):
             st.tuples(st.just("drop"), st.integers(0, 20), st.just(0)),
         ),
         max_size=30,
-    )
+    ),
+    st.permutations(range(10)),
 )
-def test_the_index_keeps_its_bytes_and_where_each_key_lies(ops):
+def test_the_index_keeps_its_bytes_and_where_each_key_lies(ops, order):
     from mlx_paged.storage.disk_index import DiskIndex
 
     index, made = DiskIndex(FP), []
@@ -394,6 +408,13 @@ def test_the_index_keeps_its_bytes_and_where_each_key_lies(ops):
         assert (name, at is None) == expected
     assert sorted(index.keys()) == sorted(own | set(packed))
     assert index.locate("nothere") is None
+    # The leading keys of a walk that the index holds, or that are being written.
+    walk = [f"k{k}" for k in order]
+    held = [k in own or k in packed for k in walk] + [False]
+    assert index.leading(walk, set()) == held.index(False)
+    writing = {index.name(k) for k in walk[::2]}
+    held = [k in own or k in packed or index.name(k) in writing for k in walk] + [False]
+    assert index.leading(walk, writing) == held.index(False)
 
 
 @settings(max_examples=40, deadline=None)

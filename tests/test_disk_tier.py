@@ -432,6 +432,21 @@ def test_a_read_ahead_larger_than_a_step_takes_no_more_than_the_step(tmp_path, m
     assert got == expected[0]
 
 
+def test_a_step_loads_no_more_bytes_than_step_bytes(tmp_path):
+    engine, _, a, expected = restarted_while_one_decodes(tmp_path)
+    size = engine.disk.store.size(chain_keys(a, BS)[0])
+    engine.disk.step_bytes = 3 * size + size // 2  # 3 blocks a step, under step_blocks' 4
+    uid = engine.add_request(a, MAX_TOKENS)
+    loaded, got = [], []
+    while engine.waiting or engine.running:
+        events = engine.step()
+        engine.check_invariants()
+        loaded.append(engine.stats().disk_hit_tokens)
+        got += [e.token for e in events if e.uid == uid]
+    assert loaded[:4] == [3 * BS, 6 * BS, 9 * BS, 12 * BS]
+    assert engine.stats().prefix_hit_tokens == 96 and got == expected[0]
+
+
 def test_a_stale_read_ahead_finishes_before_a_new_load_reads_into_its_buffer(tmp_path, monkeypatch):
     monkeypatch.setattr(disk_tier, "LOAD_BATCH", 2)
     a, b, c = prompts(15, 3, length=97)

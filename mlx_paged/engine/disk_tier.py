@@ -23,8 +23,8 @@ and prefix index:
   size and header; on a GPU the arrays' checksums (``storage/disk_format.py``)
   are checked in MLX, on the copy's stream, and the blocks of an entry that
   fails (and those after it) go back unindexed, its file deleted (elsewhere the
-  threads check them too: ``CHECK_IN_MLX``). While
-  other requests run, the scheduler asks for at most ``step_blocks`` blocks a
+  threads check them too: ``CHECK_IN_MLX``). While other requests run, the
+  scheduler asks for at most ``step_blocks`` blocks (and ``step_bytes`` bytes) a
   step and the request waits for the rest, whose first run is read meanwhile:
   their decoding never stalls for a whole prompt's load. For a hybrid model, the
   deepest snapshot on disk that ends within the loaded blocks comes back with the
@@ -93,9 +93,10 @@ LOAD_BYTES = 128 << 20
 READS_AHEAD = 2
 #: Blocks a step loads for a request while others run (``DiskTier.step_blocks``) ...
 STEP_BLOCKS = 512
-#: ... and at most this many bytes of them (``DiskTier.step_bytes``): a step's load costs
-#: per block as much as per byte (BENCHMARKS.md, runs 218-219).
-STEP_BYTES = 256 << 20
+#: ... and at most this many bytes of them (``DiskTier.step_bytes``): about 140 64-token
+#: blocks of a 1B llama. A load's time goes as much per block as per byte (BENCHMARKS.md,
+#: runs 218-219), so small blocks take the block cap, large ones this.
+STEP_BYTES = 288 << 20
 #: What a snapshot's key adds to the key of the block it ends.
 STATE = "s"
 #: Where a load checks its entries' word sums: in MLX, on the bytes copied to the device,
