@@ -80,13 +80,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="Most tokens, padding included, in one forward of several requests' short "
         "prompts (default: 512, or the step size if smaller); longer ones go alone.",
     )
-    p.add_argument(
-        "--prefill-gather-ms",
-        type=float,
-        default=0.0,
-        help="Most ms a new request waits for others right behind it (each within 3 ms of the "
-        "last), so that a burst prefills in one batch; 0: none waits (not under mlx.launch).",
-    )
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default=None, help="K/V storage dtype.")
     p.add_argument(
         "--state-snapshot-interval",
@@ -217,8 +210,6 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error(f"--{name.replace('_', '-')} must be {span[name]}, got {getattr(args, name)}.")
     if not isinstance(args.chat_template_args, dict):
         parser.error("--chat-template-args must be a JSON object.")
-    if not args.prefill_gather_ms >= 0:
-        parser.error(f"--prefill-gather-ms must be 0 or more, got {args.prefill_gather_ms}.")
     if args.distributed_timeout <= 0:
         parser.error(f"--distributed-timeout must be positive, got {args.distributed_timeout}.")
     if not 0 < args.port < 65536:
@@ -279,8 +270,10 @@ def loader(args: argparse.Namespace, group=None):
             logging.getLogger("mlx_paged.server").info(
                 "mlx_paged: warmed up in %.2f s", warm_up(engine, sampler=sampler)
             )
-        gc.collect()  # what exists now lives as long as the server: out of the collector's
-        gc.freeze()  # generations, no full collection walks it (60-90 ms in a disk load)
+        # What exists now lives as long as the server: out of the collector's generations,
+        # a full collection no longer walks it (one took 60-90 ms in a load from disk).
+        gc.collect()
+        gc.freeze()
         return engine, tokenizer
 
     return load
@@ -351,7 +344,7 @@ def main(argv: list[str] | None = None) -> None:
 
         worker = RankWorker(loader(args, group), group, args.distributed_timeout)
     else:
-        worker = EngineWorker(loader(args), args.prefill_gather_ms / 1000)
+        worker = EngineWorker(loader(args))
     try:
         worker.start()
     except RuntimeError as e:

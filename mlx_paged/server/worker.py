@@ -4,8 +4,6 @@ HTTP handlers hand it ``Job``s and aborts through a thread-safe queue. It adds
 jobs to the ``PagedEngine``, steps while there is work, turns each job's tokens
 into text (stop strings included) and hands every ``Output`` back through the
 job's ``deliver`` callback, which the server points at its event loop.
-A new job can wait for others arriving right behind it (``gather``,
-``jobs.Gathering``), so that a burst's prompts prefill in one batch.
 """
 
 from __future__ import annotations
@@ -15,20 +13,76 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 from mlx_lm.generate import TextStateMachine, make_text_state_machine
 from mlx_lm.sample_utils import make_logits_processors
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from ..engine import EngineStats, Event, PagedEngine
-from ..engine.request import check_tokens
+from ..engine.request import Request, TokenConstraint, check_tokens
 from .grammar import parse_forced_calls
-from .jobs import Gathering, Job, Output
 from .text import TextStream, initial_state, thinking_machine
 
-__all__ = ["EngineWorker", "Job", "Output"]
-
 logger = logging.getLogger("mlx_paged.server")
+
+
+@dataclass(frozen=True)
+class Output:
+    """What a job hears from the engine thread.
+
+    First exactly one of: ``accepted`` (the engine queued it) or ``error`` (it
+    did not, or it failed later). Then text pieces; the last one has
+    ``finish_reason`` ``"stop"``, ``"length"`` or ``"abort"``.
+    """
+
+    text: str = ""
+    tokens: tuple[int, ...] = ()
+    logprobs: tuple[tuple[float, tuple[tuple[int, float], ...]], ...] = ()
+    finish_reason: str | None = None
+    accepted: bool = False
+    error: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    reasoning: str = ""  # a thinking model's reasoning text (chat jobs that asked for it)
+    # Tool calls completed (jobs with tools): (function name, arguments as a JSON object text).
+    tool_calls: tuple[tuple[str, str], ...] = ()
+    stop_sequence: str | None = None  # the stop string that ended the job, if one did
+
+
+@dataclass(eq=False)
+class Job:
+    """One generation (one choice): its engine arguments and where its output goes."""
+
+    tokens: list[int]
+    max_tokens: int
+    deliver: Callable[[Output], None]
+    sampler: Any = None
+    # ``make_logits_processors``' arguments: the processors are made on the engine thread,
+    # after their token ids are checked against the vocabulary.
+    logits: dict[str, Any] = field(default_factory=dict)
+    logprobs: int | None = None
+    stop: tuple[str, ...] = ()
+    uid: int | None = None
+    request: Request | None = None
+    text: TextStream | None = None
+    # Chat jobs on a thinking model: reasoning text goes apart (mlx-lm's TextStateMachine
+    # state while the job runs).
+    split_reasoning: bool = False
+    thinking: Any = None
+    # Chat jobs with tools: calls are cut out of the text by the tokenizer's markers.
+    tools: list[dict] | None = None
+    tool_text: str = ""  # the call being generated
+    # A grammar over the output (response_format, or a forced tool call), and a forced
+    # call's shape: the whole output is the call's JSON (``tool_call_schema``).
+    constraint: TokenConstraint | None = None
+    forced: bool = False
+    forced_name: str | None = None
+    # How to rebuild the sampler and the constraint on another rank: make_request_sampler's
+    # arguments, and the constraint's JSON schema.
+    sampling: tuple | None = None
+    schema: dict | None = None
 
 
 class EngineWorker:
@@ -40,15 +94,10 @@ class EngineWorker:
 
     Args:
         load: Builds ``(engine, tokenizer)``; the tokenizer's EOS ids stop generation.
-        gather: Most seconds a new job waits for others arriving right behind it
-            (see the module's docstring); 0 adds every job at the next step boundary.
     """
 
-    def __init__(
-        self, load: Callable[[], tuple[PagedEngine, TokenizerWrapper]], gather: float = 0.0
-    ):
+    def __init__(self, load: Callable[[], tuple[PagedEngine, TokenizerWrapper]]):
         self._load = load
-        self._held = Gathering(gather)  # jobs taken from the inbox, not yet added
         self.engine: PagedEngine | None = None
         self.tokenizer: TokenizerWrapper | None = None
         self.stats = EngineStats(0, 0, 0, 0, 0, 0)
@@ -86,7 +135,7 @@ class EngineWorker:
     @property
     def queued(self) -> int:
         """Jobs waiting for the engine: not yet added, or added and not admitted."""
-        return self._inbox.qsize() + len(self._held) + self.stats.waiting
+        return self._inbox.qsize() + self.stats.waiting
 
     def stop(self, timeout: float | None = None) -> None:
         """Abort every job, stop the engine loop and wait for it to end."""
@@ -126,11 +175,9 @@ class EngineWorker:
             busy = bool(self.engine.running or self.engine.waiting)
             if not self._drain(block=not busy):
                 break
-            self._release()
             if self.engine.running or self.engine.waiting:
                 self._step()
             self._update_stats()
-        self._release(force=True)
         self._fail_all("the server is shutting down", reason="abort")
         if self.engine.disk is not None:  # what the prefix cache holds outlives the process
             written = self.engine.disk.spill_cached()
@@ -154,24 +201,16 @@ class EngineWorker:
         self._stopped.clear()
 
     def _drain(self, block: bool) -> bool:
-        """Apply queued commands (waiting for one if ``block``, while jobs are held no longer
-        than they may wait); False once asked to stop."""
-        wait = self._held.left() if self._held else 0.5
+        """Apply queued commands (waiting for one if ``block``); False once asked to stop."""
         try:
-            kind, job = self._inbox.get(timeout=wait) if block else self._inbox.get_nowait()
+            kind, job = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
         except queue.Empty:
             return not self._stopping.is_set()
         while True:
             if kind == "stop":
                 return False
-            if kind == "add" and self._held.most:
-                self._held.hold(job)
-            elif kind == "add":
+            if kind == "add":
                 self._add(job)
-            elif job in self._held:  # an abort of a held job
-                self._release(force=True)
-                self.engine.abort(job.uid)
-                self._finish(job, "abort")
             elif job.uid is not None and job.uid in self._jobs:
                 self.engine.abort(job.uid)
                 self._finish(job, "abort")
@@ -179,11 +218,6 @@ class EngineWorker:
                 kind, job = self._inbox.get_nowait()
             except queue.Empty:
                 return True
-
-    def _release(self, force: bool = False) -> None:
-        """Add the held jobs, in order, once they may wait no longer (or now, ``force``)."""
-        for job in self._held.take(force):
-            self._add(job)
 
     def _add(self, job: Job) -> None:
         try:
