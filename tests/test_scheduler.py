@@ -247,3 +247,30 @@ def test_every_request_gets_all_its_tokens_under_pressure(prompts, num_blocks, m
     stats = sched.stats()
     assert stats.live_blocks == 0
     assert stats.cached_blocks + stats.free_blocks == stats.total_blocks
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.lists(st.integers(0, 3 * BS), min_size=1, max_size=6),
+    st.lists(st.integers(0, 6), max_size=6),
+    st.integers(0, 2),
+)
+def test_a_decode_tokens_blocks_are_what_reserve_takes_for_it(lengths, forks, first):
+    """``next_token_blocks`` (schedule_decode's fast count) equals ``blocks_needed`` for the
+    next token, on tables that share blocks by forks and begin past dropped blocks."""
+    group = BlockTables(1, BS, None)
+    tables = []
+    for n in lengths:
+        t = group.new_table()
+        t.first = min(first, n // BS)
+        group.reserve(t, t.first * BS, max(n, t.first * BS))  # the next token's block: not yet
+        t.lengths[:] = [n]
+        tables.append(t)
+    for i in forks:  # a fork shares every block of its source
+        if i < len(tables):
+            tables.append(group.fork(tables[i]))
+    for t in tables:
+        p = t.lengths[0]
+        assert group.next_token_blocks(t) == group.blocks_needed(t, p, p + 1)
+        if p % BS == 0 and p // BS - t.first == len(t.blocks):
+            assert group.next_token_blocks(t) == 1  # a block boundary past the table's end

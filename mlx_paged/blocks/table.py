@@ -224,6 +224,15 @@ class BlockTables:
         """Blocks ``reserve(table, start, end)`` would take: new ones plus copies of shared ones."""
         return len(self._shared_in(table, start, end)) + self._missing(table, end)
 
+    def next_token_blocks(self, table: BlockTable) -> int:
+        """``blocks_needed`` for the table's next token alone (a decode step's): a new block
+        at a block boundary, a copy of a shared one, or none."""
+        i = table.lengths[0] // self.block_size - table.first
+        if i >= len(table.blocks):
+            return i - len(table.blocks) + 1
+        b = table.blocks[i]
+        return int(b != HOLE and self.blocks.is_shared(b))
+
     def reserve(self, table: BlockTable, start: int, end: int) -> None:
         """Give tokens ``[start, end)`` private blocks in ``table``, copying shared ones.
 

@@ -188,15 +188,22 @@ class Scheduler:
                 for r in self.running:
                     t = r.tables[kind]
                     group.drop_before(t, max(0, t.lengths[0] - kind.window + 1))
-        while not _decode_fits(self.groups, self.running):
+        while True:  # per group, the blocks each running request's next token takes
+            needs = {
+                kind: [group.next_token_blocks(r.tables[kind]) for r in self.running]
+                for kind, group in self.groups.items()
+            }
+            if all(self.groups[k].blocks.can_allocate(sum(n)) for k, n in needs.items()):
+                break
             if not preempt:
                 return None
             assert len(self.running) > 1, "one request alone outgrew the pool"
             self._preempt(self.running[-1])
-        for r in self.running:
+        for i, r in enumerate(self.running):  # most need nothing: their tail block is theirs
             for kind, group in self.groups.items():
-                t = r.tables[kind]
-                group.reserve(t, t.lengths[0], t.lengths[0] + 1)
+                if needs[kind][i]:
+                    t = r.tables[kind]
+                    group.reserve(t, t.lengths[0], t.lengths[0] + 1)
         # The most blocks a step holds: all running, each with its next slot.
         _note_peak(self.counters, self.groups)
         if self.recurrent:  # in slot order, so that state is read and written in place
@@ -339,18 +346,6 @@ def adopted_tables(
         table.lengths[:] = [hit] * group.num_layers
         tables[kind] = table
     return tables
-
-
-def _decode_fits(groups: dict[LayerKind, BlockTables], running: list[Request]) -> bool:
-    """Whether every group can give each running request its next token's block."""
-    for kind, group in groups.items():
-        need = 0
-        for r in running:
-            t = r.tables[kind]
-            need += group.blocks_needed(t, t.lengths[0], t.lengths[0] + 1)
-        if not group.blocks.can_allocate(need):
-            return False
-    return True
 
 
 def _pool_totals(pools: list[BlockPool]) -> dict[str, int]:
