@@ -230,3 +230,14 @@ def test_mlx_lm_batch_generator_with_deferred_reads_matches_dense(kernel):
     finally:
         uninstall_paged_cache(model)
     assert kernel["took"] > 0 and kernel["declined"] > 0
+
+
+def test_kernel_readiness_is_found_once_per_device(kernel):
+    """``kernels_ready`` runs on every decode layer: its answer is kept per device (and
+    kernel set), not worked out again, and kept once more, at each call."""
+    entry, checks = routing.KERNELS[0], []
+    entry.available = lambda: checks.append(1) or True  # a fresh closure per test
+    routing._ready.clear()
+    for _ in range(50):
+        assert routing.kernels_ready()
+    assert len(routing._ready) == 1 and len(checks) == 1

@@ -124,7 +124,8 @@ def kernels_ready() -> bool:
     an entry of ``KERNELS`` runs on the default device (its ``available()``, if it has one)."""
     if _path == "gather" or not KERNELS:
         return False
-    key = (mx.default_device(), *map(id, KERNELS))
+    # By the device's name: an ``mx.Device`` hashes by identity, and each call makes a new one.
+    key = (str(mx.default_device()), *map(id, KERNELS))
     ready = _ready.get(key)
     if ready is None:
         ready = _ready[key] = any(_available(k) for k in KERNELS)
