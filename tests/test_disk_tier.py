@@ -391,6 +391,19 @@ def restarted_while_one_decodes(tmp_path) -> tuple[PagedEngine, int, list[int], 
     return engine, other, a, expected
 
 
+def load_step_by_step(engine: PagedEngine, prompt: list[int]) -> tuple[list[int], list[int]]:
+    """Run ``prompt`` to its end beside the engine's other request: the disk hit tokens after
+    each step (invariants checked at each), and the prompt's tokens."""
+    uid = engine.add_request(prompt, MAX_TOKENS)
+    loaded, got = [], []
+    while engine.waiting or engine.running:
+        events = engine.step()
+        engine.check_invariants()
+        loaded.append(engine.stats().disk_hit_tokens)
+        got += [e.token for e in events if e.uid == uid]
+    return loaded, got
+
+
 def test_while_others_decode_a_load_spreads_over_steps_and_stalls_none(tmp_path, monkeypatch):
     monkeypatch.setattr(disk_tier, "LOAD_BATCH", 2)  # two runs of two blocks a step
     engine, other, a, expected = restarted_while_one_decodes(tmp_path)
@@ -419,13 +432,7 @@ def test_a_read_ahead_larger_than_a_step_takes_no_more_than_the_step(tmp_path, m
     and the whole prompt comes from disk, none of it recomputed."""
     monkeypatch.setattr(disk_tier, "LOAD_BATCH", 8)
     engine, _, a, expected = restarted_while_one_decodes(tmp_path)
-    uid = engine.add_request(a, MAX_TOKENS)
-    loaded, got = [], []
-    while engine.waiting or engine.running:
-        events = engine.step()
-        engine.check_invariants()
-        loaded.append(engine.stats().disk_hit_tokens)
-        got += [e.token for e in events if e.uid == uid]
+    loaded, got = load_step_by_step(engine, a)
     assert loaded[:3] == [4 * BS, 8 * BS, 12 * BS]  # 12 blocks, 4 a step
     assert engine.stats().prefix_hit_tokens == 96  # all 12 from disk
     assert engine.disk.store.counts["hits"] == 12  # each file read once
@@ -436,13 +443,7 @@ def test_a_step_loads_no_more_bytes_than_step_bytes(tmp_path):
     engine, _, a, expected = restarted_while_one_decodes(tmp_path)
     size = engine.disk.store.size(chain_keys(a, BS)[0])
     engine.disk.step_bytes = 3 * size + size // 2  # 3 blocks a step, under step_blocks' 4
-    uid = engine.add_request(a, MAX_TOKENS)
-    loaded, got = [], []
-    while engine.waiting or engine.running:
-        events = engine.step()
-        engine.check_invariants()
-        loaded.append(engine.stats().disk_hit_tokens)
-        got += [e.token for e in events if e.uid == uid]
+    loaded, got = load_step_by_step(engine, a)
     assert loaded[:4] == [3 * BS, 6 * BS, 9 * BS, 12 * BS]
     assert engine.stats().prefix_hit_tokens == 96 and got == expected[0]
 

@@ -2,11 +2,12 @@
 
 A block's key hashes its parent's key and its own tokens (``chain_keys``), so one
 key names a whole prefix; ``KeyChain`` reuses the keys of the last tokens asked
-about. A load takes fresh blocks (``take_blocks``) into
-tables that hold memory's blocks before them (``pinned_tables``); ``parked``
+about. A load takes fresh blocks (``take_blocks``) into tables that hold
+memory's blocks before them (``pinned_tables``); ``parked``
 lists what ``spill_cached`` writes; ``read_ahead`` reads a load's files in runs,
 ahead of the pool writes; ``stage`` starts a run's copy into MLX on a stream of its
-own, and ``Writes`` keeps one run's pool writes in flight beside the next copy."""
+own, and ``Writes`` keeps one run's pool writes in flight beside the next copy.
+"""
 
 from __future__ import annotations
 

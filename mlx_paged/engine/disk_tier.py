@@ -242,8 +242,8 @@ class DiskTier:
     def load(self, tokens: Sequence[int], busy: bool = False) -> tuple[int, bool]:
         """Bring the full blocks of ``tokens`` past what memory holds back from disk, as
         parked blocks (at most ``step_blocks`` and ``step_bytes`` when ``busy``: other
-        requests are running),
-        with the deepest snapshot past memory's for a hybrid model once no more are to come.
+        requests are running), with the deepest snapshot past memory's for a hybrid model
+        once no more are to come.
         Returns the tokens loaded, and whether more are on disk (the next part is being read
         ahead) after a load that took all it could."""
         if not self.store.enabled:

@@ -188,13 +188,7 @@ class Scheduler:
                 for r in self.running:
                     t = r.tables[kind]
                     group.drop_before(t, max(0, t.lengths[0] - kind.window + 1))
-        while True:  # per group, the blocks each running request's next token takes
-            needs = {
-                kind: [group.next_token_blocks(r.tables[kind]) for r in self.running]
-                for kind, group in self.groups.items()
-            }
-            if all(self.groups[k].blocks.can_allocate(sum(n)) for k, n in needs.items()):
-                break
+        while (needs := _decode_needs(self.groups, self.running)) is None:
             if not preempt:
                 return None
             assert len(self.running) > 1, "one request alone outgrew the pool"
@@ -346,6 +340,20 @@ def adopted_tables(
         table.lengths[:] = [hit] * group.num_layers
         tables[kind] = table
     return tables
+
+
+def _decode_needs(
+    groups: dict[LayerKind, BlockTables], running: list[Request]
+) -> dict[LayerKind, list[int]] | None:
+    """Per group, the blocks each running request's next token takes; ``None`` if a group
+    cannot give them all."""
+    needs = {
+        kind: [group.next_token_blocks(r.tables[kind]) for r in running]
+        for kind, group in groups.items()
+    }
+    if all(groups[kind].blocks.can_allocate(sum(n)) for kind, n in needs.items()):
+        return needs
+    return None
 
 
 def _pool_totals(pools: list[BlockPool]) -> dict[str, int]:
