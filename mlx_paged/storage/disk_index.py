@@ -51,9 +51,10 @@ class DiskIndex:
         ``pending`` (written soon)."""
         n = 0
         for key in keys:
-            name = self.name(key)
-            if name not in self.files and key not in self._where and name not in pending:
-                break
+            if key not in self._where:  # in a pack (most are), or in a file of its own
+                name = self.name(key)
+                if name not in self.files and name not in pending:
+                    break
             n += 1
         return n
 
