@@ -28,8 +28,9 @@ Pure Python: no MLX here.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 
 from .pool import BlockPool
 from .states import StateSlots
@@ -109,18 +110,8 @@ class PrefixIndex:
         retains the blocks it adopts."""
         path, length = self._walk(tokens)
         bs = self.block_size
-        if self.states is None or not states:
-            # Try the full match, then shorter block-aligned lengths.
-            candidates = [(m, None) for m in [length, *range((length - 1) // bs * bs, 0, -bs)]]
-        else:  # only where a node ends with the recurrent state
-            ends = [(i * bs + len(node.key), node) for i, node in enumerate(path)]
-            candidates = [
-                (m, node.snapshot)
-                for m, node in reversed(ends)
-                if m <= length and node.snapshot is not None
-            ]
         # The longest candidate at which every group holds the blocks a continuation reads.
-        for m, snapshot in candidates:
+        for m, snapshot in _candidates(path, length, bs, self.states is not None and states):
             if m <= 0:
                 break
             hi = -(-m // bs)
@@ -349,6 +340,21 @@ def _spillable(node: _Node, windows: list[int | None], bs: int) -> bool:
     """Whether ``node`` is a full block that every full-attention group holds."""
     held = (b is not None for b, w in zip(node.blocks, windows, strict=True) if w is None)
     return len(node.key) == bs and all(held)
+
+
+def _candidates(
+    path: list[_Node], length: int, bs: int, states: bool
+) -> Iterator[tuple[int, int | None]]:
+    """``(length, snapshot)`` a match may end at, longest first: the whole ``length``, then
+    shorter block-aligned lengths (lazily: a long prompt has thousands, and the first
+    usually holds); with ``states``, only where a node of ``path`` ends with a snapshot."""
+    if not states:
+        yield from ((m, None) for m in chain([length], range((length - 1) // bs * bs, 0, -bs)))
+        return
+    ends = [(i * bs + len(node.key), node) for i, node in enumerate(path)]
+    for m, node in reversed(ends):
+        if m <= length and node.snapshot is not None:
+            yield m, node.snapshot
 
 
 def _first_needed(window: int | None, length: int, bs: int) -> int:
