@@ -439,12 +439,14 @@ def test_a_read_ahead_larger_than_a_step_takes_no_more_than_the_step(tmp_path, m
     assert got == expected[0]
 
 
-def test_a_step_loads_no_more_bytes_than_step_bytes(tmp_path):
+@pytest.mark.parametrize("blocks", [3, 1])
+def test_a_step_loads_no_more_bytes_than_step_bytes(tmp_path, blocks):
     engine, _, a, expected = restarted_while_one_decodes(tmp_path)
     size = engine.disk.store.size(chain_keys(a, BS)[0])
-    engine.disk.step_bytes = 3 * size + size // 2  # 3 blocks a step, under step_blocks' 4
+    # 3 blocks a step, under step_blocks' 4; or less than a block's bytes: one a step.
+    engine.disk.step_bytes = 3 * size + size // 2 if blocks == 3 else size // 2
     loaded, got = load_step_by_step(engine, a)
-    assert loaded[:4] == [3 * BS, 6 * BS, 9 * BS, 12 * BS]
+    assert loaded[: 12 // blocks] == [i * blocks * BS for i in range(1, 12 // blocks + 1)]
     assert engine.stats().prefix_hit_tokens == 96 and got == expected[0]
 
 

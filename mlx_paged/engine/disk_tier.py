@@ -346,8 +346,9 @@ class DiskTier:
 
     def _most(self, key: str, blocks: int | None = None, most: int | None = None) -> int:
         """Entries from ``key`` on that make a run, or a step's load: ``blocks``
-        (``LOAD_BATCH``), fewer where they pass ``most`` bytes (``LOAD_BYTES``)."""
-        blocks, most = blocks or LOAD_BATCH, most or LOAD_BYTES
+        (``LOAD_BATCH``), fewer where they pass ``most`` bytes (``LOAD_BYTES``); one at least."""
+        blocks = LOAD_BATCH if blocks is None else blocks
+        most = LOAD_BYTES if most is None else most
         return max(1, min(blocks, most // (self.store.size(key) or 1)))
 
     def _read(self, keys: list[str], i: int) -> Future:
