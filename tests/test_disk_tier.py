@@ -9,6 +9,8 @@ from functools import cache
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tiny_models import VOCAB, model_of, solo, tiny_model
 
 from mlx_paged import PagedEngine
@@ -373,6 +375,24 @@ def test_block_keys_reused_along_a_walk_equal_the_chain_of_each_prefix(tmp_path)
     walk += [trunk[:BS], branch + [1] * (BS - 1), trunk[: 2 * BS + 3]]
     for tokens in walk:
         assert engine.disk._spills.key(tokens) == chain_keys(tokens, BS)[-1]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 3), st.integers(0, 5 * BS), st.integers(0, 2)),
+        min_size=1,
+        max_size=12,
+    )
+)
+def test_a_key_chain_gives_each_prompts_keys_whatever_it_was_asked_before(asks):
+    """Prompts that share prefixes of any length with the last one asked about, longer,
+    shorter or parting mid-block: the chain's keys are always ``chain_keys`` of the prompt."""
+    chain, rng = disk_blocks.KeyChain(BS), random.Random(0)
+    bases = [[rng.randrange(VOCAB) for _ in range(6 * BS)] for _ in range(4)]
+    for base, n, tail in asks:
+        tokens = bases[base][:n] + [(base + t) % VOCAB for t in range(tail)]
+        assert chain.keys(tokens) == chain_keys(tokens, BS)
 
 
 def restarted_while_one_decodes(tmp_path) -> tuple[PagedEngine, int, list[int], tuple]:
