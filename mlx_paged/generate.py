@@ -269,8 +269,6 @@ def run_many(
         encoded = [encode_prompt(tokenizer, p, args) for p in prompts]
     except ValueError as e:
         raise SystemExit(f"mlx_paged.generate: error: {e}") from e
-    if args.kv_disk_dir is not None and group is not None and group.size() > 1:
-        raise SystemExit("mlx_paged.generate: error: --kv-disk-dir does not yet run sharded.")
     engine = PagedEngine(
         model,
         block_size=args.block_size,

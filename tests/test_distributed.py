@@ -87,6 +87,20 @@ def test_unshardable_models_are_refused_with_the_reason(ranks):
         assert "llama cannot be split by pipeline stage" in rank["refused_pipeline"]
 
 
+@pytest.mark.parametrize("case", ["threads", "mlx", "runs of 2", "qwen3_5-pipeline"])
+def test_sharded_disk_tier_loads_what_every_rank_has(ranks, case):
+    # Engine 1 writes; 2 loads the prompt's 5 full blocks; rank 1's third entry is then
+    # damaged (checked on the reader threads, in MLX, or in runs of 2 blocks), so engine 3
+    # loads the 2 blocks before it on both ranks and engine 4, rank 1's pack gone, none.
+    family = case.split("-")[0] if "pipeline" in case else "llama"
+    alone = ranks[0][family if family == "llama" else case]["alone"]["tokens"][0]
+    for rank in ranks:
+        got = rank["disk"][case]
+        assert got["disk_hit_tokens"] == [0, 20, 8, 0]
+        assert got["tokens"] == [alone] * 4
+        assert got["dirs"] == ["rank-0-of-2", "rank-1-of-2"]
+
+
 def test_rank_zeros_inputs_reach_every_rank(ranks):
     assert ranks[0]["shared"] == ranks[1]["shared"]
     assert ranks[1]["shared"]["rank"] == 0
@@ -240,6 +254,52 @@ def test_generate_prompts_file_sharded_prints_one_process_answers(tmp_path, tiny
     alone = answers(cmd)
     assert alone.count("==========") == 3
     assert answers(launch + cmd) == alone  # printed once, by rank 0
+
+
+@needs_tokenizer
+def test_sharded_generate_answers_a_rerun_from_its_disk_tier(tmp_path, tiny_llama):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(SYSTEM + "Hello there\n")
+    cmd = [launcher(), "-n", "2", "--backend", "ring", "--", sys.executable]
+    cmd += ["-m", "mlx_paged.generate", "--model", str(tiny_llama), "--prompts-file", str(prompts)]
+    cmd += ["--max-tokens", "8", "--model-dtype", "float32", "--kv-disk-dir", str(tmp_path / "kv")]
+
+    def run() -> tuple[str, int]:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        answers, stats = out.stdout.split("Requests:")
+        return answers, int(re.search(r"prefix-hit tokens: (\d+)", stats)[1])
+
+    answers, hits = run()
+    assert hits == 0
+    assert sorted(p.name for p in (tmp_path / "kv").iterdir()) == ["rank-0-of-2", "rank-1-of-2"]
+    again, hits = run()
+    assert again == answers and hits > 0  # its full blocks, from both ranks' files
+
+
+@needs_tokenizer
+def test_a_restarted_sharded_server_answers_from_disk(tmp_path, tiny_llama):
+    flags = ("--kv-disk-dir", str(tmp_path / "kv"), "--kv-disk-bytes", "1GB")
+    first = start(tmp_path, tiny_llama, "first", 2, *flags)
+    try:
+        expected = ask(first, "hi", tiny_llama).choices[0].message.content
+        # Rank 0 stops the job; every rank writes what its prefix cache holds.
+        os.kill(int(rank_pids(first)["0"]), signal.SIGTERM)
+        assert first.proc.wait(120) == 0, first.log_tail()
+    finally:
+        stop_all(first)
+    ranks_dirs = sorted((tmp_path / "kv").iterdir())
+    assert [d.name for d in ranks_dirs] == ["rank-0-of-2", "rank-1-of-2"]
+    assert all(list(d.glob("*.kv*")) for d in ranks_dirs)
+    second = start(tmp_path, tiny_llama, "second", 2, *flags)
+    try:
+        again = ask(second, "hi", tiny_llama)
+        assert again.choices[0].message.content == expected
+        cached = again.usage.prompt_tokens_details.cached_tokens
+        assert cached > 0
+        assert second.metrics()["mlx_paged_kv_disk_hit_tokens_total"] == cached
+    finally:
+        stop_all(second)
 
 
 @needs_tokenizer

@@ -22,9 +22,14 @@ import numpy as np
 
 from ..blocks import COLD, BlockTable, LayerKind, is_cold
 from ..blocks.prefix_index import PrefixIndex, spill_parked
-from ..storage import KVPool
-from ..storage.disk_entries import Entries, pool_arrays, run_blocks
+from ..storage import KVPool, StatePool
+from ..storage.disk import DiskStore
+from ..storage.disk_entries import Entries, host_state, pool_arrays, run_blocks
 from ..storage.disk_format import Run
+from .distributed import Ranks
+
+#: What a snapshot's key adds to the key of the block it ends.
+STATE = "s"
 
 
 def parked(index: PrefixIndex) -> list[tuple[list[int], list[int], int | None]]:
@@ -161,26 +166,65 @@ def read_ahead(
     if first is not None:
         ahead.append((0, *first))
     pos, i = 0, len(ahead)  # entries yielded; reads asked for (a read's buffer)
-    while pos < len(keys):
-        while len(ahead) < depth:
-            lo = ahead[-1][0] + ahead[-1][1] if ahead else pos
-            if lo >= len(keys):
-                break
-            n = min(batch(keys[lo]), len(keys) - lo)
-            ahead.append((lo, n, read(keys[lo : lo + n], i)))
-            i += 1
-        lo, n, future = ahead.popleft()
-        start = time.perf_counter()
-        run = future.result()
-        seconds["load_wait"] += time.perf_counter() - start
-        if run is None:
+    try:
+        while pos < len(keys):
+            while len(ahead) < depth:
+                lo = ahead[-1][0] + ahead[-1][1] if ahead else pos
+                if lo >= len(keys):
+                    break
+                n = min(batch(keys[lo]), len(keys) - lo)
+                ahead.append((lo, n, read(keys[lo : lo + n], i)))
+                i += 1
+            lo, n, future = ahead.popleft()
+            start = time.perf_counter()
+            run = future.result()
+            seconds["load_wait"] += time.perf_counter() - start
+            if run is None:
+                return
+            pos += len(run)
+            if len(run) < n:  # a short run (bad file, another layout): reads after it are off
+                for _, _, later in ahead:
+                    later.result()
+                ahead.clear()
+            yield run
+    finally:  # a load that stops early: its reads are done with their buffers before reuse
+        for _, _, later in ahead:
+            later.result()
+
+
+def agreed_run(ranks: Ranks, run: Run | None) -> tuple[Run | None, bool]:
+    """The leading entries of ``run`` that every rank read (none past the end of any
+    rank's runs), and whether the ranks read runs of different lengths."""
+    lengths = [row[0] for row in ranks.gather([len(run) if run else 0])]
+    least = min(lengths)
+    if run is not None and least < len(run):
+        run = Run(run.data[:least], run.specs, run.payload, run.checked) if least else None
+    return run, least != max(lengths)
+
+
+def load_snapshot(
+    store: DiskStore,
+    states: StatePool,
+    index: PrefixIndex,
+    ranks: Ranks,
+    tokens: Sequence[int],
+    keys: list[str],
+) -> None:
+    """Give ``index`` the deepest snapshot in ``store`` (that every rank has and reads
+    well) ending in the full blocks memory holds now and past the longest prefix it
+    can already adopt."""
+    bs = index.block_size
+    match = index.match(tokens)
+    ends = range(index.full_blocks_matched(tokens) // bs, match.length // bs if match else 0, -1)
+    if not ends:
+        return
+    there = ranks.least(*(keys[j - 1] + STATE in store for j in ends))
+    for j in (j for j, on_disk in zip(ends, there, strict=True) if on_disk):
+        arrays = store.get(keys[j - 1] + STATE)
+        state = host_state(states, arrays) if arrays is not None else None
+        if ranks.least(state is not None)[0]:
+            index.add_snapshot(tokens, j * bs, lambda state=state: states.restore(state))
             return
-        pos += len(run)
-        if len(run) < n:  # a short run (bad file, another layout): reads after it are off
-            for _, _, later in ahead:
-                later.result()
-            ahead.clear()
-        yield run
 
 
 def stage(

@@ -46,7 +46,7 @@ import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import cached_property, partial
-from itertools import chain
+from itertools import count
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -57,8 +57,8 @@ from ..storage import KVPool
 from ..storage.disk import DiskStore
 from ..storage.disk_entries import (
     block_parts,
+    cache_layout,
     fingerprint,
-    host_state,
     pool_arrays,
     state_parts,
     to_host,
@@ -67,9 +67,12 @@ from ..storage.disk_entries import (
 from ..storage.disk_format import Run
 from ..storage.pinned import Staging
 from .disk_blocks import (
+    STATE,
     KeyChain,
     Writes,
+    agreed_run,
     chain_keys,
+    load_snapshot,
     make_room,
     parked,
     pinned_tables,
@@ -78,6 +81,7 @@ from .disk_blocks import (
     take_blocks,
     tiers,
 )
+from .distributed import Ranks
 from .scheduler import Scheduler
 
 __all__ = ["DiskTier", "chain_keys"]
@@ -97,8 +101,6 @@ STEP_BLOCKS = 512
 #: blocks of a 1B llama. A load's time goes as much per block as per byte (BENCHMARKS.md,
 #: runs 218-219), so small blocks take the block cap, large ones this.
 STEP_BYTES = 288 << 20
-#: What a snapshot's key adds to the key of the block it ends.
-STATE = "s"
 #: Where a load checks its entries' word sums: in MLX, on the bytes copied to the device,
 #: in the evaluation that writes them into the pool (``True``), or on the store's reader
 #: threads with numpy (``False``). ``None``: in MLX on a GPU; on the threads elsewhere,
@@ -113,10 +115,18 @@ class DiskTier:
         store: The files.
         pools: The engine's pools, per layer group.
         scheduler: The engine's scheduler (its index and block tables).
+        group: The ranks of a sharded engine, each with its own ``store``: they load
+            only what all have and read well (``Ranks``), so their schedulers agree.
     """
 
-    def __init__(self, store: DiskStore, pools: dict[LayerKind, KVPool], scheduler: Scheduler):
-        self.store, self.scheduler = store, scheduler
+    def __init__(
+        self,
+        store: DiskStore,
+        pools: dict[LayerKind, KVPool],
+        scheduler: Scheduler,
+        group: mx.distributed.Group | None = None,
+    ):
+        self.store, self.scheduler, self.ranks = store, scheduler, Ranks(group)
         self.pools = [pools[k] for k in scheduler.kinds]
         self.windows = [k.window for k in scheduler.kinds]
         recurrent = scheduler.recurrent
@@ -125,12 +135,12 @@ class DiskTier:
         # Loading into the pool (of which: waiting on file reads, starting the copies into
         # MLX and their checks, starting the pool writes and waiting for them), and
         # spilling (the engine thread's part: reading the pools out).
-        keys = ("load", "load_wait", "load_copy", "load_eval", "write")
-        self.seconds = dict.fromkeys(keys, 0.0)
+        self.seconds = dict.fromkeys(("load", "load_wait", "load_copy", "load_eval", "write"), 0.0)
         # Reads runs, two at once: a run's reads start while the last one's slowest finish.
         self._reader = ThreadPoolExecutor(READS_AHEAD, "mlx_paged-disk-ahead")
         self._spills, self._loads = KeyChain(self.block_size), KeyChain(self.block_size)
         self._ahead: tuple[str, int, Future] | None = None  # (first key, entries, their read)
+        self._size: int | None = None  # under a group: the entry size runs are planned by
         self.step_blocks = STEP_BLOCKS  # most blocks a step loads while others run,
         self.step_bytes = STEP_BYTES  # ... and most bytes of them
         self.staging = Staging(READS_AHEAD + 1)  # the host buffers runs are read into
@@ -145,23 +155,17 @@ class DiskTier:
         model: nn.Module,
         pools: dict[LayerKind, KVPool],
         scheduler: Scheduler,
+        group: mx.distributed.Group | None = None,
     ) -> DiskTier:
-        """A tier over the directory ``path`` for this model and cache layout.
+        """A tier over the directory ``path`` for this model and cache layout (a rank's
+        shard in its own part of it, ``Ranks.own``).
 
         Raises:
             ValueError: for a bad ``max_bytes``.
         """
-        layout = [
-            (
-                k.window,
-                p.num_layers,
-                str(p.kv_dtype),
-                p.quant and (p.quant.bits, p.quant.group_size),
-            )
-            for k, p in pools.items()
-        ]
-        name = fingerprint(model, (scheduler.block_size, layout))
-        return cls(DiskStore(path, max_bytes, name), pools, scheduler)
+        path, max_bytes = Ranks(group).own(path, max_bytes)
+        name = fingerprint(model, (scheduler.block_size, cache_layout(pools)))
+        return cls(DiskStore(path, max_bytes, name), pools, scheduler, group)
 
     # ---- spill ------------------------------------------------------------
 
@@ -246,13 +250,13 @@ class DiskTier:
         once no more are to come.
         Returns the tokens loaded, and whether more are on disk (the next part is being read
         ahead) after a load that took all it could."""
-        if not self.store.enabled:
+        if not self.store.enabled and self.ranks.group is None:  # ranks load together
             return 0, False
         start = time.perf_counter()
         keys = self._loads.keys(tokens)
         loaded, more = self._load(tokens, keys, busy)
         if self.states is not None and not more:
-            self._load_state(tokens, keys)
+            load_snapshot(self.store, self.states, self.scheduler.index, self.ranks, tokens, keys)
         if not more:
             self.store.close_files()
         self.seconds["load"] += time.perf_counter() - start
@@ -260,31 +264,42 @@ class DiskTier:
 
     def _load(self, tokens: Sequence[int], keys: list[str], busy: bool) -> tuple[int, bool]:
         bs, index, groups = self.block_size, self.scheduler.index, self.scheduler.groups
-        kinds = self.scheduler.kinds
-        have = index.full_blocks_matched(tokens) // bs
+        kinds, have = self.scheduler.kinds, index.full_blocks_matched(tokens) // bs
         keys = keys[have:]
+        self._size = self.store.size(keys[0]) if keys else None
         limit = self._most(keys[0], self.step_blocks, self.step_bytes) if busy and keys else None
         # What this call loads, and the next call's first run (read ahead) past it.
         n = self.store.leading(keys if limit is None else keys[: limit + LOAD_BATCH])
+        if self.ranks.group is not None:  # what every rank has, in runs of one plan
+            rows = self.ranks.gather([self._size or 0, n])
+            self._size, n = max(r[0] for r in rows) or None, min(r[1] for r in rows)
+            limit = limit and self._most(keys[0], self.step_blocks, self.step_bytes)
         if not n:
             return 0, False
         keys, rest = keys[: min(n, limit or n)], keys[min(n, limit or n) : n]
         start = end = have * bs
         tables = pinned_tables(groups, path_blocks(index, tokens, have), have)
         writes, copy = Writes(self.pools, self.seconds), (self.staging.to_mlx, self._copies)
-        for i, run in enumerate(chain(self._runs(keys), [None])):
+        runs = self._runs(keys)
+        for i in count():
+            run, ragged = agreed_run(self.ranks, next(runs, None))
+            if ragged:  # the ranks' runs part here: the load ends after this one
+                runs = iter(())
             # A run's copy and checks start on the copy stream beside the last run's pool
             # writes; its own writes are made once those are done (Writes). Blocks written
             # from a bad entry on are given back below, never indexed.
             staged = run and stage(run, self.pools, self.windows, *copy, self.seconds)
-            n, good = writes.wait()
+            n, own = writes.wait()
+            # A bad entry on any rank ends every rank's load (alone: as their own).
+            good, staged_all = self.ranks.least(own, staged is not None)
             self.store.hit(good)
             end += good * bs
             if good < n:
-                bad = keys[(end - start) // bs]
-                self.store.discard(bad, "the checksum of an entry's arrays does not match")
+                if own < n:
+                    bad = keys[(end - start) // bs + own - good]
+                    self.store.discard(bad, "the checksum of an entry's arrays does not match")
                 break
-            if staged is None:
+            if not staged_all:
                 break
             arrays, cold, ok = staged
             if i == 0:  # the whole load's room at once: each growth copies the pool
@@ -314,21 +329,6 @@ class DiskTier:
             self._ahead = (rest[0], n, self._read(rest[:n], 0))
         return end - start, more
 
-    def _load_state(self, tokens: Sequence[int], keys: list[str]) -> None:
-        """Give the index the deepest snapshot on disk that ends in the full blocks memory
-        holds now and past the longest prefix it can already adopt."""
-        bs, index = self.block_size, self.scheduler.index
-        match = index.match(tokens)
-        adoptable = match.length // bs if match else 0
-        for j in range(index.full_blocks_matched(tokens) // bs, adoptable, -1):
-            if keys[j - 1] + STATE not in self.store:
-                continue
-            arrays = self.store.get(keys[j - 1] + STATE)
-            state = host_state(self.states, arrays) if arrays is not None else None
-            if state is not None:
-                index.add_snapshot(tokens, j * bs, lambda state=state: self.states.restore(state))
-                return
-
     def _runs(self, keys: list[str]) -> Iterator[Run]:
         """The entries of ``keys`` in runs of one layout (``read_ahead``); a run the last
         call read ahead comes first if it starts there."""
@@ -345,11 +345,13 @@ class DiskTier:
         return mx.new_stream(mx.default_device())
 
     def _most(self, key: str, blocks: int | None = None, most: int | None = None) -> int:
-        """Entries from ``key`` on that make a run, or a step's load: ``blocks``
-        (``LOAD_BATCH``), fewer where they pass ``most`` bytes (``LOAD_BYTES``); one at least."""
+        """Entries from ``key`` on that make a run, or a step's load: ``blocks`` (``LOAD_BATCH``),
+        fewer where they pass ``most`` bytes (``LOAD_BYTES``); one at least. Ranks plan a
+        load's runs by the size they agreed on for its first entry."""
         blocks = LOAD_BATCH if blocks is None else blocks
         most = LOAD_BYTES if most is None else most
-        return max(1, min(blocks, most // (self.store.size(key) or 1)))
+        size = self._size if self.ranks.group is not None else self.store.size(key)
+        return max(1, min(blocks, most // (size or 1)))
 
     def _read(self, keys: list[str], i: int) -> Future:
         """``read_run(keys)`` on the reader thread, into staging buffer ``i``."""

@@ -8,14 +8,19 @@ K/V). The pure-Python scheduler is replicated: fed the same requests and aborts
 in the same order, every rank makes the same admissions, block ids, prefix
 adoptions and preemptions. ``share`` sends rank 0's inputs to the others;
 ``Agreement`` checks before each step that the ranks' states match and stops
-the job, naming the step, when they do not.
+the job, naming the step, when they do not. Where a rank's own data decides a
+step (the disk tier's files, each rank's shard of them), ``Ranks`` makes the
+ranks settle on one answer first.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import pickle
 import random
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -135,3 +140,39 @@ class Agreement:
                 "they were not given the same requests and aborts in the same order, or "
                 "sampled different tokens."
             )
+
+
+class Ranks:
+    """What the ranks of ``group`` agree on where each one's own data differs (its files).
+
+    ``gather`` is an all-gather made of one ``all_sum`` (each rank fills its own row),
+    the collective every backend has. Without a group (or alone) each value is its own.
+    """
+
+    def __init__(self, group: mx.distributed.Group | None = None):
+        self.group = group if group is not None and group.size() > 1 else None
+
+    def gather(self, values: Sequence[int]) -> list[list[int]]:
+        """Every rank's ``values`` (as many on each, each within int32), rank by rank."""
+        if self.group is None:
+            return [list(values)]
+        rows = mx.zeros((self.group.size(), len(values)), mx.int32)
+        rows[self.group.rank()] = mx.array(list(values), mx.int32)
+        rows = mx.distributed.all_sum(rows, group=self.group)
+        mx.eval(rows)  # lets go of the GIL while it waits (``share``)
+        return rows.tolist()
+
+    def own(self, path: str | os.PathLike, nbytes: Any) -> tuple[Path, Any]:
+        """This rank's part of a directory ``path`` shared by ``n`` ranks and of its
+        ``nbytes`` cap: ``path/rank-<r>-of-<n>`` and ``nbytes / n`` (a bad ``nbytes``
+        stays as given, for its owner to refuse); alone, both as given."""
+        if self.group is None:
+            return Path(path), nbytes
+        r, n = self.group.rank(), self.group.size()
+        if isinstance(nbytes, int) and not isinstance(nbytes, bool) and nbytes > 0:
+            nbytes = -(-nbytes // n)
+        return Path(path) / f"rank-{r}-of-{n}", nbytes
+
+    def least(self, *values: int) -> list[int]:
+        """Each value's least over the ranks."""
+        return [min(column) for column in zip(*self.gather(values), strict=True)]

@@ -244,8 +244,6 @@ def loader(args: argparse.Namespace, group=None):
         if args.kv_memory is not None:
             footprint = probe_footprint(model, args.block_size, kv_dtype)
             num_blocks = blocks_for_memory(parse_memory(args.kv_memory), footprint)
-        if args.kv_disk_dir is not None and sharded:
-            raise ValueError("--kv-disk-dir is not yet supported under mlx.launch.")
         engine = PagedEngine(
             model,
             block_size=args.block_size,

@@ -220,6 +220,15 @@ def pool_arrays(pool: KVPool) -> list[mx.array]:
     return out
 
 
+def cache_layout(pools: dict) -> list[tuple]:
+    """What a fingerprint names of the pools (per ``LayerKind``): each group's window,
+    layers, storage dtype and quantization."""
+    return [
+        (k.window, p.num_layers, str(p.kv_dtype), p.quant and (p.quant.bits, p.quant.group_size))
+        for k, p in pools.items()
+    ]
+
+
 def fingerprint(model: nn.Module, layout: object) -> str:
     """A hex digest naming the model (type, arguments, parameter shapes, dtypes and
     samples of their values) and ``layout`` (how the cache stores it)."""

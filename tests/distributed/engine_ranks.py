@@ -20,6 +20,8 @@ mx.set_default_device(mx.cpu)
 from tiny_models import tiny_model  # noqa: E402
 
 from mlx_paged import PagedEngine  # noqa: E402
+from mlx_paged.engine import disk_tier  # noqa: E402
+from mlx_paged.engine.disk_tier import chain_keys  # noqa: E402
 from mlx_paged.engine.distributed import shard_model, share  # noqa: E402
 
 SYSTEM = list(range(1, 21))  # 20 shared tokens: 5 blocks of 4
@@ -46,6 +48,38 @@ def run(engine: PagedEngine) -> dict:
         "bytes": stats.bytes,
         "total_blocks": stats.total_blocks,
     }
+
+
+def restarts(family: str, group, root: Path, pipeline: bool = False, **tier) -> dict:
+    """The disk tier under ``group``, in four engines over one directory (``tier`` sets
+    ``disk_tier``'s ``CHECK_IN_MLX`` and ``LOAD_BATCH``): the first writes every cached
+    block; the second loads them; then rank 1's third entry is damaged, so the third
+    loads only what precedes it on every rank (rank 1 deletes its damaged file) and
+    the fourth nothing. Each engine's tokens and disk-hit tokens."""
+    saved = {name: getattr(disk_tier, name) for name in tier}
+    for name, value in tier.items():
+        setattr(disk_tier, name, value)
+    prompt, out = PROMPTS[0], {"tokens": [], "disk_hit_tokens": []}
+    for i in range(4):
+        model = shard_model(tiny_model(family), group, pipeline=pipeline)
+        engine = PagedEngine(
+            model, block_size=4, max_batch_size=4, group=group, kv_disk_dir=root,
+            kv_disk_bytes=10**8, state_snapshot_interval=4 if pipeline else None,
+        )  # fmt: skip
+        out["tokens"].append(engine.generate([prompt], 6)[0])
+        out["disk_hit_tokens"].append(engine.stats().disk_hit_tokens)
+        engine.check_invariants()
+        if i == 0:
+            engine.disk.spill_cached()
+        if i == 1 and group.rank() == 1:
+            path, offset, size = engine.disk.store.location(chain_keys(prompt, 4)[2])
+            data = bytearray(path.read_bytes())
+            data[offset + size // 2] ^= 0xFF
+            path.write_bytes(bytes(data))
+    out["dirs"] = sorted(p.name for p in root.iterdir())
+    for name, value in saved.items():
+        setattr(disk_tier, name, value)
+    return out
 
 
 def main() -> None:
@@ -76,6 +110,14 @@ def main() -> None:
         shard_model(tiny_model("gemma3_text"), group)
     except ValueError as e:
         result["refused_shard"] = str(e)
+    # The disk tier: each rank's shard in its own directory; loads agree.
+    disk_root = out_dir / "disk"  # one directory for both ranks, as on one machine
+    result["disk"] = {
+        "threads": restarts("llama", group, disk_root / "a", CHECK_IN_MLX=False),
+        "mlx": restarts("llama", group, disk_root / "b", CHECK_IN_MLX=True),
+        "runs of 2": restarts("llama", group, disk_root / "c", LOAD_BATCH=2),
+        "qwen3_5-pipeline": restarts("qwen3_5", group, disk_root / "d", pipeline=True),
+    }
     # Rank 0's requests reach every rank.
     result["shared"] = share({"prompt": PROMPTS[0], "rank": group.rank()}, group)
     # Ranks fed different requests stop at the first step, naming it.
