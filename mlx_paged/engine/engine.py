@@ -76,9 +76,8 @@ class PagedEngine:
             the prefix index evicts go to files in this directory, at most this many
             bytes, and come back when a prompt needs them, in this process or a later
             one; with them, a hybrid model's snapshots, a sliding window's blocks, and
-            cold blocks quantized. Under a ``group``, each rank keeps its shard in
-            ``<dir>/rank-<r>-of-<n>`` with ``1/n`` of the bytes, and the ranks load only
-            what every one of them has.
+            cold blocks quantized. Under a ``group``: each rank's shard in ``DIR/rank-R-of-N``
+            with 1/N of the bytes; the ranks load only what all of them have.
         state_snapshot_interval: For models with recurrent layers: a long prefill
             snapshots the recurrent state every this many tokens (a multiple of
             ``block_size``), so a later request sharing the prefix recomputes less than
@@ -148,10 +147,8 @@ class PagedEngine:
             prefill_batch_tokens,
         )
         self.runner = ModelRunner(model, layout, pools, states)
-        self.disk = None  # a disk tier, if any: ``self.disk.spill_cached()`` keeps it all
-        if kv_disk_dir is not None:
-            args = (kv_disk_dir, kv_disk_bytes, model, pools, self.scheduler, group)
-            self.disk = DiskTier.open(*args)
+        disk = (kv_disk_dir, kv_disk_bytes, model, pools, self.scheduler, group)
+        self.disk = DiskTier.open(*disk) if kv_disk_dir is not None else None  # a disk tier
         self.agreement = Agreement(group) if group is not None and group.size() > 1 else None
         self.vocab_size = vocab_size(model)
         self.clock = StepClock()  # host time per step phase (``engine/timing.py``)
