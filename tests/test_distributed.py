@@ -344,3 +344,33 @@ def test_share_waits_for_the_other_ranks_in_mx_eval(monkeypatch):
     sent = [("add", {"prompt": [1, 2, 3]})]
     assert distributed.share(sent, Pair()) == sent
     assert [(a.dtype, a.size) for a in evaluated] == [(mx.uint8, len(pickle.dumps(sent)))]
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_pipeline_stages_are_refused_where_ranks_cannot_send(monkeypatch, rank):
+    """MLX 0.32's CUDA backend raises at the first send/recv (BENCHMARKS.md run 225):
+    ``shard_model(pipeline=True)`` says so at start, not at the first forward."""
+    import mlx.core as mx
+    from tiny_models import tiny_model
+
+    from mlx_paged.engine import distributed
+
+    class Pair:  # rank ``rank`` of two
+        def size(self) -> int:
+            return 2
+
+        def rank(self) -> int:
+            return rank
+
+    def unsupported(kind: str):
+        def op(*args, **kwargs):
+            raise RuntimeError(f"{kind} has no CUDA implementation.")
+
+        return op
+
+    monkeypatch.setattr(mx.distributed, "send", unsupported("Send"))
+    monkeypatch.setattr(mx.distributed, "recv_like", unsupported("Recv"))
+    model = tiny_model("qwen3_5")
+    with pytest.raises(ValueError, match=r"pipeline stages cannot run on .*no CUDA implementation"):
+        distributed.shard_model(model, Pair(), pipeline=True)
+    assert model.model.pipeline_rank == 0 and model.model.pipeline_size == 1  # left whole

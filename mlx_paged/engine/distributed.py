@@ -39,8 +39,9 @@ def shard_model(model: nn.Module, group: mx.distributed.Group, pipeline: bool = 
 
     Raises:
         ValueError: the model has no ``shard``/``pipeline`` (its mlx-lm file cannot
-            split it that way), or its heads or layers do not divide among the
-            ranks; the message names the reason.
+            split it that way), its heads or layers do not divide among the ranks, or
+            (``pipeline``) the ranks cannot send each other arrays (``check_links``);
+            the message names the reason.
     """
     n = group.size()
     kind = getattr(getattr(model, "args", None), "model_type", type(model).__name__)
@@ -52,6 +53,7 @@ def shard_model(model: nn.Module, group: mx.distributed.Group, pipeline: bool = 
             )
         if len(inner.layers) < n:
             raise ValueError(f"{kind} has {len(inner.layers)} layers, fewer than {n} ranks.")
+        check_links(group)
         inner.pipeline(group)
         return model
     if not hasattr(model, "shard"):
@@ -68,6 +70,29 @@ def shard_model(model: nn.Module, group: mx.distributed.Group, pipeline: bool = 
     except ValueError as e:  # a weight that does not divide
         raise ValueError(f"{kind} cannot be sharded over {n} ranks: {e}") from e
     return model
+
+
+def check_links(group: mx.distributed.Group) -> None:
+    """Raise ValueError unless each rank of ``group`` can ``send`` to the next and ``recv``
+    from the one before, as pipeline stages do: MLX 0.32's CUDA backend has neither
+    ("Send has no CUDA implementation", BENCHMARKS.md run 225). The ranks trade their
+    rank numbers, even ranks sending first, so that none waits on another's send."""
+    r, n = group.rank(), group.size()
+    mine = mx.array([r], mx.int32)
+    try:
+        if r % 2 == 0:
+            mx.eval(mx.distributed.send(mine, (r + 1) % n, group=group))
+        got = mx.distributed.recv_like(mine, (r - 1) % n, group=group)
+        mx.eval(got)
+        if r % 2:
+            mx.eval(mx.distributed.send(mine, (r + 1) % n, group=group))
+    except RuntimeError as e:
+        raise ValueError(
+            f"pipeline stages cannot run on {mx.default_device()}: ranks cannot send each "
+            f"other arrays here ({e}); shard by tensor instead (no --pipeline)."
+        ) from e
+    if got.item() != (r - 1) % n:
+        raise ValueError(f"rank {r} received {got.item()} from rank {(r - 1) % n}.")
 
 
 def join_ranks(
