@@ -30,6 +30,10 @@ restarts read the files from the page cache, as a restarted server would; the
 ones after ask the kernel to drop its page cache first
 (``/proc/sys/vm/drop_caches``, root only) and say whether it could. The first
 restart pays the process's first-use work at the prompt's length.
+
+Under ``mlx.launch`` (``mlx.launch -n 2 --backend nccl -- python benchmarks/disk_tier.py
+...``) the random model is sharded by tensor across the ranks, every engine runs with the
+group, each rank keeps its shard in its own part of the directory, and rank 0 prints.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ import numpy as np
 from mlx_lm.models import llama
 
 from mlx_paged import PagedEngine
+from mlx_paged.engine.distributed import shard_model
 from mlx_paged.storage.disk import READ_THREADS
 
 
@@ -189,19 +194,28 @@ def main() -> None:
         "generations (the server moves them out after its warm-up)",
     )
     args = ap.parse_args()
+    group = mx.distributed.init()
     if args.model:
         from mlx_lm import load
 
         model, _ = load(args.model)
     else:
+        mx.random.seed(0)  # the same weights on every rank
         model = random_llama(args.shape)
+    say = print if group.rank() == 0 else (lambda *a, **k: None)
+    if group.size() > 1:
+        shard_model(model, group)
+        mx.eval(model.parameters())
     vocab = model.args.vocab_size
     rng = random.Random(0)
     prompt = [rng.randrange(vocab) for _ in range(args.tokens)]
     path = args.dir or tempfile.mkdtemp(prefix="mlx_paged_disk_")
     full = dict(prefill_step_size=args.prefill_step_size, block_size=args.block_size)
+    if group.size() > 1:
+        full["group"] = group
     kw = dict(full)
     tag = f"{args.model or args.shape} bs={args.block_size}"
+    tag += f" ranks={group.size()}" if group.size() > 1 else ""
     if args.kv_bits:
         kw.update(
             kv_bits=args.kv_bits, kv_group_size=args.kv_group_size, hot_tokens=args.hot_tokens
@@ -224,17 +238,18 @@ def main() -> None:
         spill = time.perf_counter() - start
         size, cold = first.disk.store.bytes, first.stats().cold_blocks
         del first
-        print(
+        say(
             f"{tag} {args.tokens} tokens: recompute (first engine) {recompute:.3f} s; "
             f"{written} blocks ({cold} cold, {size / 1e6:.1f} MB) written in {spill:.3f} s",
             flush=True,
         )
-        files = list(Path(path).glob("*.kv*"))  # entry files and packs
+        own = f"rank-{group.rank()}-of-{group.size()}" if group.size() > 1 else ""
+        files = list((Path(path) / own).glob("*.kv*"))  # entry files and packs
         start = time.perf_counter()
         with ThreadPoolExecutor(READ_THREADS) as pool:
             raw = sum(pool.map(lambda f: len(f.read_bytes()), files))
         fresh = raw / 1e9 / (time.perf_counter() - start)
-        print(
+        say(
             f"{tag} raw read of the {len(files)} files ({READ_THREADS} threads, page cache "
             f"kept): {fresh:.2f} GB/s into new buffers, {page_cache_rate(files):.2f} GB/s "
             "into one reused buffer (as a load reads)",
@@ -245,7 +260,7 @@ def main() -> None:
             restarted = restart(model, path, not args.no_gc_freeze, **kw)
             disk = first_token(restarted, prompt)
             tier, phases = restarted.disk, restarted.clock.seconds
-            print(
+            say(
                 f"{tag} restart {i + 1}: from disk {disk:.3f} s; "
                 f"admission {phases['admit']:.3f} s (the load in it), the first token's "
                 f"prefill {phases['prefill']:.3f} s; "
@@ -268,7 +283,7 @@ def main() -> None:
                 restarted.disk.step_blocks = 128 if steps == "128 blocks" else 1 << 62
             other = [rng.randrange(vocab) for _ in range(64)]
             ttft, gap, n = while_decoding(restarted, prompt, other)
-            print(
+            say(
                 f"{tag} from disk while another request decodes, {steps} a step: first "
                 f"token {ttft:.3f} s after {n} steps; the other's longest gap between "
                 f"tokens {gap * 1e3:.1f} ms",
@@ -277,14 +292,14 @@ def main() -> None:
             del restarted
         gc.unfreeze()
         cold = first_token(PagedEngine(model, **kw), prompt)
-        print(
+        say(
             f"{tag} recompute (engine without the tier) {cold:.3f} s; last from disk "
             f"{disk / min(recompute, cold):.3f}x of the faster recompute",
             flush=True,
         )
         if args.kv_bits:
             plain = first_token(PagedEngine(model, **full), prompt)
-            print(
+            say(
                 f"{tag} recompute at full precision (no cold tier) {plain:.3f} s; last from "
                 f"disk {disk / plain:.3f}x of it",
                 flush=True,
