@@ -12,7 +12,9 @@ from .cache import (
     PagedBatchKVCache,
     PagedKVCache,
     install_paged_cache,
+    load_prefix,
     make_paged_cache,
+    save_prefix,
     uninstall_paged_cache,
 )
 from .engine import EngineStats, Event, PagedEngine
@@ -28,7 +30,9 @@ __all__ = [
     "PoolExhaustedError",
     "PrefixIndex",
     "install_paged_cache",
+    "load_prefix",
     "make_paged_cache",
+    "save_prefix",
     "uninstall_paged_cache",
 ]
 

@@ -2,6 +2,7 @@
 
 from .batch import DecodeBatch, StepPagedKVCache
 from .batch_cache import PagedBatchKVCache
+from .disk_prefix import load_prefix, save_prefix
 from .layout import (
     PagedLayout,
     install_paged_cache,
@@ -20,7 +21,9 @@ __all__ = [
     "StepPagedKVCache",
     "StepStateCache",
     "install_paged_cache",
+    "load_prefix",
     "make_paged_cache",
     "make_pools",
+    "save_prefix",
     "uninstall_paged_cache",
 ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from mlx_lm.models.cache import CacheList
 from ..attention import route_attention
 from ..blocks import LayerKind, check_block_size
 from ..storage import KVPool, KVQuant, check_kv_dtype, check_kv_quant
+from .disk_prefix import open_disk
 from .families import SINK_TOKENS, attention_reads_kv_directly, classify, default_caches, model_type
 from .paged import PagedKVCache
 from .sinks import PagedSinkKVCache
@@ -29,6 +31,8 @@ def make_paged_cache(
     kv_bits: int | None = None,
     kv_group_size: int = 64,
     hot_tokens: int = 256,
+    kv_disk_dir: str | os.PathLike | None = None,
+    kv_disk_bytes: int | None = None,
 ) -> list[Any]:
     """Build ``model``'s prompt cache with every attention layer paged.
 
@@ -60,15 +64,25 @@ def make_paged_cache(
             head dim).
         hot_tokens: The tokens at the end of every sequence that always stay in
             full precision.
+        kv_disk_dir, kv_disk_bytes: A directory of prompt prefixes on disk, at most
+            this many bytes of files (least recently used go first): ``save_prefix``
+            writes the cache's blocks there, and ``load_prefix`` fills a new cache
+            from them (``cache/disk_prefix.py``). Shared with ``PagedEngine``'s disk
+            tier for the same model and settings. Attention-only models without
+            ``max_kv_size``; the directory is indexed when first opened here.
 
     Raises:
         ValueError: for a bad ``block_size``/``num_blocks``/``max_kv_size``/
             ``kv_dtype`` (not a floating dtype)/``kv_bits``/``kv_group_size``/
-            ``hot_tokens``, or a cache layout mlx_paged cannot page (the message
-            names the model type).
+            ``hot_tokens``/``kv_disk_bytes``, a cache layout mlx_paged cannot page
+            (the message names the model type), or a disk directory for a model
+            with recurrent layers or a ``max_kv_size``.
     """
     quant = check_kv_quant(kv_bits, kv_group_size, hot_tokens)
     layout, pools = _pools(model, block_size, num_blocks, kv_dtype, max_kv_size, quant)
+    if kv_disk_dir is not None or kv_disk_bytes is not None:
+        _check_disk(layout, kv_disk_dir, kv_disk_bytes)
+        open_disk(model, pools, kv_disk_dir, kv_disk_bytes)
     return layout.bind(pools, {kind: pool.new_table() for kind, pool in pools.items()})
 
 
@@ -112,6 +126,25 @@ def uninstall_paged_cache(model: nn.Module) -> None:
     """Undo ``install_paged_cache``: mlx-lm builds the model's own caches again."""
     if hasattr(getattr(model, "make_cache", None), "pools"):
         del model.make_cache
+
+
+def _check_disk(layout: PagedLayout, path: object, nbytes: object) -> None:
+    """Refuse a disk directory ``make_paged_cache`` cannot keep prefixes in."""
+    if path is None:
+        raise ValueError("kv_disk_bytes needs kv_disk_dir, the directory to write to.")
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
+        raise ValueError(f"kv_disk_bytes must be a positive int (bytes), got {nbytes!r}.")
+    if layout.entries:
+        raise ValueError(
+            f"{layout.family} keeps recurrent state, which make_paged_cache's disk "
+            "prefixes do not hold; serve it with PagedEngine or mlx_paged.server, whose "
+            "disk tier keeps state snapshots."
+        )
+    if any(kind.keep for kind in layout.counts):
+        raise ValueError(
+            f"{layout.family}: layers that keep their first tokens (max_kv_size) "
+            "cannot keep prefixes on disk; leave max_kv_size unset."
+        )
 
 
 def _pools(

@@ -74,7 +74,7 @@ class PagedKVCache(PagedLayerCache, KVCache):
         if self.layer == 0 and self.pool.quant is not None:  # between steps: due blocks go cold
             self.pool.maybe_migrate([self.table])
         self.pool.write_prefill(self.table, self.layer, keys, values)
-        lo = _read_start(start, self.window, self.pool.block_size)
+        lo = read_start(start, self.window, self.pool.block_size)
         n, end = keys.shape[2], self.offset
         view = _in_place_view(self.pool, self.table, self.layer, n, lo, end)
         if view is not None:
@@ -275,7 +275,7 @@ class PagedKVCache(PagedLayerCache, KVCache):
         return self.pool.gather_visible(self.table, self.layer)
 
 
-def _read_start(offset: int, window: int | None, block_size: int) -> int:
+def read_start(offset: int, window: int | None, block_size: int) -> int:
     """First token a layer with ``window`` reads for queries from ``offset``: the start of
     the block holding the oldest key they see."""
     if window is None:
@@ -302,7 +302,7 @@ def _window_mask(
     (from the start of the block holding the oldest key they see)."""
     # A wider window sees no more: the layer holds no keys older than its own.
     seen = min(window_size or window, window)
-    before = offset - _read_start(offset, window, block_size)  # keys older than the queries
+    before = offset - read_start(offset, window, block_size)  # keys older than the queries
     if not as_array and before + n <= seen:
         return None if n == 1 else "causal"
     return create_causal_mask(n, before, window_size=seen)

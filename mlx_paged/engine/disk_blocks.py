@@ -1,17 +1,17 @@
-"""The disk tier's keys and the tables a load fills: functions of the index and the pools.
+"""The disk tier's tables and reads: functions of the index and the pools.
 
-A block's key hashes its parent's key and its own tokens (``chain_keys``), so one
-key names a whole prefix; ``KeyChain`` reuses the keys of the last tokens asked
-about. A load takes fresh blocks (``take_blocks``) into tables that hold
-memory's blocks before them (``pinned_tables``); ``parked``
-lists what ``spill_cached`` writes; ``read_ahead`` reads a load's files in runs,
-ahead of the pool writes; ``stage`` starts a run's copy into MLX on a stream of its
-own, and ``Writes`` keeps one run's pool writes in flight beside the next copy.
+A block's key hashes its parent's key and its own tokens (``chain_keys``, in
+``storage/disk_entries.py`` with the other entry helpers), so one key names a
+whole prefix; ``KeyChain`` reuses the keys of the last tokens asked about. A
+load takes fresh blocks (``new_blocks``) into tables that hold memory's blocks
+before them (``pinned_tables``); ``parked`` lists what ``spill_cached`` writes;
+``read_ahead`` reads a load's files in runs, ahead of the pool writes; ``stage``
+starts a run's copy into MLX on a stream of its own, and ``Writes`` keeps one
+run's pool writes in flight beside the next copy.
 """
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -20,11 +20,11 @@ from concurrent.futures import Future
 import mlx.core as mx
 import numpy as np
 
-from ..blocks import COLD, BlockTable, LayerKind, is_cold
+from ..blocks import BlockTable, LayerKind
 from ..blocks.prefix_index import PrefixIndex, spill_parked
 from ..storage import KVPool, StatePool
 from ..storage.disk import DiskStore
-from ..storage.disk_entries import Entries, host_state, pool_arrays, run_blocks
+from ..storage.disk_entries import Entries, chain_keys, host_state, pool_arrays, run_blocks
 from ..storage.disk_format import Run
 from .distributed import Ranks
 
@@ -42,17 +42,6 @@ def parked(index: PrefixIndex) -> list[tuple[list[int], list[int], int | None]]:
     finally:
         index.on_spill = hook
     return found
-
-
-def chain_keys(tokens: Sequence[int], block_size: int, parent: str = "") -> list[str]:
-    """The key of each full block of ``tokens``: a hash of its parent's key and its tokens
-    (``parent``: the key of the block before ``tokens``, if they do not start a prompt)."""
-    keys, parent = [], bytes.fromhex(parent)
-    for lo in range(0, len(tokens) // block_size * block_size, block_size):
-        block = np.asarray(tokens[lo : lo + block_size], dtype=np.int64).tobytes()
-        parent = hashlib.blake2b(parent + block, digest_size=20).digest()
-        keys.append(parent.hex())
-    return keys
 
 
 class KeyChain:
@@ -83,42 +72,6 @@ class KeyChain:
         return self.keys(tokens)[-1]
 
 
-def take_blocks(
-    pool: KVPool, table: BlockTable, at: int, n: int, cold: bool | None
-) -> list[int] | None:
-    """``n`` new blocks (cold ones for quantized entries) at token ``at`` of ``table``;
-    ``None`` when the pool cannot free them. Entries without this group's blocks (a
-    sliding window's, given back before the spill) leave the table empty past them."""
-    bs = pool.block_size
-    if cold is None:
-        pool.release(table)
-        table.first = at // bs + n
-        return []
-    if cold:
-        slots = pool.blocks.cold.allocate(n)
-        if slots is None:
-            return None
-        table.blocks.extend(c + COLD for c in slots)
-    else:
-        if not pool.blocks.can_allocate(n):
-            return None
-        pool.reserve(table, at, at + n * bs)
-    lo = at // bs - table.first
-    return table.blocks[lo : lo + n]
-
-
-def make_room(pool: KVPool, cold: bool | None, entries: int, blocks: int) -> None:
-    """Grow a full-attention group's growable pool once for a load of ``entries`` that
-    ``take_blocks`` takes run by run: its cold tier by ``entries`` for cold ones, else
-    by the ``blocks`` the prompt still needs."""
-    if cold is None:
-        return
-    if cold:
-        pool.blocks.cold.make_room(entries)
-    else:
-        pool.make_room(blocks)
-
-
 def pinned_tables(
     groups: dict[LayerKind, KVPool], path: list[list[int | None]], have: int
 ) -> dict[LayerKind, BlockTable]:
@@ -143,11 +96,6 @@ def leading(ok: mx.array, n: int) -> int:
         return n
     bad = np.flatnonzero(~np.array(ok))
     return int(bad[0]) if bad.size else n
-
-
-def tiers(blocks: Sequence[int | None]) -> tuple[bool | None, ...]:
-    """Per group: whether the block is cold, or ``None`` for none."""
-    return tuple(None if b is None else is_cold(b) for b in blocks)
 
 
 def read_ahead(

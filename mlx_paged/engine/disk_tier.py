@@ -58,9 +58,13 @@ from ..storage.disk import DiskStore
 from ..storage.disk_entries import (
     block_parts,
     cache_layout,
+    chain_keys,
     fingerprint,
+    make_room,
+    new_blocks,
     pool_arrays,
     state_parts,
+    tiers,
     to_host,
     write_blocks,
 )
@@ -71,15 +75,11 @@ from .disk_blocks import (
     KeyChain,
     Writes,
     agreed_run,
-    chain_keys,
     load_snapshot,
-    make_room,
     parked,
     pinned_tables,
     read_ahead,
     stage,
-    take_blocks,
-    tiers,
 )
 from .distributed import Ranks
 from .scheduler import Scheduler
@@ -307,7 +307,7 @@ class DiskTier:
                     if k.window is None:
                         make_room(groups[k], c, len(keys), -(-len(tokens) // bs) - have + 1)
             ids = [
-                take_blocks(groups[k], tables[k], end, len(run), c)
+                new_blocks(groups[k], tables[k], end, len(run), c)
                 for k, c in zip(kinds, cold, strict=True)
             ]
             if None in ids:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from functools import lru_cache
 
@@ -21,7 +21,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from ..blocks import COLD
+from ..blocks import COLD, BlockTable, is_cold
 from .disk_format import Run
 from .kv_pool import KVPool
 from .states import State, StatePool
@@ -56,6 +56,59 @@ def block_parts(
                     names.append(f"{g}.{layer}.{which}.{dtype_name(x.dtype)}.{model}")
                     parts.append(x[at])
     return names, parts
+
+
+def chain_keys(tokens: Sequence[int], block_size: int, parent: str = "") -> list[str]:
+    """The key of each full block of ``tokens``: a hash of its parent's key and its tokens
+    (``parent``: the key of the block before ``tokens``, if they do not start a prompt)."""
+    keys, parent = [], bytes.fromhex(parent)
+    for lo in range(0, len(tokens) // block_size * block_size, block_size):
+        block = np.asarray(tokens[lo : lo + block_size], dtype=np.int64).tobytes()
+        parent = hashlib.blake2b(parent + block, digest_size=20).digest()
+        keys.append(parent.hex())
+    return keys
+
+
+def tiers(blocks: Sequence[int | None]) -> tuple[bool | None, ...]:
+    """Per group: whether the block is cold, or ``None`` for none."""
+    return tuple(None if b is None else is_cold(b) for b in blocks)
+
+
+def new_blocks(
+    pool: KVPool, table: BlockTable, at: int, n: int, cold: bool | None
+) -> list[int] | None:
+    """``n`` new blocks (cold ones for quantized entries) at token ``at`` of ``table``, for
+    a load to write; ``None`` when the pool cannot free them. Entries without this group's
+    blocks (a sliding window's, given back before the spill) leave the table empty past
+    them."""
+    bs = pool.block_size
+    if cold is None:
+        pool.release(table)
+        table.first = at // bs + n
+        return []
+    if cold:
+        slots = pool.blocks.cold.allocate(n)
+        if slots is None:
+            return None
+        table.blocks.extend(c + COLD for c in slots)
+    else:
+        if not pool.blocks.can_allocate(n):
+            return None
+        pool.reserve(table, at, at + n * bs)
+    lo = at // bs - table.first
+    return table.blocks[lo : lo + n]
+
+
+def make_room(pool: KVPool, cold: bool | None, entries: int, blocks: int) -> None:
+    """Grow a full-attention group's growable pool once for a load of ``entries`` that
+    ``new_blocks`` takes run by run: its cold tier by ``entries`` for cold ones, else
+    by the ``blocks`` the prompt still needs."""
+    if cold is None:
+        return
+    if cold:
+        pool.blocks.cold.make_room(entries)
+    else:
+        pool.make_room(blocks)
 
 
 def state_parts(state: State) -> tuple[list[str], list[mx.array]]:

@@ -1,0 +1,246 @@
+"""Prompt prefixes on disk for the caches ``make_paged_cache`` builds.
+
+``make_paged_cache(model, kv_disk_dir=..., kv_disk_bytes=...)`` opens a
+``DiskStore`` (``storage/disk.py``) named by the model and the cache's layout,
+one per directory and name in a process, which every cache made so shares.
+mlx-lm's caches never see token ids, so the caller names the prefix:
+
+- ``save_prefix(cache, tokens)`` writes each full block of ``tokens`` that the
+  cache holds and the directory lacks: one entry per block, every layer of
+  every group, under the hash chain of its prefix's tokens (``chain_keys``).
+  These are the entries and keys ``PagedEngine``'s disk tier writes, so a
+  server's directory serves these caches and the other way round, for the same
+  model, block size, storage dtype and cold tier.
+- ``load_prefix(cache, tokens)`` fills an empty cache with the longest prefix of
+  ``tokens`` on disk, in whole blocks, leaving at least one token for the model
+  to run, and returns how many tokens it loaded: the caller runs the rest.
+
+A sliding-window group's blocks are in an entry while the cache held them at
+the save; a load ends where a window's blocks are missing. Files are checked as
+the engine's are: a bad one is deleted with a log line and ends the load there.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import CacheList
+
+from ..blocks import HOLE, BlockTable, LayerKind
+from ..storage import KVPool
+from ..storage.disk import DiskStore
+from ..storage.disk_entries import (
+    block_parts,
+    cache_layout,
+    chain_keys,
+    fingerprint,
+    make_room,
+    new_blocks,
+    pool_arrays,
+    run_blocks,
+    tiers,
+    to_host,
+    write_blocks,
+)
+from .paged import PagedKVCache, read_start
+
+__all__ = ["load_prefix", "open_disk", "save_prefix"]
+
+#: Most bytes of entries a load reads at once.
+LOAD_BYTES = 128 << 20
+
+# One store per directory and fingerprint in this process, so that what one cache
+# saves, the next one finds; and each pool's disk.
+_STORES: weakref.WeakValueDictionary[tuple[Path, str], DiskStore] = weakref.WeakValueDictionary()
+_DISKS: weakref.WeakKeyDictionary[KVPool, _Disk] = weakref.WeakKeyDictionary()
+
+
+@dataclass
+class _Disk:
+    """A cache layout's store: its groups' kinds and pools, in the entries' order."""
+
+    store: DiskStore
+    kinds: list[LayerKind]
+    pools: list[KVPool]
+
+
+def open_disk(
+    model: nn.Module,
+    pools: dict[LayerKind, KVPool],
+    path: str | os.PathLike,
+    max_bytes: int,
+) -> None:
+    """Give ``pools`` (``make_paged_cache``'s) the store over ``path`` for this model and
+    layout, at most ``max_bytes`` of files."""
+    kinds = list(pools)
+    block_size = pools[kinds[0]].block_size
+    name = fingerprint(model, (block_size, cache_layout(pools)))
+    where = (Path(path).expanduser().resolve(), name)
+    store = _STORES.get(where)
+    if store is None:
+        store = _STORES[where] = DiskStore(where[0], max_bytes, name)
+    store.max_bytes = max_bytes
+    disk = _Disk(store, kinds, [pools[k] for k in kinds])
+    for pool in disk.pools:
+        _DISKS[pool] = disk
+
+
+def save_prefix(cache: list[Any], tokens: Sequence[int]) -> int:
+    """Write the full blocks of ``tokens`` that ``cache`` holds to its disk directory,
+    skipping those already there, and wait for the writes.
+
+    Args:
+        cache: A cache list from ``make_paged_cache(..., kv_disk_dir=...)``.
+        tokens: The tokens the cache holds, from its first (the prompt, or the prompt
+            and what was generated); only those it holds are saved.
+
+    Returns:
+        How many leading tokens of ``tokens`` the directory now holds (whole blocks; 0
+        when the directory cannot be written).
+
+    Raises:
+        ValueError: for a cache without a disk directory, or tokens that are not ints.
+    """
+    disk, tables = _disk_of(cache, "save_prefix")
+    tokens = _token_ids(tokens, "save_prefix")
+    store, bs = disk.store, disk.pools[0].block_size
+    held = min(min(t.lengths) for t in tables)
+    keys = chain_keys(tokens[: min(len(tokens), held)], bs)
+    rows = [(key, [_block(t, i) for t in tables]) for i, key in enumerate(keys)]
+    by_tier: dict[tuple[bool | None, ...], list[tuple[str, list]]] = {}
+    for key, row in rows:
+        if key not in store:
+            by_tier.setdefault(tiers(row), []).append((key, row))
+    for cold, same in by_tier.items():
+        got = block_parts(disk.pools, cold, [row for _, row in same])
+        if got is not None:
+            store.put_many_later(list(zip([k for k, _ in same], to_host(*got), strict=True)))
+    store.flush()
+    return store.leading(keys) * bs
+
+
+def load_prefix(cache: list[Any], tokens: Sequence[int]) -> int:
+    """Load the longest prefix of ``tokens`` that ``cache``'s disk directory holds into
+    the empty ``cache``, in whole blocks and short of the last token.
+
+    Run the model on ``tokens[n:]`` next (``n`` the return value), e.g.
+    ``mlx_lm.generate(model, tokenizer, tokens[n:], prompt_cache=cache)``.
+
+    Returns:
+        The tokens loaded (0 when the disk has none of the prefix, or the pool, of a
+        fixed ``num_blocks``, has no room).
+
+    Raises:
+        ValueError: for a cache without a disk directory or one that holds tokens, or
+            tokens that are not ints.
+    """
+    disk, tables = _disk_of(cache, "load_prefix")
+    tokens = _token_ids(tokens, "load_prefix")
+    if any(t.end or t.blocks for t in tables):
+        raise ValueError(
+            "load_prefix fills an empty cache; this one holds tokens. "
+            "Make a new one with make_paged_cache."
+        )
+    store, pools, bs = disk.store, disk.pools, disk.pools[0].block_size
+    keys = chain_keys(tokens[: (len(tokens) - 1) // bs * bs], bs)
+    keys = keys[: store.leading(keys)]
+    windows = [k.window for k in disk.kinds]
+    held: list[list[bool]] = [[] for _ in tables]  # per group and block: whether loaded
+    while len(held[0]) < len(keys):
+        at = len(held[0])
+        size = store.size(keys[at]) or 1
+        run = store.read_run(keys[at : at + max(1, LOAD_BYTES // size)])
+        staged = run and run_blocks(pools, windows, run)
+        if not staged:
+            break
+        entries, cold, _ = staged  # the store's threads checked every file
+        if at == 0:  # the whole load's room at once: each growth copies the pool
+            for pool, c in zip(pools, cold, strict=True):
+                make_room(pool, c, len(keys), len(keys))
+        room = zip(pools, tables, cold, strict=True)
+        ids = [new_blocks(pool, table, at * bs, len(run), c) for pool, table, c in room]
+        if None in ids:
+            break  # a fixed pool without room for more
+        for g, (pool, c) in enumerate(zip(pools, cold, strict=True)):
+            if c is not None:
+                write_blocks(pool, g, ids[g], entries, c)
+                held[g] += [True] * len(run)
+            else:  # a window's blocks missing: its table gave back the ones before too
+                held[g] = [False] * (len(held[g]) + len(run))
+        mx.eval([a for p in pools for a in pool_arrays(p)])
+        store.hit(len(run))
+    store.close_files()
+    return _settle(pools, tables, windows, held)
+
+
+def _settle(
+    pools: list[KVPool], tables: list[BlockTable], windows: list[int | None], held: list[list]
+) -> int:
+    """End a load at the last block after which every window group's table holds the
+    blocks its next query reads (``held``: per group and block, whether it does); give
+    back the blocks past it. Returns the tokens kept."""
+    bs, n = pools[0].block_size, len(held[0])
+    while n and any(
+        w is not None and not all(h[read_start(n * bs, w, bs) // bs : n])
+        for w, h in zip(windows, held, strict=True)
+    ):
+        n -= 1
+    for pool, table in zip(pools, tables, strict=True):
+        if n == 0:
+            pool.release(table)
+            continue
+        table.lengths[:] = [n * bs] * len(table.lengths)
+        pool.truncate(table, 0, n * bs)
+        table.version += 1
+    return n * bs
+
+
+def _block(table: BlockTable, i: int) -> int | None:
+    """Block ``i`` of ``table`` (by position), or ``None`` where the table gave it back."""
+    j = i - table.first
+    if 0 <= j < len(table.blocks) and table.blocks[j] != HOLE:
+        return table.blocks[j]
+    return None
+
+
+def _disk_of(cache: list[Any], what: str) -> tuple[_Disk, list[BlockTable]]:
+    """The disk of ``cache``'s pools, and its table per group in the entries' order."""
+    tables: dict[int, BlockTable] = {}
+    disk = None
+    for c in _flat(cache if isinstance(cache, list | tuple) else []):
+        if isinstance(c, PagedKVCache):
+            disk = _DISKS.get(c.pool)
+            tables[id(c.pool)] = c.table
+    if disk is None:
+        raise ValueError(
+            f"{what} needs a cache from make_paged_cache(model, kv_disk_dir=..., "
+            "kv_disk_bytes=...)."
+        )
+    return disk, [tables[id(p)] for p in disk.pools]
+
+
+def _flat(caches: Sequence[Any]) -> list[Any]:
+    out = []
+    for c in caches:
+        out += _flat(c.caches) if isinstance(c, CacheList) else [c]
+    return out
+
+
+def _token_ids(tokens: Sequence[int], what: str) -> list[int]:
+    """``tokens`` as a list of ints (a list, an ``mx.array`` or numpy array of ids)."""
+    if hasattr(tokens, "tolist"):
+        tokens = tokens.tolist()
+    try:
+        out = list(tokens)
+    except TypeError:
+        out = None
+    if out is None or not all(isinstance(t, int) and not isinstance(t, bool) for t in out):
+        raise ValueError(f"{what}: tokens must be a sequence of token ids (ints).")
+    return out
