@@ -73,7 +73,8 @@ def test_reads_keep_descriptors_open_until_the_file_goes_or_they_are_closed(tmp_
     assert list(held) == [f"{FP}-a1.kv"]
     fd = held[f"{FP}-a1.kv"].fd
     assert same(store.get("a1"), arrays(1)) and held[f"{FP}-a1.kv"].fd == fd  # kept
-    store.close_files()
+    store.close_files()  # on the background thread
+    store.flush()
     assert not held
     with pytest.raises(OSError):
         os.fstat(fd)  # closed
@@ -81,6 +82,7 @@ def test_reads_keep_descriptors_open_until_the_file_goes_or_they_are_closed(tmp_
     assert same(store.get("b2"), arrays(1))
     (tmp_path / f"{FP}-b2.kv").unlink()
     store.close_files()
+    store.flush()
     assert store.get("b2") is None and "b2" not in store
     # A file the store drops (here: the cap) closes its descriptor.
     assert store.get("a1") is not None and list(held) == [f"{FP}-a1.kv"]

@@ -194,11 +194,13 @@ class DiskTier:
         return self.store.counts["writes"] - before
 
     def rehearse(self) -> bool:
-        """Make (and pin) the staging buffers, and run a spill's and a load's MLX work once
-        on a cached block, writing no file, so that a fresh process does neither during
-        its first load (the block is rewritten with its own bytes); whether there was a
-        block to do it on."""
+        """Make (and pin) the staging buffers, start the reading threads, and run a spill's
+        and a load's MLX work once on a cached block, writing no file, so that a fresh
+        process does none of it during its first load (the block is rewritten with its own
+        bytes); whether there was a block to do it on."""
         self.staging.reserve(LOAD_BYTES)
+        self.store.start_threads()
+        list(self._reader.map(time.sleep, [0.001] * READS_AHEAD))
         found = parked(self.scheduler.index)
         blocks = found[0][1] if found else None
         cold = tiers(blocks or ())

@@ -175,7 +175,7 @@ def make_request(
     """
     if not tokens:
         raise ValueError("the prompt is empty; give at least one token.")
-    check_tokens(tokens, vocab)
+    plain = check_tokens(tokens, vocab)
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens <= 0:
         raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}.")
     logprobs = settings.get("logprobs")
@@ -183,7 +183,6 @@ def make_request(
         isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0
     ):
         raise ValueError(f"logprobs must be None or an int >= 0, got {logprobs!r}.")
-    plain = check_tokens(tokens, vocab)
     return Request(uid, list(tokens) if plain else [int(t) for t in tokens], max_tokens, **settings)
 
 

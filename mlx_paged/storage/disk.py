@@ -166,7 +166,8 @@ class DiskStore:
         self._later.put(partial(self._write_many, list(items)), done)
 
     def flush(self) -> None:
-        """Wait until every ``put_later`` is written (or dropped, if the store turned off)."""
+        """Wait until every ``put_later`` is written (or dropped, if the store turned off),
+        and every other job queued on the background thread is done."""
         self._later.join()
 
     # ---- reads ------------------------------------------------------------
@@ -233,8 +234,15 @@ class DiskStore:
         return Run(data[:n], specs, payload, checked=payloads)
 
     def close_files(self) -> None:
-        """Close the descriptors reads keep open (``OpenFiles``), e.g. after a load."""
-        self._files.clear()
+        """Close the descriptors reads keep open (``OpenFiles``), e.g. after a load, on the
+        background thread: closing them can take milliseconds the caller need not wait."""
+        self._later.put(self._files.clear)
+
+    def start_threads(self) -> None:
+        """Start the reader and writer threads now (a warm-up), not in the first load."""
+        barrier = threading.Barrier(READ_THREADS)
+        list(self._readers.map(lambda _: barrier.wait(), range(READ_THREADS)))
+        self._later.put(lambda: None)
 
     def hit(self, n: int) -> None:
         """Count ``n`` entries of a ``read_run`` that the caller found good and used."""
