@@ -31,6 +31,12 @@ ones after ask the kernel to drop its page cache first
 (``/proc/sys/vm/drop_caches``, root only) and say whether it could. The first
 restart pays the process's first-use work at the prompt's length.
 
+With ``--cache`` it times ``make_paged_cache``'s disk prefixes instead of the engine's
+tier: mlx-lm's ``generate_step`` runs the prompt on mlx-lm's own cache (the baseline) and
+on a paged cache with ``kv_disk_dir``, which ``save_prefix`` writes; then, as a new
+process would (the store's registry emptied), a new cache is opened, ``load_prefix``
+fills it and ``generate_step`` runs the rest to the first token.
+
 Under ``mlx.launch`` (``mlx.launch -n 2 --backend nccl -- python benchmarks/disk_tier.py
 ...``) the random model is sharded by tensor across the ranks, every engine runs with the
 group, each rank keeps its shard in its own part of the directory, and rank 0 prints.
@@ -173,6 +179,56 @@ def restart(model, path: str, freeze: bool, **kw) -> PagedEngine:
     return engine
 
 
+def cache_restarts(model, prompt: list[int], path: str, block_size: int, n: int) -> None:
+    """``make_paged_cache``'s ``save_prefix`` and ``load_prefix`` against mlx-lm's own cache."""
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlx_paged import load_prefix, make_paged_cache, save_prefix
+    from mlx_paged.cache import disk_prefix
+
+    def first(toks: list[int], cache: list) -> float:
+        start = time.perf_counter()
+        next(generate_step(mx.array(toks), model, prompt_cache=cache))  # its .item() waits
+        return time.perf_counter() - start
+
+    def opened() -> list:
+        return make_paged_cache(
+            model, block_size=block_size, kv_disk_dir=path, kv_disk_bytes=10**12
+        )
+
+    tag = f"make_paged_cache bs={block_size} {len(prompt)} tokens"
+    first(prompt[:2100], make_prompt_cache(model))  # first-use work at a short length
+    dense = first(prompt, make_prompt_cache(model))
+    cache = opened()
+    paged = first(prompt, cache)
+    start = time.perf_counter()
+    saved = save_prefix(cache, prompt)
+    print(
+        f"{tag}: mlx-lm's cache {dense:.3f} s, paged {paged:.3f} s to the first token; "
+        f"save_prefix wrote {saved} tokens in {time.perf_counter() - start:.3f} s",
+        flush=True,
+    )
+    del cache
+    for i in range(n):
+        disk_prefix._STORES.clear()  # what a new process sees
+        gc.collect()
+        start = time.perf_counter()
+        cache = opened()
+        opening = time.perf_counter() - start
+        start = time.perf_counter()
+        loaded = load_prefix(cache, prompt)
+        load = time.perf_counter() - start
+        rest = first(prompt[loaded:], cache)
+        print(
+            f"{tag} restart {i + 1}: opening the directory {opening:.3f} s; load_prefix "
+            f"{loaded} tokens {load:.3f} s; the rest to the first token {rest:.3f} s; "
+            f"from disk {load + rest:.3f} s = {(load + rest) / dense:.3f}x of mlx-lm's cache",
+            flush=True,
+        )
+        del cache
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="mlx-lm model directory (default: --shape)")
@@ -187,6 +243,9 @@ def main() -> None:
     ap.add_argument("--kv-bits", type=int, choices=(4, 8), default=None, help="a cold tier's bits")
     ap.add_argument("--kv-group-size", type=int, default=64)
     ap.add_argument("--hot-tokens", type=int, default=256)
+    ap.add_argument(
+        "--cache", action="store_true", help="time make_paged_cache's save_prefix/load_prefix"
+    )
     ap.add_argument(
         "--no-gc-freeze",
         action="store_true",
@@ -210,6 +269,13 @@ def main() -> None:
     rng = random.Random(0)
     prompt = [rng.randrange(vocab) for _ in range(args.tokens)]
     path = args.dir or tempfile.mkdtemp(prefix="mlx_paged_disk_")
+    if args.cache:
+        try:
+            cache_restarts(model, prompt, path, args.block_size, args.restarts)
+        finally:
+            if args.dir is None:
+                shutil.rmtree(path, ignore_errors=True)
+        return
     full = dict(prefill_step_size=args.prefill_step_size, block_size=args.block_size)
     if group.size() > 1:
         full["group"] = group
