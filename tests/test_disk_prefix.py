@@ -161,6 +161,29 @@ def test_a_prefix_the_engine_spilled_loads_into_a_cache(tmp_path):
     assert mx.allclose(got, want, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("in_mlx", [False, True], ids=["threads", "mlx"])
+def test_a_damaged_file_ends_the_load_before_it_and_goes(tmp_path, monkeypatch, in_mlx):
+    monkeypatch.setattr(disk_prefix, "CHECK_IN_MLX", in_mlx)
+    model, prompt = model_of("llama"), tokens(45, seed=9)
+    saved = paged(model, tmp_path)
+    forward(model, prompt[:16], saved)
+    assert save_prefix(saved, prompt) == 16  # one file of 2 entries
+    forward(model, prompt[16:], saved)
+    assert save_prefix(saved, prompt) == 40  # and one of the other 3
+    late = max(tmp_path.iterdir(), key=lambda f: f.stat().st_size)
+    data = bytearray(late.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # the second of its 3 entries' arrays
+    late.write_bytes(bytes(data))
+    restart()
+    cache = paged(model, tmp_path)
+    assert load_prefix(cache, prompt) == 24  # 2 blocks, then the first good entry of 3
+    assert not late.exists()  # deleted with a log line
+    got = forward(model, prompt[24:], cache)
+    want = forward(model, prompt, make_prompt_cache(model))
+    assert mx.allclose(got, want, atol=1e-4, rtol=1e-4)
+    assert load_prefix(paged(model, tmp_path), prompt) == 16  # the damaged file is gone
+
+
 def test_another_model_or_block_size_never_hits(tmp_path):
     model, prompt = model_of("llama"), tokens(45, seed=6)
     saved = paged(model, tmp_path)

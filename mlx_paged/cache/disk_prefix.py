@@ -25,7 +25,9 @@ from __future__ import annotations
 import os
 import weakref
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import cache, partial
 from pathlib import Path
 from typing import Any
 
@@ -49,12 +51,19 @@ from ..storage.disk_entries import (
     to_host,
     write_blocks,
 )
+from ..storage.disk_runs import leading, read_ahead
+from ..storage.pinned import Staging
 from .paged import PagedKVCache, read_start
 
 __all__ = ["load_prefix", "open_disk", "save_prefix"]
 
-#: Most bytes of entries a load reads at once.
-LOAD_BYTES = 128 << 20
+#: Most entries, and bytes of them, a load reads at once (a staging buffer's size) ...
+LOAD_BATCH, LOAD_BYTES = 256, 128 << 20
+#: ... and how many such runs it reads ahead of the one it writes into the pool.
+READS_AHEAD = 2
+#: Where a load checks its entries' word sums: in MLX, where the arrays go (``True``), or
+#: on the store's reader threads (``False``); ``None``: in MLX on a GPU (as the engine).
+CHECK_IN_MLX: bool | None = None
 
 # One store per directory and fingerprint in this process, so that what one cache
 # saves, the next one finds; and each pool's disk.
@@ -153,14 +162,23 @@ def load_prefix(cache: list[Any], tokens: Sequence[int]) -> int:
     keys = keys[: store.leading(keys)]
     windows = [k.window for k in disk.kinds]
     held: list[list[bool]] = [[] for _ in tables]  # per group and block: whether loaded
-    while len(held[0]) < len(keys):
+    loads = _loads()
+    in_mlx = mx.default_device() == mx.gpu if CHECK_IN_MLX is None else CHECK_IN_MLX
+
+    def read(run_keys: list[str], i: int) -> Future:
+        out = partial(loads.staging.buffer, i)
+        return loads.reader.submit(store.read_run, run_keys, out, payloads=not in_mlx)
+
+    def most(key: str) -> int:
+        return max(1, min(LOAD_BATCH, LOAD_BYTES // (store.size(key) or 1)))
+
+    seconds = {"load_wait": 0.0}
+    for run in read_ahead(keys, None, most, read, READS_AHEAD, seconds):
         at = len(held[0])
-        size = store.size(keys[at]) or 1
-        run = store.read_run(keys[at : at + max(1, LOAD_BYTES // size)])
-        staged = run and run_blocks(pools, windows, run)
-        if not staged:
+        staged = run_blocks(pools, windows, run, loads.staging.to_mlx)
+        if staged is None:
             break
-        entries, cold, _ = staged  # the store's threads checked every file
+        entries, cold, ok = staged
         if at == 0:  # the whole load's room at once: each growth copies the pool
             for pool, c in zip(pools, cold, strict=True):
                 make_room(pool, c, len(keys), len(keys))
@@ -171,13 +189,29 @@ def load_prefix(cache: list[Any], tokens: Sequence[int]) -> int:
         for g, (pool, c) in enumerate(zip(pools, cold, strict=True)):
             if c is not None:
                 write_blocks(pool, g, ids[g], entries, c)
-                held[g] += [True] * len(run)
-            else:  # a window's blocks missing: its table gave back the ones before too
-                held[g] = [False] * (len(held[g]) + len(run))
-        mx.eval([a for p in pools for a in pool_arrays(p)])
-        store.hit(len(run))
+        mx.eval(ok, [a for p in pools for a in pool_arrays(p)])
+        good = leading(ok, len(run))
+        store.hit(good)
+        for g, c in enumerate(cold):  # a window's blocks missing: its table gave back
+            held[g] = held[g] + [True] * good if c is not None else [False] * (at + good)
+        if good < len(run):  # blocks written from a bad entry on go back in _settle
+            store.discard(keys[at + good], "the checksum of an entry's arrays does not match")
+            break
     store.close_files()
     return _settle(pools, tables, windows, held)
+
+
+class _Loads:
+    """What loads share in a process: staging buffers, and a thread that reads ahead."""
+
+    def __init__(self) -> None:
+        self.staging = Staging(READS_AHEAD + 1)
+        self.reader = ThreadPoolExecutor(READS_AHEAD, "mlx_paged-prefix-read")
+
+
+@cache
+def _loads() -> _Loads:
+    return _Loads()
 
 
 def _settle(

@@ -1,21 +1,19 @@
-"""The disk tier's tables and reads: functions of the index and the pools.
+"""The disk tier's tables and copies: functions of the index and the pools.
 
 A block's key hashes its parent's key and its own tokens (``chain_keys``, in
 ``storage/disk_entries.py`` with the other entry helpers), so one key names a
 whole prefix; ``KeyChain`` reuses the keys of the last tokens asked about. A
 load takes fresh blocks (``new_blocks``) into tables that hold memory's blocks
-before them (``pinned_tables``); ``parked`` lists what ``spill_cached`` writes;
-``read_ahead`` reads a load's files in runs, ahead of the pool writes; ``stage``
-starts a run's copy into MLX on a stream of its own, and ``Writes`` keeps one
-run's pool writes in flight beside the next copy.
+before them (``pinned_tables``); ``parked`` lists what ``spill_cached`` writes.
+A load's files are read in runs ahead of the pool writes (``read_ahead``, in
+``storage/disk_runs.py``); ``stage`` starts a run's copy into MLX on a stream of
+its own, and ``Writes`` keeps one run's pool writes in flight beside the next copy.
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future
+from collections.abc import Callable, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -26,6 +24,7 @@ from ..storage import KVPool, StatePool
 from ..storage.disk import DiskStore
 from ..storage.disk_entries import Entries, chain_keys, host_state, pool_arrays, run_blocks
 from ..storage.disk_format import Run
+from ..storage.disk_runs import leading
 from .distributed import Ranks
 
 #: What a snapshot's key adds to the key of the block it ends.
@@ -87,57 +86,6 @@ def pinned_tables(
         else:
             table.first = have
     return tables
-
-
-def leading(ok: mx.array, n: int) -> int:
-    """How many of a run's ``n`` entries, from the first, passed their check (``ok``,
-    evaluated; all ``n`` when ``None``: the host checked them)."""
-    if ok is None:
-        return n
-    bad = np.flatnonzero(~np.array(ok))
-    return int(bad[0]) if bad.size else n
-
-
-def read_ahead(
-    keys: list[str],
-    first: tuple[int, Future] | None,
-    batch: Callable[[str], int],
-    read: Callable[[list[str], int], Future],
-    depth: int,
-    seconds: dict[str, float],
-) -> Iterator[Run]:
-    """The entries of ``keys`` in runs of up to ``batch(key)`` entries, each ``read``
-    (``read(keys, i)`` into staging buffer ``i``) up to ``depth`` runs ahead of the one
-    the caller writes; stops at the first missing or bad file. ``first``: (entries, read)
-    of a first run already asked for, in buffer 0. Adds the waits to ``seconds["load_wait"]``."""
-    ahead: deque[tuple[int, int, Future]] = deque()  # (first entry, entries, read)
-    if first is not None:
-        ahead.append((0, *first))
-    pos, i = 0, len(ahead)  # entries yielded; reads asked for (a read's buffer)
-    try:
-        while pos < len(keys):
-            while len(ahead) < depth:
-                lo = ahead[-1][0] + ahead[-1][1] if ahead else pos
-                if lo >= len(keys):
-                    break
-                n = min(batch(keys[lo]), len(keys) - lo)
-                ahead.append((lo, n, read(keys[lo : lo + n], i)))
-                i += 1
-            lo, n, future = ahead.popleft()
-            start = time.perf_counter()
-            run = future.result()
-            seconds["load_wait"] += time.perf_counter() - start
-            if run is None:
-                return
-            pos += len(run)
-            if len(run) < n:  # a short run (bad file, another layout): reads after it are off
-                for _, _, later in ahead:
-                    later.result()
-                ahead.clear()
-            yield run
-    finally:  # a load that stops early: its reads are done with their buffers before reuse
-        for _, _, later in ahead:
-            later.result()
 
 
 def agreed_run(ranks: Ranks, run: Run | None) -> tuple[Run | None, bool]:

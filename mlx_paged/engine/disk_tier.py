@@ -69,6 +69,7 @@ from ..storage.disk_entries import (
     write_blocks,
 )
 from ..storage.disk_format import Run
+from ..storage.disk_runs import read_ahead
 from ..storage.pinned import Staging
 from .disk_blocks import (
     STATE,
@@ -78,7 +79,6 @@ from .disk_blocks import (
     load_snapshot,
     parked,
     pinned_tables,
-    read_ahead,
     stage,
 )
 from .distributed import Ranks
