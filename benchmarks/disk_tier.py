@@ -199,7 +199,8 @@ def cache_restarts(model, prompt: list[int], path: str, block_size: int, n: int)
 
     tag = f"make_paged_cache bs={block_size} {len(prompt)} tokens"
     first(prompt[:2100], make_prompt_cache(model))  # first-use work at a short length
-    dense = first(prompt, make_prompt_cache(model))
+    # The second: the first at this length pays the process's first-use work.
+    dense = [first(prompt, make_prompt_cache(model)) for _ in range(2)][-1]
     cache = opened()
     paged = first(prompt, cache)
     start = time.perf_counter()
