@@ -18,11 +18,17 @@ mlx-lm's caches never see token ids, so the caller names the prefix:
 A sliding-window group's blocks are in an entry while the cache held them at
 the save; a load ends where a window's blocks are missing. Files are checked as
 the engine's are: a bad one is deleted with a log line and ends the load there.
+A load reads its files in runs into pinned staging buffers (``storage/pinned.py``),
+two runs ahead of the one it writes into the pool, and on a GPU checks the
+arrays' sums there; unlike the engine's, it does not overlap a run's copy with
+the last run's pool writes. Loads in one process take turns (they share the
+buffers).
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -157,12 +163,25 @@ def load_prefix(cache: list[Any], tokens: Sequence[int]) -> int:
             "load_prefix fills an empty cache; this one holds tokens. "
             "Make a new one with make_paged_cache."
         )
-    store, pools, bs = disk.store, disk.pools, disk.pools[0].block_size
+    bs = disk.pools[0].block_size
     keys = chain_keys(tokens[: (len(tokens) - 1) // bs * bs], bs)
-    keys = keys[: store.leading(keys)]
-    windows = [k.window for k in disk.kinds]
-    held: list[list[bool]] = [[] for _ in tables]  # per group and block: whether loaded
+    keys = keys[: disk.store.leading(keys)]
     loads = _loads()
+    with loads.lock:  # one load at a time: they share the staging buffers
+        held = _read(disk, tables, keys, -(-len(tokens) // bs) + 1, loads)
+    disk.store.close_files()
+    return _settle(disk.pools, tables, [k.window for k in disk.kinds], held)
+
+
+def _read(
+    disk: _Disk, tables: list[BlockTable], keys: list[str], need: int, loads: _Loads
+) -> list[list[bool]]:
+    """Write the entries of ``keys`` into new blocks of ``tables`` (the pools grown once for
+    ``need`` blocks, the prompt's), up to the first missing or bad one; per group and
+    block, whether the table holds it after."""
+    store, pools, bs = disk.store, disk.pools, disk.pools[0].block_size
+    windows = [k.window for k in disk.kinds]
+    held: list[list[bool]] = [[] for _ in tables]
     in_mlx = mx.default_device() == mx.gpu if CHECK_IN_MLX is None else CHECK_IN_MLX
 
     def read(run_keys: list[str], i: int) -> Future:
@@ -172,16 +191,16 @@ def load_prefix(cache: list[Any], tokens: Sequence[int]) -> int:
     def most(key: str) -> int:
         return max(1, min(LOAD_BATCH, LOAD_BYTES // (store.size(key) or 1)))
 
-    seconds = {"load_wait": 0.0}
-    for run in read_ahead(keys, None, most, read, READS_AHEAD, seconds):
+    for run in read_ahead(keys, None, most, read, READS_AHEAD, {"load_wait": 0.0}):
         at = len(held[0])
         staged = run_blocks(pools, windows, run, loads.staging.to_mlx)
         if staged is None:
             break
         entries, cold, ok = staged
-        if at == 0:  # the whole load's room at once: each growth copies the pool
-            for pool, c in zip(pools, cold, strict=True):
-                make_room(pool, c, len(keys), len(keys))
+        if at == 0:  # the whole prompt's room at once: each growth copies the pool
+            for pool, c, window in zip(pools, cold, windows, strict=True):
+                if window is None:  # a window's pool holds a window's blocks
+                    make_room(pool, c, len(keys), need)
         room = zip(pools, tables, cold, strict=True)
         ids = [new_blocks(pool, table, at * bs, len(run), c) for pool, table, c in room]
         if None in ids:
@@ -197,8 +216,7 @@ def load_prefix(cache: list[Any], tokens: Sequence[int]) -> int:
         if good < len(run):  # blocks written from a bad entry on go back in _settle
             store.discard(keys[at + good], "the checksum of an entry's arrays does not match")
             break
-    store.close_files()
-    return _settle(pools, tables, windows, held)
+    return held
 
 
 class _Loads:
@@ -207,6 +225,7 @@ class _Loads:
     def __init__(self) -> None:
         self.staging = Staging(READS_AHEAD + 1)
         self.reader = ThreadPoolExecutor(READS_AHEAD, "mlx_paged-prefix-read")
+        self.lock = threading.Lock()
 
 
 @cache
