@@ -68,6 +68,7 @@ from ..storage.disk_entries import (
     to_host,
     write_blocks,
 )
+from ..storage.disk_files import start_threads
 from ..storage.disk_format import Run
 from ..storage.disk_runs import read_ahead
 from ..storage.pinned import Staging
@@ -194,13 +195,11 @@ class DiskTier:
         return self.store.counts["writes"] - before
 
     def rehearse(self) -> bool:
-        """Make (and pin) the staging buffers, start the reading threads, and run a spill's
-        and a load's MLX work once on a cached block, writing no file, so that a fresh
-        process does none of it during its first load (the block is rewritten with its own
-        bytes); whether there was a block to do it on."""
+        """Pin the staging buffers, start the threads, and run a spill's and a load's MLX work
+        on a cached block (no file written) before a first load; whether there was one."""
         self.staging.reserve(LOAD_BYTES)
         self.store.start_threads()
-        list(self._reader.map(time.sleep, [0.001] * READS_AHEAD))
+        start_threads(self._reader, READS_AHEAD)
         found = parked(self.scheduler.index)
         blocks = found[0][1] if found else None
         cold = tiers(blocks or ())

@@ -51,10 +51,10 @@ from .disk_files import (
     Background,
     OpenFiles,
     group_packs,
-    list_files,
-    pack_keys,
     plan_reads,
     read_segments,
+    scan_files,
+    start_threads,
     touch,
     valid_rows,
     write_file,
@@ -240,8 +240,7 @@ class DiskStore:
 
     def start_threads(self) -> None:
         """Start the reader and writer threads now (a warm-up), not in the first load."""
-        barrier = threading.Barrier(READ_THREADS)
-        list(self._readers.map(lambda _: barrier.wait(), range(READ_THREADS)))
+        start_threads(self._readers, READ_THREADS)
         self._later.put(lambda: None)
 
     def hit(self, n: int) -> None:
@@ -299,18 +298,9 @@ class DiskStore:
 
     def _scan(self) -> None:
         """Index the directory's entry files by age; delete dead writers' temporary files."""
-        head = f"{self.fingerprint}-"
+        found = scan_files(self.path, self.fingerprint, STALE_TEMP_SECONDS)
         with self._lock:
-            for _, name, size in sorted(list_files(self.path, STALE_TEMP_SECONDS)):
-                pack = (None, 0)
-                if name.endswith(PACK_SUFFIX) and name.startswith(head):
-                    try:
-                        pack = pack_keys(self.path / name, size, self.fingerprint)
-                    except (OSError, ValueError, KeyError, UnicodeDecodeError) as e:
-                        if not isinstance(e, FileNotFoundError):
-                            logger.warning("mlx_paged: deleting the disk-tier file %s: %s", name, e)
-                            Path(self.path / name).unlink(missing_ok=True)
-                        continue
+            for name, size, pack in found:
                 self._index.add(name, size, *pack)
             self._shrink_locked()
 

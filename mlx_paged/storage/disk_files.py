@@ -16,6 +16,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -322,3 +323,32 @@ def list_files(directory: Path, stale: float) -> list[tuple[float, str, int]]:
         elif entry.name.endswith((SUFFIX, PACK_SUFFIX)):
             found.append((stat.st_mtime, entry.name, stat.st_size))
     return found
+
+
+def scan_files(
+    directory: Path, fingerprint: str, stale: float
+) -> list[tuple[str, int, tuple[list[str] | None, int]]]:
+    """``(name, bytes, (keys, entry size))`` of every entry file and pack in ``directory``,
+    least recently used first (``(None, 0)`` for a file of one entry or of another
+    fingerprint); deletes, with a log line, a pack of ours whose keys cannot be read."""
+    head, found = f"{fingerprint}-", []
+    for _, name, size in sorted(list_files(directory, stale)):
+        pack = (None, 0)
+        if name.endswith(PACK_SUFFIX) and name.startswith(head):
+            try:
+                pack = pack_keys(directory / name, size, fingerprint)
+            except (OSError, ValueError, KeyError, UnicodeDecodeError) as e:
+                if not isinstance(e, FileNotFoundError):
+                    logging.getLogger("mlx_paged.disk").warning(
+                        "mlx_paged: deleting the disk-tier file %s: %s", name, e
+                    )
+                    (directory / name).unlink(missing_ok=True)
+                continue
+        found.append((name, size, pack))
+    return found
+
+
+def start_threads(pool: ThreadPoolExecutor, n: int) -> None:
+    """Start ``n`` threads of ``pool`` now (a warm-up), not at its first tasks."""
+    barrier = threading.Barrier(n)
+    list(pool.map(lambda _: barrier.wait(), range(n)))
