@@ -261,6 +261,8 @@ def main() -> None:
     )
     args = ap.parse_args()
     group = mx.distributed.init()
+    if args.cache and group.size() > 1:
+        ap.error("--cache times make_paged_cache in one process; run it without mlx.launch")
     if args.model:
         from mlx_lm import load
 
