@@ -22,13 +22,17 @@ from ..blocks import BlockTable, LayerKind
 from ..blocks.prefix_index import PrefixIndex, spill_parked
 from ..storage import KVPool, StatePool
 from ..storage.disk import DiskStore
-from ..storage.disk_entries import Entries, chain_keys, host_state, pool_arrays, run_blocks
+from ..storage.disk_entries import (
+    STATE,
+    Entries,
+    chain_keys,
+    host_state,
+    pool_arrays,
+    run_blocks,
+)
 from ..storage.disk_format import Run
 from ..storage.disk_runs import leading
 from .distributed import Ranks
-
-#: What a snapshot's key adds to the key of the block it ends.
-STATE = "s"
 
 
 def parked(index: PrefixIndex) -> list[tuple[list[int], list[int], int | None]]:
@@ -117,7 +121,7 @@ def load_snapshot(
     there = ranks.least(*(keys[j - 1] + STATE in store for j in ends))
     for j in (j for j, on_disk in zip(ends, there, strict=True) if on_disk):
         arrays = store.get(keys[j - 1] + STATE)
-        state = host_state(states, arrays) if arrays is not None else None
+        state = host_state([len(a) for a in states.arrays], arrays) if arrays is not None else None
         if ranks.least(state is not None)[0]:
             index.add_snapshot(tokens, j * bs, lambda state=state: states.restore(state))
             return

@@ -56,6 +56,7 @@ from ..blocks.prefix_index import path_blocks
 from ..storage import KVPool
 from ..storage.disk import DiskStore
 from ..storage.disk_entries import (
+    STATE,
     block_parts,
     cache_layout,
     chain_keys,
@@ -73,7 +74,6 @@ from ..storage.disk_format import Run
 from ..storage.disk_runs import read_ahead
 from ..storage.pinned import Staging
 from .disk_blocks import (
-    STATE,
     KeyChain,
     Writes,
     agreed_run,

@@ -24,7 +24,10 @@ from mlx.utils import tree_flatten
 from ..blocks import COLD, BlockTable, is_cold
 from .disk_format import Run
 from .kv_pool import KVPool
-from .states import State, StatePool
+from .states import State
+
+#: What a snapshot's key adds to the key of the block it ends.
+STATE = "s"
 
 #: Per ``(group, layer, name)``: an ``(n, bs, H, ...)`` array and the model's dtype.
 Entries = dict[tuple[int, int, str], tuple[mx.array, mx.Dtype]]
@@ -252,10 +255,10 @@ def write_blocks(pool: KVPool, g: int, ids: list[int], entries: Entries, cold: b
         pool._update_bytes_per_block()
 
 
-def host_state(states: StatePool, arrays: dict[str, np.ndarray]) -> State | None:
-    """A snapshot entry's state, per layer and entry; ``None`` if it is not of ``states``'
-    model."""
-    state: State = [[None] * len(a) for a in states.arrays]
+def host_state(entries: list[int], arrays: dict[str, np.ndarray]) -> State | None:
+    """A snapshot entry's state, per layer and entry; ``None`` if it is not of a model
+    whose recurrent layers have ``entries`` state entries each."""
+    state: State = [[None] * n for n in entries]
     for name, raw in arrays.items():
         kind, layer, e, dtype = name.split(".")
         layer, e = int(layer), int(e)
