@@ -12,11 +12,12 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
-from tiny_models import VOCAB, model_of, tiny_model
+from tiny_models import HYBRIDS, VOCAB, model_of, tiny_model
 
 from mlx_paged import PagedEngine, load_prefix, make_paged_cache, save_prefix
 from mlx_paged.blocks import is_cold
 from mlx_paged.cache import disk_prefix
+from mlx_paged.storage.disk_entries import STATE, chain_keys
 
 BS = 8
 DISK = 10**8
@@ -201,8 +202,6 @@ def test_bad_input_is_refused(tmp_path):
         make_paged_cache(model, kv_disk_dir=tmp_path)
     with pytest.raises(ValueError, match="needs kv_disk_dir"):
         make_paged_cache(model, kv_disk_bytes=DISK)
-    with pytest.raises(ValueError, match="recurrent state"):
-        paged(model_of("lfm2"), tmp_path)
     with pytest.raises(ValueError, match="max_kv_size"):
         paged(model_of("qwen3"), tmp_path, max_kv_size=32)  # no make_cache of its own
     with pytest.raises(ValueError, match="kv_disk_dir"):
@@ -225,3 +224,96 @@ def test_a_directory_that_cannot_be_written_saves_nothing(tmp_path, caplog):
     assert save_prefix(cache, prompt) == 0
     assert load_prefix(paged(model, tmp_path / "file"), prompt) == 0
     assert "cannot be used" in caplog.text
+
+
+# ---- models with recurrent layers: their state is saved at a block boundary ----
+
+
+def store_of(cache):
+    return disk_prefix._disk_of(cache, "test")[0].store
+
+
+def pool_free(cache) -> list[int]:
+    """Free blocks per pool of ``cache``."""
+    pools = {id(c.pool): c.pool for c in cache if hasattr(c, "pool")}
+    return [p.blocks.num_free for p in pools.values()]
+
+
+@pytest.mark.parametrize("family", HYBRIDS)  # falcon_h1's layers are CacheLists
+def test_a_hybrid_prefix_saved_at_a_block_boundary_gives_mlx_lms_tokens(tmp_path, family):
+    model, prompt = model_of(family), tokens(45, seed=10)
+    saved = paged(model, tmp_path)
+    forward(model, prompt[:40], saved)  # the state after 40 tokens: 5 blocks
+    assert save_prefix(saved, prompt) == 40
+    store = store_of(saved)
+    keys = chain_keys(prompt[:40], BS)
+    assert set(store.keys) == {*keys, keys[-1] + STATE}
+    restart()
+
+    cache = paged(model, tmp_path)
+    assert load_prefix(cache, prompt) == 40
+    got = greedy(model, prompt[40:], cache)
+    want = greedy(model, prompt, make_prompt_cache(model))
+    assert got[0] == want[0]
+    for a, b in zip(got[1], want[1], strict=True):
+        assert mx.allclose(a, b, atol=1e-4, rtol=1e-4), float(mx.abs(a - b).max())
+
+
+def test_a_hybrid_load_ends_at_the_deepest_saved_state(tmp_path):
+    model, prompt = model_of("qwen3_5"), tokens(45, seed=11)
+    saved = paged(model, tmp_path)
+    forward(model, prompt, saved)  # 45 tokens: the state is past any block boundary
+    assert save_prefix(saved, prompt) == 0  # 5 blocks of K/V, no state to load them with
+    empty = paged(model, tmp_path, num_blocks=16)
+    assert load_prefix(empty, prompt) == 0 and pool_free(empty) == [16]
+
+    again = paged(model, tmp_path)
+    forward(model, prompt[:16], again)
+    assert save_prefix(again, prompt) == 16  # the state at 16
+    forward(model, prompt[16:32], again)
+    assert save_prefix(again, prompt) == 32  # and at 32
+    cache = paged(model, tmp_path)
+    assert load_prefix(cache, prompt) == 32
+    assert [len(c.table.blocks) for c in cache if hasattr(c, "table")][0] == 4
+    got = forward(model, prompt[32:], cache)
+    want = forward(model, prompt, make_prompt_cache(model))
+    assert mx.allclose(got, want, atol=1e-4, rtol=1e-4), float(mx.abs(got - want).max())
+
+    # A damaged state at 32: the load falls back to the one at 16 and gives back 2 blocks.
+    store = store_of(cache)
+    path, offset, size = store.location(chain_keys(prompt[:32], BS)[-1] + STATE)
+    data = bytearray(path.read_bytes())
+    data[offset + size // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    restart()
+    cache = paged(model, tmp_path, num_blocks=16)
+    assert load_prefix(cache, prompt) == 16
+    assert pool_free(cache) == [14] and not path.exists()
+    got = forward(model, prompt[16:], cache)
+    assert mx.allclose(got, want, atol=1e-4, rtol=1e-4), float(mx.abs(got - want).max())
+
+
+def test_a_hybrid_prefix_the_engine_spilled_loads_into_a_cache(tmp_path):
+    model, prompt = model_of("lfm2"), tokens(45, seed=12)
+    engine = PagedEngine(
+        model, block_size=BS, state_snapshot_interval=16, kv_disk_dir=tmp_path,
+        kv_disk_bytes=DISK,
+    )  # fmt: skip
+    engine.add_request(prompt, 1)
+    list(engine.stream())
+    assert engine.disk.spill_cached() == 5 + 3  # blocks, and states at 16, 32 and 40
+    cache = paged(model, tmp_path)
+    assert load_prefix(cache, prompt) == 40
+    got = forward(model, prompt[40:], cache)
+    want = forward(model, prompt, make_prompt_cache(model))
+    assert mx.allclose(got, want, atol=1e-4, rtol=1e-4), float(mx.abs(got - want).max())
+
+
+def test_the_state_of_a_batch_is_refused(tmp_path):
+    model, prompt = model_of("lfm2"), tokens(16, seed=13)
+    cache = paged(model, tmp_path)
+    forward(model, prompt, cache)
+    state = next(c for c in cache if not hasattr(c, "pool"))
+    state.cache = [None if a is None else mx.concatenate([a, a]) for a in state.cache]
+    with pytest.raises(ValueError, match="one sequence"):
+        save_prefix(cache, prompt)

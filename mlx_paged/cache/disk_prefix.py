@@ -15,6 +15,12 @@ mlx-lm's caches never see token ids, so the caller names the prefix:
   ``tokens`` on disk, in whole blocks, leaving at least one token for the model
   to run, and returns how many tokens it loaded: the caller runs the rest.
 
+A model with recurrent layers (mlx-lm's ``ArraysCache``) needs their state where
+the load ends. ``save_prefix`` writes it as a snapshot entry of the block it ends
+(as the engine's tier does) when the cache's tokens end at a block boundary, and
+a load ends at the deepest block that has one: run such a model's prompt up to
+a block boundary, save, then run the rest (``README``, "Prompts on disk").
+
 A sliding-window group's blocks are in an entry while the cache held them at
 the save; a load ends where a window's blocks are missing. Files are checked as
 the engine's are: a bad one is deleted with a log line and ends the load there.
@@ -45,14 +51,17 @@ from ..blocks import HOLE, BlockTable, LayerKind
 from ..storage import KVPool
 from ..storage.disk import DiskStore
 from ..storage.disk_entries import (
+    STATE,
     block_parts,
     cache_layout,
     chain_keys,
     fingerprint,
+    host_state,
     make_room,
     new_blocks,
     pool_arrays,
     run_blocks,
+    state_parts,
     tiers,
     to_host,
     write_blocks,
@@ -79,11 +88,13 @@ _DISKS: weakref.WeakKeyDictionary[KVPool, _Disk] = weakref.WeakKeyDictionary()
 
 @dataclass
 class _Disk:
-    """A cache layout's store: its groups' kinds and pools, in the entries' order."""
+    """A cache layout's store: its groups' kinds and pools, in the entries' order, and
+    each recurrent layer's number of state entries."""
 
     store: DiskStore
     kinds: list[LayerKind]
     pools: list[KVPool]
+    entries: list[int]
 
 
 def open_disk(
@@ -91,9 +102,11 @@ def open_disk(
     pools: dict[LayerKind, KVPool],
     path: str | os.PathLike,
     max_bytes: int,
+    entries: Sequence[int] = (),
 ) -> None:
     """Give ``pools`` (``make_paged_cache``'s) the store over ``path`` for this model and
-    layout, at most ``max_bytes`` of files."""
+    layout, at most ``max_bytes`` of files; ``entries``: per recurrent layer, its state
+    entries (``PagedLayout.entries``)."""
     kinds = list(pools)
     block_size = pools[kinds[0]].block_size
     name = fingerprint(model, (block_size, cache_layout(pools)))
@@ -102,7 +115,7 @@ def open_disk(
     if store is None:
         store = _STORES[where] = DiskStore(where[0], max_bytes, name)
     store.max_bytes = max_bytes
-    disk = _Disk(store, kinds, [pools[k] for k in kinds])
+    disk = _Disk(store, kinds, [pools[k] for k in kinds], list(entries))
     for pool in disk.pools:
         _DISKS[pool] = disk
 
@@ -116,14 +129,19 @@ def save_prefix(cache: list[Any], tokens: Sequence[int]) -> int:
         tokens: The tokens the cache holds, from its first (the prompt, or the prompt
             and what was generated); only those it holds are saved.
 
+    With recurrent layers, their state is saved too where the cache's tokens end at a
+    block boundary within ``tokens``: a load can only end where a state was saved.
+
     Returns:
-        How many leading tokens of ``tokens`` the directory now holds (whole blocks; 0
-        when the directory cannot be written).
+        How many leading tokens of ``tokens`` a load can now take from the directory
+        (whole blocks, up to the deepest saved state for a model with recurrent layers;
+        0 when the directory cannot be written).
 
     Raises:
-        ValueError: for a cache without a disk directory, or tokens that are not ints.
+        ValueError: for a cache without a disk directory, tokens that are not ints, or
+            recurrent state of more than one sequence.
     """
-    disk, tables = _disk_of(cache, "save_prefix")
+    disk, tables, states = _disk_of(cache, "save_prefix")
     tokens = _token_ids(tokens, "save_prefix")
     store, bs = disk.store, disk.pools[0].block_size
     held = min(min(t.lengths) for t in tables)
@@ -137,8 +155,10 @@ def save_prefix(cache: list[Any], tokens: Sequence[int]) -> int:
         got = block_parts(disk.pools, cold, [row for _, row in same])
         if got is not None:
             store.put_many_later(list(zip([k for k, _ in same], to_host(*got), strict=True)))
+    if states and held % bs == 0 and 0 < held <= len(tokens):
+        _save_state(store, states, keys[-1] + STATE)
     store.flush()
-    return store.leading(keys) * bs
+    return _loadable(store, keys, bool(states)) * bs
 
 
 def load_prefix(cache: list[Any], tokens: Sequence[int]) -> int:
@@ -156,7 +176,7 @@ def load_prefix(cache: list[Any], tokens: Sequence[int]) -> int:
         ValueError: for a cache without a disk directory or one that holds tokens, or
             tokens that are not ints.
     """
-    disk, tables = _disk_of(cache, "load_prefix")
+    disk, tables, states = _disk_of(cache, "load_prefix")
     tokens = _token_ids(tokens, "load_prefix")
     if any(t.end or t.blocks for t in tables):
         raise ValueError(
@@ -165,12 +185,15 @@ def load_prefix(cache: list[Any], tokens: Sequence[int]) -> int:
         )
     bs = disk.pools[0].block_size
     keys = chain_keys(tokens[: (len(tokens) - 1) // bs * bs], bs)
-    keys = keys[: disk.store.leading(keys)]
+    keys = keys[: _loadable(disk.store, keys, bool(states))]
     loads = _loads()
     with loads.lock:  # one load at a time: they share the staging buffers
         held = _read(disk, tables, keys, -(-len(tokens) // bs) + 1, loads)
     disk.store.close_files()
-    return _settle(disk.pools, tables, [k.window for k in disk.kinds], held)
+    n = _settle(disk.pools, tables, [k.window for k in disk.kinds], held)
+    if states:
+        n = _restore(disk, tables, states, keys, n)
+    return n
 
 
 def _read(
@@ -245,14 +268,55 @@ def _settle(
         for w, h in zip(windows, held, strict=True)
     ):
         n -= 1
+    return _keep(pools, tables, n * bs)
+
+
+def _keep(pools: list[KVPool], tables: list[BlockTable], n: int) -> int:
+    """Cut ``tables`` to their first ``n`` tokens (a block boundary), giving the rest back."""
     for pool, table in zip(pools, tables, strict=True):
         if n == 0:
             pool.release(table)
             continue
-        table.lengths[:] = [n * bs] * len(table.lengths)
-        pool.truncate(table, 0, n * bs)
+        table.lengths[:] = [n] * len(table.lengths)
+        pool.truncate(table, 0, n)
         table.version += 1
-    return n * bs
+    return n
+
+
+def _loadable(store: DiskStore, keys: list[str], recurrent: bool) -> int:
+    """How many leading blocks of ``keys`` a load can take: those on disk, up to the
+    deepest with a state snapshot for a model with recurrent layers."""
+    n = store.leading(keys)
+    if recurrent:
+        n = next((j for j in range(n, 0, -1) if keys[j - 1] + STATE in store), 0)
+    return n
+
+
+def _save_state(store: DiskStore, states: list[Any], key: str) -> None:
+    """Queue the recurrent ``states`` (mlx-lm ``ArraysCache``s) as the snapshot ``key``."""
+    state = [list(c.cache) for c in states]
+    if any(a is not None and a.shape[0] != 1 for layer in state for a in layer):
+        raise ValueError("save_prefix keeps one sequence's recurrent state; this cache holds more.")
+    if key not in store and any(a is not None for layer in state for a in layer):
+        store.put_later(key, to_host(*state_parts(state))[0])
+
+
+def _restore(
+    disk: _Disk, tables: list[BlockTable], states: list[Any], keys: list[str], n: int
+) -> int:
+    """Set ``states`` from the deepest good snapshot within the ``n`` tokens loaded, cutting
+    the tables back to it (to nothing without one); returns the tokens kept."""
+    bs = disk.pools[0].block_size
+    for j in range(n // bs, 0, -1):
+        if keys[j - 1] + STATE not in disk.store:
+            continue
+        arrays = disk.store.get(keys[j - 1] + STATE)
+        state = host_state(disk.entries, arrays) if arrays is not None else None
+        if state is not None:
+            for c, layer in zip(states, state, strict=True):
+                c.cache = layer
+            return _keep(disk.pools, tables, j * bs)
+    return _keep(disk.pools, tables, 0)
 
 
 def _block(table: BlockTable, i: int) -> int | None:
@@ -263,20 +327,25 @@ def _block(table: BlockTable, i: int) -> int | None:
     return None
 
 
-def _disk_of(cache: list[Any], what: str) -> tuple[_Disk, list[BlockTable]]:
-    """The disk of ``cache``'s pools, and its table per group in the entries' order."""
+def _disk_of(cache: list[Any], what: str) -> tuple[_Disk, list[BlockTable], list[Any]]:
+    """The disk of ``cache``'s pools, its table per group in the entries' order, and its
+    recurrent caches in order."""
     tables: dict[int, BlockTable] = {}
-    disk = None
+    disk, states = None, []
     for c in _flat(cache if isinstance(cache, list | tuple) else []):
         if isinstance(c, PagedKVCache):
             disk = _DISKS.get(c.pool)
             tables[id(c.pool)] = c.table
+        else:
+            states.append(c)
     if disk is None:
         raise ValueError(
             f"{what} needs a cache from make_paged_cache(model, kv_disk_dir=..., "
             "kv_disk_bytes=...)."
         )
-    return disk, [tables[id(p)] for p in disk.pools]
+    if len(states) != len(disk.entries):
+        raise ValueError(f"{what}: this cache list is not the one make_paged_cache built.")
+    return disk, [tables[id(p)] for p in disk.pools], states
 
 
 def _flat(caches: Sequence[Any]) -> list[Any]:

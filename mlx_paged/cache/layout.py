@@ -66,23 +66,24 @@ def make_paged_cache(
             full precision.
         kv_disk_dir, kv_disk_bytes: A directory of prompt prefixes on disk, at most
             this many bytes of files (least recently used go first): ``save_prefix``
-            writes the cache's blocks there, and ``load_prefix`` fills a new cache
-            from them (``cache/disk_prefix.py``). Shared with ``PagedEngine``'s disk
-            tier for the same model and settings. Attention-only models without
-            ``max_kv_size``; the directory is indexed when first opened here.
+            writes the cache's blocks (and recurrent state, at a block boundary)
+            there, and ``load_prefix`` fills a new cache from them
+            (``cache/disk_prefix.py``). Shared with ``PagedEngine``'s disk tier for
+            the same model and settings. Not with ``max_kv_size``; the directory is
+            indexed when first opened here.
 
     Raises:
         ValueError: for a bad ``block_size``/``num_blocks``/``max_kv_size``/
             ``kv_dtype`` (not a floating dtype)/``kv_bits``/``kv_group_size``/
             ``hot_tokens``/``kv_disk_bytes``, a cache layout mlx_paged cannot page
-            (the message names the model type), or a disk directory for a model
-            with recurrent layers or a ``max_kv_size``.
+            (the message names the model type), or a disk directory with a
+            ``max_kv_size``.
     """
     quant = check_kv_quant(kv_bits, kv_group_size, hot_tokens)
     layout, pools = _pools(model, block_size, num_blocks, kv_dtype, max_kv_size, quant)
     if kv_disk_dir is not None or kv_disk_bytes is not None:
         _check_disk(layout, kv_disk_dir, kv_disk_bytes)
-        open_disk(model, pools, kv_disk_dir, kv_disk_bytes)
+        open_disk(model, pools, kv_disk_dir, kv_disk_bytes, layout.entries)
     return layout.bind(pools, {kind: pool.new_table() for kind, pool in pools.items()})
 
 
@@ -134,12 +135,6 @@ def _check_disk(layout: PagedLayout, path: object, nbytes: object) -> None:
         raise ValueError("kv_disk_bytes needs kv_disk_dir, the directory to write to.")
     if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
         raise ValueError(f"kv_disk_bytes must be a positive int (bytes), got {nbytes!r}.")
-    if layout.entries:
-        raise ValueError(
-            f"{layout.family} keeps recurrent state, which make_paged_cache's disk "
-            "prefixes do not hold; serve it with PagedEngine or mlx_paged.server, whose "
-            "disk tier keeps state snapshots."
-        )
     if any(kind.keep for kind in layout.counts):
         raise ValueError(
             f"{layout.family}: layers that keep their first tokens (max_kv_size) "
