@@ -202,6 +202,8 @@ def test_bad_input_is_refused(tmp_path):
         make_paged_cache(model, kv_disk_dir=tmp_path)
     with pytest.raises(ValueError, match="needs kv_disk_dir"):
         make_paged_cache(model, kv_disk_bytes=DISK)
+    with pytest.raises(ValueError, match="no attention layers"):
+        paged(model_of("mamba2"), tmp_path)
     with pytest.raises(ValueError, match="max_kv_size"):
         paged(model_of("qwen3"), tmp_path, max_kv_size=32)  # no make_cache of its own
     with pytest.raises(ValueError, match="kv_disk_dir"):

@@ -19,7 +19,7 @@ A model with recurrent layers (mlx-lm's ``ArraysCache``) needs their state where
 the load ends. ``save_prefix`` writes it as a snapshot entry of the block it ends
 (as the engine's tier does) when the cache's tokens end at a block boundary, and
 a load ends at the deepest block that has one: run such a model's prompt up to
-a block boundary, save, then run the rest (``README``, "Prompts on disk").
+a block boundary, save, then run the rest (README, "A disk tier").
 
 A sliding-window group's blocks are in an entry while the cache held them at
 the save; a load ends where a window's blocks are missing. Files are checked as

@@ -77,7 +77,7 @@ def make_paged_cache(
             ``kv_dtype`` (not a floating dtype)/``kv_bits``/``kv_group_size``/
             ``hot_tokens``/``kv_disk_bytes``, a cache layout mlx_paged cannot page
             (the message names the model type), or a disk directory with a
-            ``max_kv_size``.
+            ``max_kv_size`` or for a model without attention layers.
     """
     quant = check_kv_quant(kv_bits, kv_group_size, hot_tokens)
     layout, pools = _pools(model, block_size, num_blocks, kv_dtype, max_kv_size, quant)
@@ -135,6 +135,11 @@ def _check_disk(layout: PagedLayout, path: object, nbytes: object) -> None:
         raise ValueError("kv_disk_bytes needs kv_disk_dir, the directory to write to.")
     if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
         raise ValueError(f"kv_disk_bytes must be a positive int (bytes), got {nbytes!r}.")
+    if not layout.counts:
+        raise ValueError(
+            f"{layout.family} has no attention layers to page, so no blocks to keep on "
+            "disk; mlx-lm's save_prompt_cache keeps its recurrent state."
+        )
     if any(kind.keep for kind in layout.counts):
         raise ValueError(
             f"{layout.family}: layers that keep their first tokens (max_kv_size) "
