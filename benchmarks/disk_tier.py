@@ -11,6 +11,7 @@ Usage:
     python benchmarks/disk_tier.py --shape 1b --tokens 32768      # on the GPU
     python benchmarks/disk_tier.py --tokens 4096                  # CPU: a small llama
     python benchmarks/disk_tier.py --shape 1b --tokens 32768 --kv-bits 4   # the cold tier
+    python benchmarks/disk_tier.py --shape qwen3_5 --tokens 32768   # a hybrid (float16)
 
 With ``--kv-bits`` every engine keeps a quantized cold tier: the prompt's blocks
 behind its last ``--hot-tokens`` tokens are quantized, go to disk quantized and
@@ -31,9 +32,14 @@ ones after ask the kernel to drop its page cache first
 (``/proc/sys/vm/drop_caches``, root only) and say whether it could. The first
 restart pays the process's first-use work at the prompt's length.
 
+``--shape qwen3_5`` is the Qwen3.5-shaped hybrid of ``benchmarks/engine.py`` (about 1B
+parameters, three GatedDeltaNet layers to one of attention): its restarts load blocks and
+the deepest recurrent-state snapshot on disk.
+
 With ``--cache`` it times ``make_paged_cache``'s disk prefixes instead of the engine's
-tier: mlx-lm's ``generate_step`` runs the prompt on mlx-lm's own cache (the baseline) and
-on a paged cache with ``kv_disk_dir``, which ``save_prefix`` writes; then, as a new
+tier: mlx-lm's ``generate_step`` runs the prompt on mlx-lm's own cache (the baseline); a
+paged cache with ``kv_disk_dir`` runs the prompt up to its last block boundary, which
+``save_prefix`` writes (with the state there, for a hybrid), then the rest. Then, as a new
 process would (the store's registry emptied), a new cache is opened, ``load_prefix``
 fills it and ``generate_step`` runs the rest to the first token.
 
@@ -85,6 +91,11 @@ SHAPES = {  # llama shapes with random weights: (hidden, layers, heads, KV heads
 
 
 def random_llama(shape: str) -> llama.Model:
+    if shape == "qwen3_5":
+        from engine import build_model
+
+        hybrid = dict(shape=shape, hidden=1536, layers=24, vocab=151936, dtype="float16")
+        return build_model(argparse.Namespace(**hybrid))
     hidden, layers, heads, kv_heads, mlp, dtype = SHAPES[shape]
     config = llama.ModelArgs(
         model_type="llama",
@@ -207,13 +218,19 @@ def cache_restarts(model, prompt: list[int], path: str, block_size: int, n: int)
     trim_prompt_cache(dense_cache, 1)
     dense_rest = first(prompt[held:], dense_cache)
     cache = opened()
-    paged = first(prompt, cache)
     start = time.perf_counter()
-    saved = save_prefix(cache, prompt)
+    for i in range(0, held, 2048):  # up to the block boundary a hybrid's state is saved at
+        model(mx.array(prompt[i : min(i + 2048, held)])[None], cache=cache)
+        mx.eval([c.state for c in cache])
+    paged = time.perf_counter() - start
+    start = time.perf_counter()
+    saved = save_prefix(cache, prompt[:held])
+    save = time.perf_counter() - start
+    paged += first(prompt[held:], cache)
     print(
         f"{tag}: mlx-lm's cache {dense:.3f} s, paged {paged:.3f} s to the first token; "
         f"mlx-lm's cache holding the first {held} tokens: the rest {dense_rest:.3f} s; "
-        f"save_prefix wrote {saved} tokens in {time.perf_counter() - start:.3f} s",
+        f"save_prefix wrote {saved} tokens in {save:.3f} s",
         flush=True,
     )
     del cache
@@ -239,7 +256,9 @@ def cache_restarts(model, prompt: list[int], path: str, block_size: int, n: int)
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="mlx-lm model directory (default: --shape)")
-    ap.add_argument("--shape", choices=SHAPES, default="small", help="a random llama's shape")
+    ap.add_argument(
+        "--shape", choices=[*SHAPES, "qwen3_5"], default="small", help="a random model's shape"
+    )
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--prefill-step-size", type=int, default=2048)
     ap.add_argument("--block-size", type=int, default=16, help="tokens per block (and file)")
