@@ -293,7 +293,7 @@ def main() -> None:
     if group.size() > 1:
         shard_model(model, group)
         mx.eval(model.parameters())
-    vocab = model.args.vocab_size
+    vocab = 151936 if args.shape == "qwen3_5" and not args.model else model.args.vocab_size
     rng = random.Random(0)
     prompt = [rng.randrange(vocab) for _ in range(args.tokens)]
     path = args.dir or tempfile.mkdtemp(prefix="mlx_paged_disk_")
