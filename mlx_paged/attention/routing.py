@@ -57,6 +57,7 @@ from mlx_lm.models import base
 from .kernels import DEVICE_KERNELS, DEVICE_READERS
 from .prefill import attention_by_ops, use_ops
 from .records import PagedLayerCache, PagedView
+from .recurrent import route_gated_delta
 
 _original_sdpa = base.scaled_dot_product_attention
 logger = logging.getLogger("mlx_paged.attention")
@@ -224,8 +225,10 @@ def scaled_dot_product_attention(
 def route_attention() -> int:
     """Rebind mlx-lm's attention function wherever it is bound; return how many names changed.
 
-    Idempotent. Modules imported later pick the wrapper up from ``base``.
+    Idempotent. Modules imported later pick the wrapper up from ``base``. Also routes
+    mlx-lm's GatedDeltaNet recurrence to a CUDA kernel (``recurrent.route_gated_delta``).
     """
+    route_gated_delta()
     changed = 0
     for name, module in list(sys.modules.items()):
         if not name.startswith("mlx_lm") or module is None:
