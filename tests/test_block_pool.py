@@ -17,6 +17,7 @@ from hypothesis.stateful import (
 
 from mlx_paged import BlockPool, PagedCacheStats
 from mlx_paged.blocks.pool import GROWTH
+from mlx_paged.blocks.tiers import COLD, TieredBlockPool
 
 
 def parked_and_cached(pool: BlockPool, ids: list[int]) -> None:
@@ -272,14 +273,53 @@ def test_misuse_raises_value_error_and_changes_nothing():
     pool.check_invariants(tables=[[b]])
 
 
-@pytest.mark.parametrize("method", ["retain", "release", "park"])
+@pytest.mark.parametrize("method", ["retain", "release", "park", "retain_all", "release_all"])
 @pytest.mark.parametrize("block_id", [-1, 4, 100])
 def test_out_of_range_id_raises(method, block_id):
     """Ids outside 0..capacity-1 are refused with the valid range in the message."""
     pool = BlockPool(4, 4)
     pool.allocate(4)
     with pytest.raises(ValueError, match=r"outside the pool \(0\.\.3\)"):
-        getattr(pool, method)(block_id)
+        getattr(pool, method)([block_id] if method.endswith("_all") else block_id)
+
+
+def test_bulk_retain_and_release_refuse_what_one_at_a_time_does():
+    """retain_all and release_all raise retain's and release's errors, at the bad block."""
+    pool = BlockPool(4, 4)
+    a, b = pool.allocate(2)
+    parked_and_cached(pool, [b])
+    with pytest.raises(ValueError, match="block 2 is free; allocate it"):
+        pool.retain_all([a, 2])
+    with pytest.raises(ValueError, match="block 3 is already free; it was released twice"):
+        pool.release_all([3])
+    with pytest.raises(ValueError, match="block 1 is held only by the prefix index"):
+        pool.release_all([b])
+    assert pool.refcount(a) == 2  # retained before the bad block
+    pool.check_invariants(tables=[[a], [a]])
+
+
+def test_tiered_bulk_calls_match_one_at_a_time_per_tier():
+    """A tiered pool's retain_all/release_all split the ids by tier; each tier's blocks are
+    released last first, as release_all does, and counted as shares."""
+    pools = [TieredBlockPool(4, 4, cold_blocks=4) for _ in range(2)]
+    for pool in pools:
+        hot = pool.allocate(4)
+        cold = [pool.migrate(b) for b in hot[:2]]
+        parked_and_cached(pool, hot[2:] + cold)
+    table = [COLD, 2, COLD + 1, 3]
+    one, bulk = pools
+    shares = bulk.shares
+    for x in table:
+        one.retain(x)
+    bulk.retain_all(table)
+    assert bulk.shares - shares == len(table)
+    for x in reversed(table):
+        one.release(x)
+    bulk.release_all(table)
+    assert [p.refcounts for p in pools] == [one.refcounts] * 2
+    assert [list(p._cached) for p in pools] == [list(one._cached)] * 2
+    assert [list(p.cold._cached) for p in pools] == [list(one.cold._cached)] * 2
+    assert list(bulk.cold._cached) == [1, 0] and list(bulk._cached) == [3, 2]
 
 
 def test_release_of_a_cached_block_is_refused():

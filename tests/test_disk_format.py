@@ -54,6 +54,8 @@ def test_any_flipped_bit_fails_the_host_check_and_the_mlx_one(data):
     run = Run(rows, specs, payload, checked=False)
     ok = np.array(payload_ok(mx.array(rows), run)).tolist()
     host = [check(x) for x in rows]
+    assert disk_format.check_rows(rows) == host  # the whole run's checks at once
+    assert disk_format.check_rows(rows, False) == [check(x, False) for x in rows]
     assert all(h is None for i, h in enumerate(host) if i != r)
     assert host[r] is not None  # the head's CRC-32, the payload's sum or the trailer
     end = rows.shape[1] - disk_format.TRAILER.size

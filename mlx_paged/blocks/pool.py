@@ -18,6 +18,11 @@ from dataclasses import dataclass
 GROWTH = 0.25
 
 
+#: What ``retain`` and ``release`` say of a free block.
+_RETAIN_FREE = "is free; allocate it instead of retaining it"
+_RELEASE_FREE = "is already free; it was released twice"
+
+
 class PoolExhaustedError(RuntimeError):
     """Raised when a write needs more blocks than the pool can free right now."""
 
@@ -141,29 +146,39 @@ class BlockPool:
 
     def retain(self, block_id: int) -> None:
         """Add a holder to a live or cached block."""
-        self._check_id(block_id)
-        if self.refcounts[block_id] == 0:
-            raise ValueError(f"block {block_id} is free; allocate it instead of retaining it.")
+        if not 0 <= block_id < self.capacity or self.refcounts[block_id] == 0:
+            self._check_held(block_id, _RETAIN_FREE)
         self._cached.pop(block_id, None)
         self.refcounts[block_id] += 1
         self.shares += 1
 
+    def retain_all(self, block_ids: Iterable[int]) -> None:
+        """``retain`` each of several blocks (an adoption of a long prefix takes thousands:
+        the checks are inline, and only a failing one goes through ``_check_held``)."""
+        refcounts, cached = self.refcounts, self._cached
+        for b in block_ids:
+            if not 0 <= b < self.capacity or refcounts[b] == 0:
+                self._check_held(b, _RETAIN_FREE)
+            cached.pop(b, None)
+            refcounts[b] += 1
+            self.shares += 1
+
     def release(self, block_id: int) -> None:
         """Drop a holder; a block nobody holds goes back to the free list."""
-        self._check_id(block_id)
-        if self.refcounts[block_id] == 0:
-            raise ValueError(f"block {block_id} is already free; it was released twice.")
-        if block_id in self._cached:
-            raise ValueError(
-                f"block {block_id} is held only by the prefix index; call unpark, not release."
-            )
+        held = 0 <= block_id < self.capacity and self.refcounts[block_id] > 0
+        if not held or block_id in self._cached:
+            self._check_held(block_id, _RELEASE_FREE, release=True)
         self.refcounts[block_id] -= 1
         self._settle(block_id)
 
     def release_all(self, block_ids: Iterable[int]) -> None:
         """Release several blocks, last first, so a table's head stays cached longest."""
+        refcounts, cached = self.refcounts, self._cached
         for b in reversed(list(block_ids)):
-            self.release(b)
+            if not 0 <= b < self.capacity or refcounts[b] == 0 or b in cached:
+                self._check_held(b, _RELEASE_FREE, release=True)
+            refcounts[b] -= 1
+            self._settle(b)
 
     def park(self, block_id: int) -> None:
         """Let the prefix index hold a block (one reference), keeping it cached after use."""
@@ -258,6 +273,17 @@ class BlockPool:
         self.parked.discard(block_id)
         self.refcounts[block_id] = 0
         self._free.append(block_id)
+
+    def _check_held(self, block_id: int, free: str, release: bool = False) -> None:
+        """Raise for a block that is not held, saying ``free`` of a free one (for ``release``,
+        also for one held by the index alone)."""
+        self._check_id(block_id)
+        if self.refcounts[block_id] == 0:
+            raise ValueError(f"block {block_id} {free}.")
+        if release and block_id in self._cached:
+            raise ValueError(
+                f"block {block_id} is held only by the prefix index; call unpark, not release."
+            )
 
     def _check_id(self, block_id: int) -> None:
         if not 0 <= block_id < self.capacity:

@@ -30,13 +30,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from itertools import chain
+from itertools import chain, islice
 
 from .pool import BlockPool
 from .states import StateSlots
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Node:
     key: tuple[int, ...]  # this block's tokens; shorter than block_size for a partial tail
     blocks: list[int | None]  # block id per group
@@ -146,28 +146,36 @@ class PrefixIndex:
         if not 0 <= length <= len(tokens):
             raise ValueError(f"length {length} is outside 0..{len(tokens)}.")
         bs = self.block_size
-        n_blocks = -(-length // bs) if partial else length // bs
-        node, parked = self._root, 0
-        for i in range(n_blocks):
-            key = tuple(tokens[i * bs : min((i + 1) * bs, length)])
+        full = length // bs
+        # The full blocks' tokens, each a tuple made in C: zip takes ``bs`` at a time.
+        keys = list(islice(zip(*[iter(tokens)] * bs, strict=False), full))
+        if partial and length > full * bs:
+            keys.append(tuple(tokens[full * bs : length]))
+        spans = [
+            (g, first, blocks, self._owner[g], self.pools[g].park)
+            for g, (first, blocks) in enumerate(tables)
+        ]
+        node, parked, groups = self._root, 0, len(self.pools)
+        for i, key in enumerate(keys):
             child = node.children.get(key)
             if child is None:
                 if len(key) < bs and any(k[: len(key)] == key for k in node.children):
                     break  # a longer block already covers this partial tail
-                child = _Node(key, [None] * len(self.pools), node)
-                node.children[key] = child
+                child = node.children[key] = _Node(key, [None] * groups, node)
                 # Partial tails this block extends are redundant now.
-                for k in [k for k in node.children if len(k) < len(key) and key[: len(k)] == k]:
-                    self._remove(node.children[k])
-            for g, (first, blocks) in enumerate(tables):
-                if i < first or i - first >= len(blocks) or child.blocks[g] is not None:
+                if len(node.children) > 1:
+                    tails = [k for k in node.children if len(k) < len(key) and key[: len(k)] == k]
+                    for k in tails:
+                        self._remove(node.children[k])
+            for g, first, blocks, owner, park in spans:
+                if not 0 <= i - first < len(blocks) or child.blocks[g] is not None:
                     continue
                 b = blocks[i - first]
-                if b in self._owner[g]:
+                if b in owner:
                     continue  # indexed under other tokens (a partial adoption)
-                self.pools[g].park(b)
+                park(b)
                 child.blocks[g] = b
-                self._owner[g][b] = child
+                owner[b] = child
                 parked += 1
             node = child
         self._prune(node)  # a last node that got no block leads nowhere
@@ -224,13 +232,13 @@ class PrefixIndex:
     def _walk(self, tokens: Sequence[int]) -> tuple[list[_Node], int]:
         """Nodes along the longest match and the tokens matched; the last node may match partly."""
         bs, node, pos, path = self.block_size, self._root, 0, []
-        while True:
-            rest = tuple(tokens[pos : pos + bs])
-            child = node.children.get(rest) if len(rest) == bs else None
+        for key in zip(*[iter(tokens)] * bs, strict=False):  # each full block's tokens
+            child = node.children.get(key)
             if child is None:
                 break
             path.append(child)
             node, pos = child, pos + bs
+        rest = tuple(tokens[pos : pos + bs])
         best, best_len = None, 0
         for key, c in node.children.items():
             n = _common_prefix(key, rest)

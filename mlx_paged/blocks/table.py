@@ -117,9 +117,7 @@ class BlockTables:
 
     def fork(self, table: BlockTable) -> BlockTable:
         """A new table holding references to the same blocks (no K/V is copied)."""
-        for b in table.blocks:
-            if b != HOLE:
-                self.blocks.retain(b)
+        self.blocks.retain_all(b for b in table.blocks if b != HOLE)
         forked = self.new_table()
         forked.blocks.extend(table.blocks)
         forked.first = table.first

@@ -104,11 +104,23 @@ class TieredBlockPool(BlockPool):
         else:
             super().retain(block_id)
 
+    def retain_all(self, block_ids: Iterable[int]) -> None:
+        hot, cold = _by_tier(block_ids)
+        super().retain_all(hot)
+        self.cold.retain_all(cold)
+        self.shares += len(cold)
+
     def release(self, block_id: int) -> None:
         if is_cold(block_id):
             self.cold.release(block_id - COLD)
         else:
             super().release(block_id)
+
+    def release_all(self, block_ids: Iterable[int]) -> None:
+        """Each tier's blocks last first, as ``BlockPool.release_all``."""
+        hot, cold = _by_tier(block_ids)
+        super().release_all(hot)
+        self.cold.release_all(cold)
 
     def park(self, block_id: int) -> None:
         if is_cold(block_id):
@@ -202,3 +214,10 @@ class TieredBlockPool(BlockPool):
         tables = [list(t) for t in tables]
         super().check_invariants([[b for b in t if 0 <= b < COLD] for t in tables])
         self.cold.check_invariants([[b - COLD for b in t if is_cold(b)] for t in tables])
+
+
+def _by_tier(block_ids: Iterable[int]) -> tuple[list[int], list[int]]:
+    """Hot ids, and cold ones as their slots in the cold storage, each in their order."""
+    ids = list(block_ids)
+    cold = [b - COLD for b in ids if b >= COLD]
+    return ([b for b in ids if b < COLD] if cold else ids), cold

@@ -85,8 +85,7 @@ def pinned_tables(
         table = tables[kind] = group.new_table()
         if kind.window is None:
             table.blocks.extend(node[g] for node in path)
-            for b in table.blocks:
-                group.blocks.retain(b)
+            group.blocks.retain_all(table.blocks)
         else:
             table.first = have
     return tables

@@ -333,8 +333,7 @@ def adopted_tables(
     for g, (kind, group) in enumerate(groups.items()):
         table = group.new_table()
         if match:
-            for b in match.blocks[g]:
-                group.blocks.retain(b)
+            group.blocks.retain_all(match.blocks[g])
             table.blocks.extend(match.blocks[g])
             table.first = match.firsts[g]
         table.lengths[:] = [hit] * group.num_layers

@@ -64,10 +64,12 @@ def block_parts(
 def chain_keys(tokens: Sequence[int], block_size: int, parent: str = "") -> list[str]:
     """The key of each full block of ``tokens``: a hash of its parent's key and its tokens
     (``parent``: the key of the block before ``tokens``, if they do not start a prompt)."""
+    n = len(tokens) // block_size * block_size
+    # Every block's bytes in one conversion: a conversion per block cost more than its hash.
+    raw, step = np.asarray(tokens[:n], dtype=np.int64).tobytes(), block_size * 8
     keys, parent = [], bytes.fromhex(parent)
-    for lo in range(0, len(tokens) // block_size * block_size, block_size):
-        block = np.asarray(tokens[lo : lo + block_size], dtype=np.int64).tobytes()
-        parent = hashlib.blake2b(parent + block, digest_size=20).digest()
+    for lo in range(0, len(raw), step):
+        parent = hashlib.blake2b(parent + raw[lo : lo + step], digest_size=20).digest()
         keys.append(parent.hex())
     return keys
 

@@ -21,7 +21,15 @@ from pathlib import Path
 
 import numpy as np
 
-from .disk_format import ArraySpec, check, entry_key, parse, parse_head, same_headers
+from .disk_format import (
+    ArraySpec,
+    check,
+    check_rows,
+    entry_key,
+    parse,
+    parse_head,
+    same_headers,
+)
 
 SUFFIX = ".kv"
 PACK_SUFFIX = ".kvp"
@@ -118,7 +126,7 @@ def read_pack(
         return [e] * len(out)
     if got != out.size:
         return [ValueError(f"truncated ({got} of {out.size} bytes read)")] * len(out)
-    why = [check(row, payloads) for row in out]
+    why = check_rows(out, payloads)
     return [None if w is None else ValueError(f"an entry: {w}") for w in why]
 
 

@@ -186,6 +186,25 @@ def same_headers(rows: np.ndarray, keys: Sequence[str], payload: int) -> np.ndar
     return ok
 
 
+def check_rows(rows: np.ndarray, payload_too: bool = True) -> list[str | None]:
+    """``check`` of each row of ``rows`` (entries of one size, as a pack holds): the
+    lengths, trailers and payload sums read for all rows at once, then a CRC-32 per head;
+    only a row that fails is checked alone (for what is wrong with it)."""
+    n, size = rows.shape
+    if not n or size < PREFIX.size + TRAILER.size or size % 4:
+        return [check(row, payload_too) for row in rows]
+    _, _, key_len, header_len = PREFIX.unpack_from(rows[0])
+    payload, end = PREFIX.size + key_len + header_len, size - TRAILER.size
+    lengths = rows[:, PREFIX.size - 8 : PREFIX.size].view("<u4")  # (n, 2): key, header
+    if payload > end or payload % 4 or (lengths != (key_len, header_len)).any():
+        return [check(row, payload_too) for row in rows]
+    trailers = rows[:, end:].view("<u4")  # (n, 2): the head's CRC-32, the payload's sum
+    ok = np.fromiter(map(zlib.crc32, rows[:, :payload]), np.uint32, n) == trailers[:, 0]
+    if payload_too:
+        ok &= payload_sums(rows[:, payload:end].view("<u4")) == trailers[:, 1]
+    return [None if good else check(row, payload_too) for row, good in zip(rows, ok, strict=True)]
+
+
 def check(buf: np.ndarray, payload_too: bool = True) -> str | None:
     """What is wrong with an entry's bytes (which of its checks fails), or ``None``: the
     head's CRC-32, and unless ``payload_too`` is false, the payload's word sum."""
