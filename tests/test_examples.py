@@ -28,9 +28,11 @@ def test_quickstart_paged_matches_dense():
     assert "same as dense: True" in out
 
 
-def test_prompt_on_disk_is_loaded_by_the_next_process(tmp_path):
-    first = run_example("prompt_on_disk.py", "--dir", str(tmp_path), "--max-tokens", "4")
-    second = run_example("prompt_on_disk.py", "--dir", str(tmp_path), "--max-tokens", "4")
+@pytest.mark.parametrize("hybrid", [[], ["--hybrid"]], ids=["llama", "hybrid"])
+def test_prompt_on_disk_is_loaded_by_the_next_process(tmp_path, hybrid):
+    args = ("--dir", str(tmp_path), "--max-tokens", "4", *hybrid)
+    first = run_example("prompt_on_disk.py", *args)
+    second = run_example("prompt_on_disk.py", *args)
     assert "loaded 0 tokens" in first and "loaded 288 tokens" in second
     tokens = [
         next(x for x in out.splitlines() if x.startswith("tokens:")) for out in (first, second)
