@@ -319,3 +319,4 @@ def test_the_state_of_a_batch_is_refused(tmp_path):
     state.cache = [None if a is None else mx.concatenate([a, a]) for a in state.cache]
     with pytest.raises(ValueError, match="one sequence"):
         save_prefix(cache, prompt)
+    assert store_of(cache).keys == []  # refused before anything was written

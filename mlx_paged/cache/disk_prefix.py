@@ -143,6 +143,7 @@ def save_prefix(cache: list[Any], tokens: Sequence[int]) -> int:
     """
     disk, tables, states = _disk_of(cache, "save_prefix")
     tokens = _token_ids(tokens, "save_prefix")
+    state = _one_state(states)
     store, bs = disk.store, disk.pools[0].block_size
     held = min(min(t.lengths) for t in tables)
     keys = chain_keys(tokens[: min(len(tokens), held)], bs)
@@ -155,8 +156,8 @@ def save_prefix(cache: list[Any], tokens: Sequence[int]) -> int:
         got = block_parts(disk.pools, cold, [row for _, row in same])
         if got is not None:
             store.put_many_later(list(zip([k for k, _ in same], to_host(*got), strict=True)))
-    if states and held % bs == 0 and 0 < held <= len(tokens):
-        _save_state(store, states, keys[-1] + STATE)
+    if state and held % bs == 0 and 0 < held <= len(tokens) and keys[-1] + STATE not in store:
+        store.put_later(keys[-1] + STATE, to_host(*state_parts(state))[0])
     store.flush()
     return _loadable(store, keys, bool(states)) * bs
 
@@ -292,13 +293,14 @@ def _loadable(store: DiskStore, keys: list[str], recurrent: bool) -> int:
     return n
 
 
-def _save_state(store: DiskStore, states: list[Any], key: str) -> None:
-    """Queue the recurrent ``states`` (mlx-lm ``ArraysCache``s) as the snapshot ``key``."""
+def _one_state(states: list[Any]) -> list[list[mx.array | None]] | None:
+    """The recurrent ``states``' arrays (mlx-lm ``ArraysCache``s), per layer; ``None`` when
+    there are none or nothing has written them."""
     state = [list(c.cache) for c in states]
-    if any(a is not None and a.shape[0] != 1 for layer in state for a in layer):
+    arrays = [a for layer in state for a in layer if a is not None]
+    if any(a.shape[0] != 1 for a in arrays):
         raise ValueError("save_prefix keeps one sequence's recurrent state; this cache holds more.")
-    if key not in store and any(a is not None for layer in state for a in layer):
-        store.put_later(key, to_host(*state_parts(state))[0])
+    return state if arrays else None
 
 
 def _restore(
