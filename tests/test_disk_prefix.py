@@ -320,3 +320,24 @@ def test_the_state_of_a_batch_is_refused(tmp_path):
     with pytest.raises(ValueError, match="one sequence"):
         save_prefix(cache, prompt)
     assert store_of(cache).keys == []  # refused before anything was written
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not mx.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_a_prefix_loaded_on_the_gpu_gives_mlx_lms_tokens_there(tmp_path, family):
+    """The GPU's load path (pinned staging buffers, the sums checked in MLX) and, for
+    qwen3_5, the CUDA GatedDeltaNet kernel, against mlx-lm's caches on the same GPU."""
+    dims = dict(linear_key_head_dim=32, linear_value_head_dim=32) if family == "qwen3_5" else {}
+    model, prompt = tiny_model(family, **dims), tokens(45, seed=14)
+    saved = paged(model, tmp_path)
+    forward(model, prompt[:40], saved)
+    assert save_prefix(saved, prompt) == 40
+    restart()
+    cache = paged(model, tmp_path)
+    assert load_prefix(cache, prompt) == 40
+    got = greedy(model, prompt[40:], cache)
+    want = greedy(model, prompt, make_prompt_cache(model))
+    assert got[0] == want[0]
+    for a, b in zip(got[1], want[1], strict=True):
+        assert mx.allclose(a, b, atol=1e-3, rtol=1e-3), float(mx.abs(a - b).max())
