@@ -48,6 +48,16 @@ def greedy(model, toks: list[int], cache, steps: int = 4) -> tuple[list[int], li
     return out, logits
 
 
+def assert_greedy_as_mlx_lm(model, prompt: list[int], n: int, cache, tol: float = 1e-4) -> None:
+    """Greedy tokens and logits of ``cache`` (holding ``prompt[:n]``) run on from ``n`` are
+    mlx-lm's own cache's on the whole ``prompt``."""
+    got = greedy(model, prompt[n:], cache)
+    want = greedy(model, prompt, make_prompt_cache(model))
+    assert got[0] == want[0]
+    for a, b in zip(got[1], want[1], strict=True):
+        assert mx.allclose(a, b, atol=tol, rtol=tol), float(mx.abs(a - b).max())
+
+
 def restart() -> None:
     """What a new process sees: the directory, indexed afresh."""
     disk_prefix._STORES.clear()
@@ -68,11 +78,7 @@ def test_a_loaded_prefix_gives_mlx_lms_tokens_and_logits(tmp_path, family):
     table = cache[0].table
     assert table.lengths == [40] * len(table.lengths) and len(table.blocks) == 5
     assert [c.offset for c in cache] == [40] * len(cache)
-    got = greedy(model, prompt[40:], cache)
-    want = greedy(model, prompt, make_prompt_cache(model))
-    assert got[0] == want[0]
-    for a, b in zip(got[1], want[1], strict=True):
-        assert mx.allclose(a, b, atol=1e-4, rtol=1e-4), float(mx.abs(a - b).max())
+    assert_greedy_as_mlx_lm(model, prompt, 40, cache)
 
 
 def test_mlx_lms_generation_runs_on_from_a_loaded_prefix(tmp_path):
@@ -254,11 +260,7 @@ def test_a_hybrid_prefix_saved_at_a_block_boundary_gives_mlx_lms_tokens(tmp_path
 
     cache = paged(model, tmp_path)
     assert load_prefix(cache, prompt) == 40
-    got = greedy(model, prompt[40:], cache)
-    want = greedy(model, prompt, make_prompt_cache(model))
-    assert got[0] == want[0]
-    for a, b in zip(got[1], want[1], strict=True):
-        assert mx.allclose(a, b, atol=1e-4, rtol=1e-4), float(mx.abs(a - b).max())
+    assert_greedy_as_mlx_lm(model, prompt, 40, cache)
 
 
 def test_a_hybrid_load_ends_at_the_deepest_saved_state(tmp_path):
@@ -336,8 +338,4 @@ def test_a_prefix_loaded_on_the_gpu_gives_mlx_lms_tokens_there(tmp_path, family)
     restart()
     cache = paged(model, tmp_path)
     assert load_prefix(cache, prompt) == 40
-    got = greedy(model, prompt[40:], cache)
-    want = greedy(model, prompt, make_prompt_cache(model))
-    assert got[0] == want[0]
-    for a, b in zip(got[1], want[1], strict=True):
-        assert mx.allclose(a, b, atol=1e-3, rtol=1e-3), float(mx.abs(a - b).max())
+    assert_greedy_as_mlx_lm(model, prompt, 40, cache, tol=1e-3)
