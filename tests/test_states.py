@@ -190,3 +190,27 @@ class SnapshotMachine(RuleBasedStateMachine):
 
 TestSnapshotMachine = SnapshotMachine.TestCase
 TestSnapshotMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+
+
+def test_state_pool_writes_a_steps_taken_slots_in_one_scatter_per_entry():
+    """Slots taken between forwards start from their snapshots (or zeros) when the arrays are
+    next used, one scatter per entry, even for a snapshot dropped in between."""
+    import mlx.core as mx
+
+    from mlx_paged.storage import StatePool
+
+    pool = StatePool([2], num_slots=4, num_snapshots=1)
+    for slot in range(3):
+        assert pool.take_slot() == slot
+    rows = mx.arange(3 * 2 * 3, dtype=mx.float32).reshape(3, 2, 3)
+    pool.write(0, 3, [rows, rows + 100])
+    snap = pool.snapshot(1)  # slot 1's state
+    for slot in (0, 1):
+        pool.free_slot(slot)
+    assert pool.take_slot(snap) == 0  # from the snapshot
+    assert pool.take_slot() == 1  # zeros
+    pool.drop(snap)  # before the arrays are used
+    assert pool.ids() == []
+    k, v = pool.read(0, mx.array([0, 1, 2], dtype=mx.int32))
+    assert mx.array_equal(k, mx.stack([rows[1], mx.zeros((2, 3)), rows[2]]))
+    assert mx.array_equal(v, mx.stack([rows[1] + 100, mx.zeros((2, 3)), rows[2] + 100]))

@@ -33,6 +33,9 @@ class StatePool(StateSlots):
         super().__init__(num_slots, num_snapshots)
         self.arrays: list[list[mx.array | None]] = [[None] * n for n in entries]
         self._snapshots: dict[int, State] = {}
+        # Slots taken since the arrays were last used, and what each starts from (a
+        # snapshot's state, or ``None``: zeros): written together, one scatter per entry.
+        self._pending: dict[int, State | None] = {}
 
     @property
     def num_layers(self) -> int:
@@ -51,6 +54,7 @@ class StatePool(StateSlots):
     def read(self, layer: int, rows: mx.array | int) -> list[mx.array | None]:
         """``(B, *entry_shape)`` state of one layer for ``rows`` (``None`` for an entry
         nothing has written yet: every sequence still starts from zeros)."""
+        self._flush()
         if isinstance(rows, int):
             whole = rows == self.num_slots
             return [a if a is None or whole else a[:rows] for a in self.arrays[layer]]
@@ -58,6 +62,7 @@ class StatePool(StateSlots):
 
     def write(self, layer: int, rows: mx.array | int, entries: list[mx.array | None]) -> None:
         """Store ``(B, *entry_shape)`` new state of one layer in ``rows``."""
+        self._flush()
         held = self.arrays[layer]
         if len(entries) != len(held):
             raise ValueError(f"layer {layer} has {len(held)} state entries, got {len(entries)}.")
@@ -74,6 +79,7 @@ class StatePool(StateSlots):
 
     def evaluated(self) -> list[mx.array]:
         """Every allocated state array (to evaluate with a forward's writes)."""
+        self._flush()
         return [a for layer in self.arrays for a in layer if a is not None]
 
     def check_invariants(self, slots: Iterable[int], snapshots: Iterable[int]) -> None:
@@ -89,20 +95,30 @@ class StatePool(StateSlots):
     # ---- StateSlots hooks -------------------------------------------------
 
     def _clear(self, slot: int) -> None:
-        for layer in self.arrays:
-            for a in layer:
-                if a is not None:
-                    a[slot] = 0
+        self._pending[slot] = None
 
     def _copy_in(self, snapshot: int, slot: int) -> None:
-        for layer, saved in zip(self.arrays, self._snapshots[snapshot], strict=True):
-            for e, (a, s) in enumerate(zip(layer, saved, strict=True)):
-                if a is not None:
-                    a[slot] = 0 if s is None else s[0]
-                elif s is not None:  # cannot happen: a snapshot is taken from written arrays
-                    raise AssertionError(f"snapshot {snapshot} holds entry {e} the pool lacks")
+        self._pending[slot] = self._snapshots[snapshot]  # held here even if the id goes
+
+    def _flush(self) -> None:
+        """Write the pending slots' starting states: one scatter per state entry for all of
+        them (a burst of requests adopting snapshots takes many slots in one step)."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, {}
+        at = mx.array(list(pending), dtype=mx.int32)
+        for layer, held in enumerate(self.arrays):
+            for e, a in enumerate(held):
+                saved = [None if s is None else s[layer][e] for s in pending.values()]
+                if a is None:
+                    if any(x is not None for x in saved):  # snapshots come from written arrays
+                        raise AssertionError(f"a snapshot holds layer {layer} entry {e}, unwritten")
+                    continue
+                zero = mx.zeros((1, *a.shape[1:]), dtype=a.dtype)
+                a[at] = mx.concatenate([zero if x is None else x for x in saved])
 
     def _copy_out(self, slot: int, snapshot: int) -> None:
+        self._flush()
         # A gather makes a copy (a slice could share the pool's buffer and stop it
         # being updated in place); evaluate it now so it holds no graph.
         at = mx.array([slot], dtype=mx.int32)
