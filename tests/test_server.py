@@ -79,6 +79,13 @@ METRICS = (
 # ---- servers ---------------------------------------------------------------
 
 
+def _sample_key(sample) -> str:
+    if not sample.labels:
+        return sample.name
+    labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+    return f"{sample.name}{{{labels}}}"
+
+
 @dataclass
 class Server:
     """A running ``mlx_paged.server`` subprocess."""
@@ -103,12 +110,13 @@ class Server:
         return self.log.read_text(errors="replace")[-4000:]
 
     def metrics(self) -> dict[str, float]:
-        """``GET /metrics`` parsed: sample name -> value."""
+        """``GET /metrics`` parsed: sample -> value, keyed by the bare name, or by
+        ``name{label="value",...}`` for a labelled sample."""
         response = httpx.get(f"{self.base}/metrics", timeout=10)
         assert response.status_code == 200
         assert response.headers["content-type"].startswith("text/plain")
         families = text_string_to_metric_families(response.text)
-        return {s.name: s.value for family in families for s in family.samples}
+        return {_sample_key(s): s.value for family in families for s in family.samples}
 
     def wait_metrics(self, done: Callable[[dict[str, float]], bool], timeout: float = 30):
         """Poll ``/metrics`` until ``done(metrics)``; fail with the last scrape at ``timeout``."""
@@ -631,7 +639,8 @@ def test_concurrent_streams_with_disconnects(server):
     )
     assert all(name in after for name in METRICS)
     assert after["mlx_paged_requests_waiting"] == 0
-    delta = {k: after[k] - before[k] for k in after}
+    # A labelled sample (a histogram's phase, say) first shows up once observed.
+    delta = {k: after[k] - before.get(k, 0.0) for k in after}
     assert delta["mlx_paged_requests_aborted_total"] >= len(quitters)
     assert delta["mlx_paged_requests_failed_total"] == 0
     assert delta["mlx_paged_prompt_tokens_total"] >= 16 * 5
