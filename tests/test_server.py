@@ -361,6 +361,9 @@ def test_seed_makes_sampling_reproducible(server):
     assert sample(1234, 2) == first
     assert first[0] != first[1], "two seeds drew the same 8 tokens at temperature 1"
     assert sample(1235, 1) == first[1:]
+    # Any int64 seed works, and seed + i wraps around modulo 2**64.
+    assert sample(-5, 1) == sample(-5, 1)
+    assert sample(2**64 - 1, 2)[1:] == sample(0, 1)
 
 
 @pytest.mark.parametrize(
@@ -683,6 +686,8 @@ BAD_REQUESTS = [
     ("completions", {"prompt": STORY, "top_p": 0}, 400, "top_p"),
     ("completions", {"prompt": STORY, "top_p": 1.5}, 400, "top_p"),
     ("completions", {"prompt": STORY, "n": 0}, 400, "n"),
+    ("completions", {"prompt": STORY, "seed": 2**64}, 400, "seed"),
+    ("chat", {"messages": POEM, "seed": -(2**63) - 1}, 400, "seed"),
     ("completions", {"prompt": STORY, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     ("completions", {"prompt": [1] * 9000}, 400, f"context is {CONTEXT}"),
     ("completions", {"prompt": [1] * (CONTEXT - 8), "max_tokens": 16}, 400, "exceed"),

@@ -60,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="A disk tier: full blocks the prefix cache evicts (and every cached one at "
         "shutdown) go to files here, and come back for prompts that need them, after a "
-        "restart too. Not yet for sliding-window or recurrent layers, --kv-bits or mlx.launch.",
+        "restart too (with recurrent-state snapshots, cold blocks quantized; under "
+        "mlx.launch, one subdirectory per rank).",
     )
     p.add_argument(
         "--kv-disk-bytes", default="50GB", help="Most bytes the --kv-disk-dir files take."

@@ -16,7 +16,8 @@ def make_request_sampler(
     seed: int | None,
     xtc: tuple[float, float, list[int]] | None = None,
 ) -> Callable[[mx.array], mx.array] | None:
-    """A sampler over log-probs ``(1, V)`` with its own random stream when ``seed`` is given.
+    """A sampler over log-probs ``(1, V)`` with its own random stream when ``seed`` is given
+    (any int, taken modulo 2**64).
 
     ``None`` (greedy) at temperature 0. The filters apply in mlx-lm's
     ``make_sampler`` order: top-p, min-p, XTC (``xtc``: probability, threshold
@@ -41,7 +42,7 @@ def make_request_sampler(
         if seed is None:
             return mx.random.categorical(x * (1.0 / temperature))
         if not key:
-            key.append(mx.random.key(seed))
+            key.append(mx.random.key(seed % 2**64))  # MLX's keys take uint64 seeds
         key[0], sub = mx.random.split(key[0])
         return mx.random.categorical(x * (1.0 / temperature), key=sub)
 
