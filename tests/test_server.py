@@ -930,6 +930,7 @@ def test_warm_up_runs_before_ready_and_leaves_no_counts(tmp_path):
         assert m["mlx_paged_prompt_tokens_total"] == 0
         assert m["mlx_paged_generation_tokens_total"] == 0
         assert m["mlx_paged_kv_blocks_cached"] > 0  # the made-up burst's blocks, parked
+        assert "mlx_paged: warming up at batch sizes up to 2" in s.log_tail()
         assert "mlx_paged: warmed up in" in s.log_tail()
         out = s.client().completions.create(model=MODEL, prompt=STORY, max_tokens=4, temperature=0)
         assert out.usage.completion_tokens == 4
@@ -950,6 +951,17 @@ def test_sampling_defaults_come_from_flags_then_generation_config(tmp_path):
     (tmp_path / "generation_config.json").write_text(json.dumps({**config, "do_sample": False}))
     assert sampling_defaults(build_parser().parse_args([]), tmp_path) == {}
     assert sampling_defaults(build_parser().parse_args([]), tmp_path / "missing") == {}
+
+
+def test_the_warm_up_runs_by_default_on_a_gpu_only():
+    from mlx_paged.server import build_parser, warms_up
+
+    parse = build_parser().parse_args
+    assert warms_up(parse([])) is (mx.default_device() == mx.gpu)
+    with mx.stream(mx.cpu):  # the CPU builds no kernels per batch size: minutes for nothing
+        assert warms_up(parse([])) is False
+        assert warms_up(parse(["--warm-up"])) is True
+    assert warms_up(parse(["--no-warm-up"])) is False
 
 
 def test_the_warm_up_samples_as_a_request_with_the_servers_defaults(tmp_path):

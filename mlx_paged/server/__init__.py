@@ -155,10 +155,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--warm-up",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="Before /health reports ready, run a made-up burst that decodes once at every "
-        "batch size up to --max-batch-size, so the first requests find kernels built and "
-        "checked (default).",
+        default=None,
+        help="Before /health reports ready, decode a made-up burst once at every batch size "
+        "up to --max-batch-size, so the first requests find kernels built and checked. "
+        "Default: on a GPU; off on the CPU, which builds no kernels per batch size.",
     )
     p.add_argument(
         "--pipeline",
@@ -262,13 +262,13 @@ def loader(args: argparse.Namespace, group=None):
             kv_disk_dir=args.kv_disk_dir,
             kv_disk_bytes=int(parse_memory(args.kv_disk_bytes)),
         )
-        if args.warm_up:
+        if warms_up(args):
             from ..engine.warmup import warm_up
 
             sampler = None if sharded else warm_up_sampler(args, args.model or embedded_path())
-            logging.getLogger("mlx_paged.server").info(
-                "mlx_paged: warmed up in %.2f s", warm_up(engine, sampler=sampler)
-            )
+            log = logging.getLogger("mlx_paged.server")
+            log.info("mlx_paged: warming up at batch sizes up to %d", args.max_batch_size)
+            log.info("mlx_paged: warmed up in %.2f s", warm_up(engine, sampler=sampler))
         # What exists now lives as long as the server: out of the collector's generations,
         # a full collection no longer walks it (one took 60-90 ms in a load from disk).
         gc.collect()
@@ -276,6 +276,14 @@ def loader(args: argparse.Namespace, group=None):
         return engine, tokenizer
 
     return load
+
+
+def warms_up(args: argparse.Namespace) -> bool:
+    """``--warm-up``, or where neither flag is given, whether MLX runs on a GPU (Metal or
+    CUDA): there the first use of each batch size builds kernels, on the CPU it does not."""
+    import mlx.core as mx
+
+    return args.warm_up if args.warm_up is not None else mx.default_device() == mx.gpu
 
 
 def warm_up_sampler(args: argparse.Namespace, model_path: str | Path):
