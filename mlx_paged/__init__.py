@@ -7,7 +7,13 @@ bookkeeping). Importing the package routes mlx-lm's attention to the paged path
 and registers ``PagedKVCache`` for ``load_prompt_cache``.
 """
 
-from .blocks import BlockPool, PagedCacheStats, PoolExhaustedError, PrefixIndex
+from .blocks import (
+    BlockPool,
+    PagedCacheStats,
+    PoolExhaustedError,
+    PoolTooSmallError,
+    PrefixIndex,
+)
 from .cache import (
     PagedBatchKVCache,
     PagedKVCache,
@@ -28,6 +34,7 @@ __all__ = [
     "PagedCacheStats",
     "PagedKVCache",
     "PoolExhaustedError",
+    "PoolTooSmallError",
     "PrefixIndex",
     "install_paged_cache",
     "load_prefix",

@@ -26,12 +26,12 @@ from mlx_lm.generate import generate, setup_arg_parser
 from mlx_lm.sample_utils import make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from .blocks import PoolTooSmallError
 from .cache import make_paged_cache
 from .cache.memory import (
     blocks_for_memory,
+    cache_summary,
     fmt_bytes,
-    kv_footprint,
-    paged_pools,
     parse_memory,
     probe_footprint,
 )
@@ -136,6 +136,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
                 raise ValueError
         except ValueError:
             parser.error("--chat-template-config must be a JSON object, e.g. '{\"x\": 1}'.")
+    if args.seed is not None and args.seed < 0:
+        parser.error("--seed must be 0 or more.")
     if args.max_kv_size is not None and args.max_kv_size <= 4:
         parser.error("--max-kv-size must be above the 4 tokens it always keeps.")
     if args.hot_tokens < 0:
@@ -179,6 +181,16 @@ def run_single(
 ) -> None:
     """One prompt through mlx_lm's ``generate``; prints what it prints, plus cache stats."""
     tokens = encode_prompt(tokenizer, _prompt_text(args), args)
+    # mlx-lm's loop feeds every token it yields: a fixed pool (no window, no cold tier to
+    # move blocks into) must hold them all.
+    need = -(-(len(tokens) + max(args.max_tokens, 1)) // args.block_size)
+    fixed = args.paged and num_blocks is not None and args.max_kv_size is None
+    if fixed and args.kv_bits is None and need > num_blocks:
+        raise SystemExit(
+            f"mlx_paged.generate: error: {len(tokens)} prompt tokens and --max-tokens "
+            f"{args.max_tokens} need {need} blocks of {args.block_size}; the pool holds "
+            f"{num_blocks}. Raise --num-blocks or --kv-memory, or leave both out to grow."
+        )
     sampler = _sampler(args, tokenizer)
     kwargs: dict[str, Any] = {}
     caches = None
@@ -213,39 +225,26 @@ def run_single(
             if done >= total:
                 bar[0].close()
 
-    response = generate(
-        model,
-        tokenizer,
-        tokens,
-        verbose=args.verbose,
-        max_tokens=args.max_tokens,
-        sampler=sampler,
-        prefill_step_size=args.prefill_step_size,
-        draft_model=draft_model,
-        num_draft_tokens=args.num_draft_tokens,
-        prompt_progress_callback=on_prefill,
-        **kwargs,
-    )
+    try:
+        response = generate(
+            model,
+            tokenizer,
+            tokens,
+            verbose=args.verbose,
+            max_tokens=args.max_tokens,
+            sampler=sampler,
+            prefill_step_size=args.prefill_step_size,
+            draft_model=draft_model,
+            num_draft_tokens=args.num_draft_tokens,
+            prompt_progress_callback=on_prefill,
+            **kwargs,
+        )
+    except PoolTooSmallError as e:  # a cold tier or window the check above leaves out
+        raise SystemExit(f"\nmlx_paged.generate: error: {e}") from e
     if not args.verbose:
         print(response)
     elif caches is not None:
-        paged = [x for c in caches for x in getattr(c, "caches", [c]) if hasattr(x, "pool")]
-        if not paged:
-            print("KV cache: none paged (the model has recurrent layers only)")
-            return
-        pools = paged_pools(caches)
-        fp = kv_footprint(pools, args.block_size)
-        tiers = [p.tier_stats() for p in pools]
-        held = sum(t.hot_blocks for t in tiers)
-        cold = sum(t.cold_blocks for t in tiers)
-        nbytes = sum(t.hot_bytes + t.cold_bytes for t in tiers)
-        seq_tokens = max(c.offset for c in paged)
-        quantized = f" + {cold} {args.kv_bits}-bit" if args.kv_bits else ""
-        print(
-            f"KV cache: paged, {held}{quantized} blocks of {args.block_size} for {seq_tokens} "
-            f"tokens ({fmt_bytes(nbytes)}); a dense mlx-lm cache would hold "
-            f"{fmt_bytes(fp.dense_bytes(seq_tokens))}; prefix hits: 0 tokens (one request)"
-        )
+        print(cache_summary(caches, args.block_size, args.kv_bits))
 
 
 def _prompt_text(args: argparse.Namespace) -> str:

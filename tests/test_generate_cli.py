@@ -36,6 +36,7 @@ needs_embedded = pytest.mark.skipif(
         (["--prompts-file", "x.txt", "--kv-disk-bytes", "lots"], "--kv-disk-bytes"),
         (["--state-snapshot-interval", "24"], "a positive multiple of --block-size"),
         (["--num-state-snapshots", "0"], "--num-state-snapshots must be a positive"),
+        (["--seed", "-3"], "--seed must be 0 or more"),
     ],
 )
 def test_bad_flags_are_argparse_errors(argv, message, capsys):
@@ -138,6 +139,22 @@ def test_a_second_run_reads_the_prompts_blocks_from_kv_disk_dir(tmp_path, capsys
     third = capsys.readouterr().out
     assert int(third.split("prefix-hit tokens: ")[1].split(",")[0]) == hit
     assert third.split("==========")[1] == answer
+
+
+@needs_embedded
+def test_a_pool_too_small_for_the_run_is_an_error_not_a_traceback(capsys):
+    # "hi" in the chat template is 31 tokens: 1 more fits two 16-token blocks, 2 do not.
+    argv = ["--prompt", "hi", "--num-blocks", "2", "--temp", "0"]
+    main([*argv, "--max-tokens", "1"])
+    assert "KV cache: paged, 2 blocks of 16 for 32 tokens" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as info:  # refused before the prompt runs
+        main([*argv, "--max-tokens", "2"])
+    assert str(info.value).startswith("mlx_paged.generate: error: 31 prompt tokens and ")
+    assert "need 3 blocks of 16; the pool holds 2" in str(info.value)
+    assert capsys.readouterr().out == ""
+    with pytest.raises(SystemExit) as info:  # a cold tier is not checked ahead: it stops
+        main([*argv, "--max-tokens", "8", "--kv-bits", "8", "--hot-tokens", "16"])
+    assert "33 tokens need 3 blocks of 16, but the pool holds only 2" in str(info.value)
 
 
 @needs_embedded

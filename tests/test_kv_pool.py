@@ -12,7 +12,7 @@ from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from mlx_paged import PoolExhaustedError
+from mlx_paged import PoolExhaustedError, PoolTooSmallError
 from mlx_paged.blocks import BlockTable
 from mlx_paged.storage import KVPool
 
@@ -414,10 +414,11 @@ def test_exhaustion_after_copy_on_write_changes_nothing():
 
 
 def test_write_larger_than_the_pool_raises_value_error():
-    """A table that would need more blocks than the pool has is a caller error."""
+    """A table that would need more blocks than the pool has is a caller error
+    (``PoolTooSmallError``, a ``ValueError``)."""
     pool = KVPool(num_layers=1, block_size=4, num_blocks=4)
     table = pool.new_table()
-    with pytest.raises(ValueError, match="17 tokens need 5 blocks of 4.*num_blocks"):
+    with pytest.raises(PoolTooSmallError, match="17 tokens need 5 blocks of 4.*num_blocks"):
         write(pool, table, 0, *chunk(17))
     assert (table.blocks, table.lengths) == ([], [0])
     assert pool.blocks.refcounts == [0, 0, 0, 0]

@@ -1,6 +1,12 @@
 """Block bookkeeping in pure Python: ids, refcounts, block tables and the prefix index."""
 
-from .pool import BlockPool, PagedCacheStats, PoolExhaustedError, check_block_size
+from .pool import (
+    BlockPool,
+    PagedCacheStats,
+    PoolExhaustedError,
+    PoolTooSmallError,
+    check_block_size,
+)
 from .prefix_index import PrefixIndex, PrefixMatch
 from .states import StateSlots, StateStats
 from .table import HOLE, BlockTable, BlockTables, LayerKind
@@ -15,6 +21,7 @@ __all__ = [
     "LayerKind",
     "PagedCacheStats",
     "PoolExhaustedError",
+    "PoolTooSmallError",
     "PrefixIndex",
     "PrefixMatch",
     "StateSlots",

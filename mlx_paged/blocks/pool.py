@@ -27,6 +27,10 @@ class PoolExhaustedError(RuntimeError):
     """Raised when a write needs more blocks than the pool can free right now."""
 
 
+class PoolTooSmallError(ValueError):
+    """Raised when a sequence needs more blocks than a fixed-size pool holds at all."""
+
+
 @dataclass(frozen=True)
 class PagedCacheStats:
     """A snapshot of a block pool.

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from .pool import BlockPool, PoolExhaustedError
+from .pool import BlockPool, PoolExhaustedError, PoolTooSmallError
 from .tiers import COLD, TieredBlockPool, is_cold
 
 T = TypeVar("T")
@@ -235,7 +235,7 @@ class BlockTables:
         """Give tokens ``[start, end)`` private blocks in ``table``, copying shared ones.
 
         Raises:
-            ValueError: if the table would need more blocks than the pool has.
+            PoolTooSmallError: if the table would need more blocks than the pool has.
             PoolExhaustedError: if the blocks cannot be freed now; nothing changes.
         """
         bs = self.block_size
@@ -245,7 +245,7 @@ class BlockTables:
             and span > self.blocks.capacity
             and span - sum(map(is_cold, table.blocks)) > self.blocks.capacity
         ):
-            raise ValueError(
+            raise PoolTooSmallError(
                 f"{end} tokens need {span} blocks of {bs}, but the pool holds only "
                 f"{self.blocks.capacity}; pass a larger num_blocks (or None to grow)."
             )

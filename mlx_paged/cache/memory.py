@@ -96,6 +96,26 @@ def blocks_for_memory(nbytes: int, footprint: KVFootprint) -> int:
     return n
 
 
+def cache_summary(caches: list[Any], block_size: int, kv_bits: int | None) -> str:
+    """One line on what a single sequence's paged ``caches`` hold, against mlx-lm's dense
+    cache for the same tokens (``mlx_paged.generate`` prints it)."""
+    paged = [x for c in caches for x in getattr(c, "caches", [c]) if hasattr(x, "pool")]
+    if not paged:
+        return "KV cache: none paged (the model has recurrent layers only)"
+    pools = paged_pools(caches)
+    tiers = [p.tier_stats() for p in pools]
+    held = sum(t.hot_blocks for t in tiers)
+    nbytes = sum(t.hot_bytes + t.cold_bytes for t in tiers)
+    tokens = max(c.offset for c in paged)
+    cold = f" + {sum(t.cold_blocks for t in tiers)} {kv_bits}-bit" if kv_bits else ""
+    dense = kv_footprint(pools, block_size).dense_bytes(tokens)
+    return (
+        f"KV cache: paged, {held}{cold} blocks of {block_size} for {tokens} tokens "
+        f"({fmt_bytes(nbytes)}); a dense mlx-lm cache would hold {fmt_bytes(dense)}; "
+        "prefix hits: 0 tokens (one request)"
+    )
+
+
 def fmt_bytes(n: float) -> str:
     """``1234567`` -> ``"1.23 MB"``."""
     for unit in ("B", "KB", "MB", "GB"):
