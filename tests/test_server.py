@@ -675,6 +675,7 @@ def test_non_streamed_request_is_aborted_when_the_client_disconnects(server):
 # ---- bad requests ----------------------------------------------------------
 
 
+IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
 BAD_REQUESTS = [
     ("completions", {"prompt": [5, VOCAB]}, 400, "outside the vocabulary"),
     ("completions", {"prompt": [-1]}, 400, "outside the vocabulary"),
@@ -695,6 +696,8 @@ BAD_REQUESTS = [
     ("chat", {"messages": []}, 400, "messages"),
     ("chat", {"messages": "hello"}, 400, "messages"),
     ("chat", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "role"),
+    ("chat", {"messages": [{"role": "user", "content": [IMAGE]}]}, 400, "'image_url'"),
+    ("chat", {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400, "text"),
     ("chat", {"messages": POEM, "temperature": -1}, 400, "temperature"),
     ("chat", {"messages": POEM, "top_logprobs": 2}, 400, "logprobs"),
     ("chat", {"messages": POEM, "model": "no-such-model"}, 404, "does not exist"),

@@ -115,6 +115,17 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
 
+    @field_validator("content")
+    @classmethod
+    def _text_parts(cls, v: object) -> object:
+        # mlx_lm.server refuses other parts for a text model too: an image dropped in
+        # silence would get an answer to a question never asked.
+        for part in v if isinstance(v, list) else ():
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type")
+                raise ValueError(f"only text content parts are served (got type {kind!r})")
+        return v
+
     def text(self) -> dict[str, Any]:
         """The message as a chat template reads it: text parts joined."""
         content = self.content
