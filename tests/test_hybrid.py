@@ -16,6 +16,7 @@ from tiny_models import HYBRIDS, RECURRENT_ONLY, VOCAB, model_of
 from tiny_models import solo as dense_solo
 
 from mlx_paged import PagedEngine
+from mlx_paged.cache import PagedLayout
 
 BS = 8
 INTERVAL = 16  # two blocks
@@ -208,3 +209,51 @@ def test_engine_on_the_gpu_equals_dense_on_the_gpu(family):
             mx.array(prompt), model, prompt_cache=cache, max_tokens=MAX_TOKENS, stream=gpu
         )
         assert tokens == [tok for tok, _ in solo]
+
+
+#: The families whose recurrent layers keep their state over right padding.
+PADDED = ["lfm2", "qwen3_5", "qwen3_next", "granitemoehybrid", "falcon_h1", "mamba2"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_which_families_keep_their_state_over_right_padding(family):
+    assert PagedLayout.of(model_of(family)).padded_states == (family in PADDED)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_bursts_suffixes_of_different_lengths_share_padded_forwards(family, monkeypatch):
+    """Four requests behind a cached 32-token prefix, with suffixes of 11-14 tokens: each
+    prefill stops at its last full block (40) to snapshot, then runs its 3-6 token tail.
+    Where the family keeps its state over right padding, the four share both forwards,
+    the second padded; elsewhere each runs its own. Each generates what it would alone."""
+    rng = random.Random(4)
+    system = toks(rng, 2 * INTERVAL)
+    prompts = [system + toks(rng, k) for k in (11, 12, 13, 14)]
+    engine = engine_of(family)
+    run(engine, [system], max_tokens=1)  # caches the prefix, with a snapshot at its end
+    calls = []
+    forward = engine.runner.forward
+
+    def spy(reqs, n, logits=False, counts=None):
+        calls.append((n, counts))
+        return forward(reqs, n, logits, counts)
+
+    monkeypatch.setattr(engine.runner, "forward", spy)
+    uids = [engine.add_request(p, MAX_TOKENS) for p in prompts]
+    reqs = [engine.request(u) for u in uids]
+    out = {u: [] for u in uids}
+    for e in engine.stream():
+        out[e.uid].append(e.token)
+        engine.check_invariants()
+    assert [r.prefix_hit for r in reqs] == [2 * INTERVAL] * 4
+    if family in PADDED:
+        assert calls == [(8, (8, 8, 8, 8)), (6, (3, 4, 5, 6))]
+    else:
+        assert calls == [(8, None), (3, None), (8, None), (4, None)] + [
+            (8, None),
+            (5, None),
+            (8, None),
+            (6, None),
+        ]
+    assert [out[u] for u in uids] == [solo(family, tuple(p)) for p in prompts]
+    assert_idle(engine)

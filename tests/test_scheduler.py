@@ -38,9 +38,9 @@ def write(sched, req, n):
 
 
 def run_prefill(sched, work: Prefill):
-    for n in work.steps:
+    for k, n in enumerate(work.steps):
         for i, req in enumerate(work.requests):
-            write(sched, req, n if work.counts is None else work.counts[i])
+            write(sched, req, n if work.counts is None else work.counts[k][i])
             sched.index_written(req)
         sched.check_invariants()
 
@@ -121,7 +121,7 @@ def test_short_prompts_share_padded_forwards_with_blocks_reserved_at_admission()
         sched.add(request(uid, prompt))
     works = list(sched.admit())
     assert [([r.uid for r in w.requests], w.steps, w.counts, w.alone) for w in works] == [
-        ([2, 0, 1], [5], (3, 5, 5), False),
+        ([2, 0, 1], [5], ((3, 5, 5),), False),
     ]
     # Admission order took the blocks: 2 per 5-token prompt, 1 for the 3-token one.
     assert [r.tables[FULL].blocks for r in sched.running] == [[0, 1], [2, 3], [4]]
@@ -136,9 +136,9 @@ def test_padded_forwards_group_lengths_alike_within_the_token_budget():
     # Shortest first. 2, 2, 3 pad 2 of 9 tokens; a 4 would make 4 of 16 padding (at most a
     # quarter may be), so 4 and 5 go on; two rows of 30 fit 64 tokens; 40 goes alone.
     assert works == [
-        ([4, 5, 2], [3], (2, 2, 3)),
-        ([6, 0], [5], (4, 5)),
-        ([7, 3], [30], (28, 30)),
+        ([4, 5, 2], [3], ((2, 2, 3),)),
+        ([6, 0], [5], ((4, 5),)),
+        ([7, 3], [30], ((28, 30),)),
         ([1], [40], None),
     ]
     for work in sched.admit():

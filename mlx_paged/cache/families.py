@@ -99,6 +99,24 @@ def attention_reads_kv_directly(model: nn.Module) -> bool:
     return any(v is True for v in verdicts) and not any(v is False for v in verdicts)
 
 
+#: mlx-lm modules whose recurrent layers keep a right-padded row's state (and convolution
+#: window) at its last real token: they read ``ArraysCache.lengths`` throughout, and a
+#: padded batch gives each request the tokens it gets alone (``tests/test_hybrid.py``).
+#: nemotron_h reads ``lengths`` for its convolution only: its SSM state takes the padding.
+PADDED_STATE_MODULES = frozenset(
+    f"mlx_lm.models.{name}"
+    for name in ("falcon_h1", "granitemoehybrid", "lfm2", "mamba2", "qwen3_5", "qwen3_next")
+)
+
+
+def recurrent_state_takes_lengths(model: nn.Module) -> bool:
+    """Whether ``model``'s recurrent layers come from ``PADDED_STATE_MODULES``, so that rows
+    padded on the right past ``ArraysCache.lengths`` leave each row's state as its real
+    tokens left it (otherwise only rows of equal lengths may share a forward)."""
+    layers = model.modules() if isinstance(model, nn.Module) else [model]
+    return any(type(m).__module__ in PADDED_STATE_MODULES for m in layers)
+
+
 @cache
 def _module_reads_kv_directly(name: str) -> bool | None:
     """``_reads_kv_directly`` of a module's source, and its ``scaled_dot_product_attention`` is

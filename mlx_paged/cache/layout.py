@@ -17,7 +17,14 @@ from ..attention import route_attention
 from ..blocks import LayerKind, check_block_size
 from ..storage import KVPool, KVQuant, check_kv_dtype, check_kv_quant
 from .disk_prefix import open_disk
-from .families import SINK_TOKENS, attention_reads_kv_directly, classify, default_caches, model_type
+from .families import (
+    SINK_TOKENS,
+    attention_reads_kv_directly,
+    classify,
+    default_caches,
+    model_type,
+    recurrent_state_takes_lengths,
+)
 from .paged import PagedKVCache
 from .sinks import PagedSinkKVCache
 
@@ -209,7 +216,8 @@ class PagedLayout:
     ``counts`` says how many paged layers each kind (full attention, or one
     sliding window) has; ``entries`` gives, per recurrent cache kept as it is
     (``ArraysCache``), in order, its number of state entries; ``direct_kv`` is
-    ``attention_reads_kv_directly(model)``.
+    ``attention_reads_kv_directly(model)``; ``padded_states`` is
+    ``recurrent_state_takes_lengths(model)`` where the model has recurrent caches.
     """
 
     template: list
@@ -217,6 +225,7 @@ class PagedLayout:
     counts: Counter[LayerKind]
     entries: list[int]
     direct_kv: bool = False
+    padded_states: bool = False
 
     @classmethod
     def of(cls, model: nn.Module, max_kv_size: int | None = None) -> PagedLayout:
@@ -234,7 +243,8 @@ class PagedLayout:
                 counts[kind] += 1
 
         _walk(template, family, count)
-        return cls(template, family, counts, entries, attention_reads_kv_directly(model))
+        padded = bool(entries) and recurrent_state_takes_lengths(model)
+        return cls(template, family, counts, entries, attention_reads_kv_directly(model), padded)
 
     def bind(
         self,

@@ -145,6 +145,7 @@ class PagedEngine:
             states,
             state_snapshot_interval,
             prefill_batch_tokens,
+            layout.padded_states,
         )
         self.runner = ModelRunner(model, layout, pools, states)
         disk = (kv_disk_dir, kv_disk_bytes, model, pools, self.scheduler, group)
@@ -293,7 +294,8 @@ class PagedEngine:
             if work.alone:
                 logits = self.runner.prefill(work.requests[0], n, logits=want)
             else:
-                logits = self.runner.forward(work.requests, n, want, work.counts)
+                counts = work.counts[i] if work.counts else None
+                logits = self.runner.forward(work.requests, n, want, counts)
             for req in work.requests:
                 self.scheduler.index_written(req)
         if not work.fresh:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 from .request import Prefill, Request
 
@@ -10,39 +10,35 @@ from .request import Prefill, Request
 MAX_PADDING = 0.25
 
 
-def batched_prefills(
-    reqs: list[Request], steps: tuple[int, ...], budget: int, target: Callable[[Request], int]
-) -> Iterator[Prefill]:
-    """Batched forwards of at most ``budget`` tokens each, padding included, in order.
+def batched_prefills(work: list[tuple[Request, list[int]]], budget: int) -> Iterator[Prefill]:
+    """Batched forwards of requests, each with its own steps (all with as many), in order.
 
-    With ``steps`` every request runs those chunks. Without, each runs its
-    remaining ``target(r) - r.written`` tokens in one forward, padded on the right
-    to the longest of its forward. Shortest first, so that lengths alike share a
-    forward; a forward takes no more padding than ``MAX_PADDING`` of its tokens
-    (padding costs compute; each forward costs host time).
+    Forward ``k`` of a batch runs every request's ``steps[k]`` tokens, padded on the
+    right to the longest, at most ``budget`` tokens, padding included. Alike steps
+    first, so that lengths alike share a batch; a batch takes no more padding than
+    ``MAX_PADDING`` of its tokens (padding costs compute; each forward costs host time).
     """
-    if steps:
-        per_forward = max(1, budget // max(steps))
-        for i in range(0, len(reqs), per_forward):
-            yield Prefill(reqs[i : i + per_forward], list(steps), alone=False)
-        return
-
-    def forward(group: list[Request], counts: list[int]) -> Prefill:
-        if len(set(counts)) == 1:  # nothing to pad
-            return Prefill(group, counts[:1], alone=False)
-        return Prefill(group, [max(counts)], alone=False, counts=tuple(counts))
-
     group: list[Request] = []
-    counts: list[int] = []
-    for n, r in sorted(((target(r) - r.written, r) for r in reqs), key=lambda p: p[0]):
-        padded = (len(group) + 1) * n  # n is the longest so far
-        if group and (padded > budget or padded - sum(counts) - n > MAX_PADDING * padded):
-            yield forward(group, counts)
-            group, counts = [], []
-        group.append(r)
-        counts.append(n)
+    rows: list[list[int]] = []
+    for req, steps in sorted(work, key=lambda p: p[1]):
+        trial = [*rows, steps]
+        widths = [max(col) for col in zip(*trial, strict=True)]
+        padded = len(trial) * sum(widths)
+        padding = padded - sum(map(sum, trial))
+        if group and (len(trial) * max(widths) > budget or padding > MAX_PADDING * padded):
+            yield _batch(group, rows)
+            group, rows = [], []
+        group.append(req)
+        rows.append(steps)
     if group:
-        yield forward(group, counts)
+        yield _batch(group, rows)
+
+
+def _batch(group: list[Request], rows: list[list[int]]) -> Prefill:
+    if all(r == rows[0] for r in rows):  # nothing to pad
+        return Prefill(group, list(rows[0]), alone=False)
+    counts = tuple(zip(*rows, strict=True))
+    return Prefill(group, [max(c) for c in counts], alone=False, counts=counts)
 
 
 def prefill_steps(start: int, end: int, chunk: int, cuts: frozenset[int]) -> list[int]:

@@ -138,14 +138,14 @@ class Prefill:
     last step (their first token). ``alone``: one request, prefilled through its
     own cache before the next admission, so that later requests can adopt its
     blocks. Otherwise the requests (all new, or all resumed) run batched; with
-    ``counts``, in one forward of ``steps[0]`` tokens each, of which the first
-    ``counts[i]`` are request ``i``'s and the rest padding.
+    ``counts``, forward ``k`` runs ``steps[k]`` tokens of each request, of which the
+    first ``counts[k][i]`` are request ``i``'s and the rest padding.
     """
 
     requests: list[Request]
     steps: list[int]
     alone: bool
-    counts: tuple[int, ...] | None = None  # real tokens per request of a padded forward
+    counts: tuple[tuple[int, ...], ...] | None = None  # per forward, real tokens per request
 
     @property
     def fresh(self) -> bool:

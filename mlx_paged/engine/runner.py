@@ -132,7 +132,10 @@ class ModelRunner:
         views: list[StepStateCache] = []
         if self.states is not None:
             rows = self.states.rows([r.slot for r in reqs])
-            views = [StepStateCache(self.states, i, rows) for i in range(self.states.num_layers)]
+            lengths = counts if padded else None
+            views = [
+                StepStateCache(self.states, i, rows, lengths) for i in range(self.states.num_layers)
+            ]
         caches = self.layout.bind(self.pools, batches, StepPagedKVCache, views.__getitem__)
         x = inputs if isinstance(inputs, mx.array) else mx.array(inputs)
         out = self.model(x, cache=caches)

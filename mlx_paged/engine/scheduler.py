@@ -75,6 +75,9 @@ class Scheduler:
             one request a step); the rest wait, and running requests decode between.
         states, snapshot_interval: A hybrid model's recurrent-state slots and snapshots,
             and the tokens between a long prefill's snapshots (a block-size multiple).
+        padded_states: Whether the recurrent layers keep a row's state over right
+            padding (``ArraysCache.lengths``), so that prompts of any lengths may share
+            padded forwards; without it only equal steps share a forward.
     """
 
     def __init__(
@@ -86,6 +89,7 @@ class Scheduler:
         states: StateSlots | None = None,
         snapshot_interval: int | None = None,
         prefill_batch_tokens: int | None = None,
+        padded_states: bool = False,
     ):
         self.groups = groups
         self.kinds = list(groups)
@@ -101,6 +105,7 @@ class Scheduler:
         if states is not None:
             assert states.num_slots >= max_batch_size, "fewer state slots than max_batch_size"
             self.recurrent = RecurrentStates(states, self.index, snapshot_interval)
+        self.pads = self.recurrent is None or padded_states
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.counters, self.disk = dict.fromkeys(COUNTERS, 0), None  # disk: a DiskTier
@@ -157,14 +162,14 @@ class Scheduler:
                 # Take the blocks now, so the next admission sees them gone.
                 for kind, group in self.groups.items():
                     group.reserve(req.tables[kind], start, start + n)
-                # One chunk each: any lengths share a padded forward (not recurrent state,
-                # which padding would advance).
-                key = () if len(steps) == 1 and not self.recurrent else tuple(steps)
-                batched.setdefault((key, not req.generated), []).append(req)
+                # As many forwards each: any lengths share padded forwards, unless recurrent
+                # layers would advance their state over the padding.
+                key = len(steps) if self.pads else tuple(steps)
+                batched.setdefault((key, not req.generated), []).append((req, steps))
             _note_peak(self.counters, self.groups)
         assert self.running or not self.waiting, "an idle pool cannot take the next request"
-        for (steps, _), reqs in batched.items():
-            yield from batched_prefills(reqs, steps, self.prefill_batch_tokens, self.kv_target)
+        for work in batched.values():
+            yield from batched_prefills(work, self.prefill_batch_tokens)
 
     def index_written(self, req: Request) -> None:
         """Index the full blocks ``req`` has written, so running requests can share them,
