@@ -26,8 +26,9 @@ def inputs(b, t, hk, hv, dk, dv, dtype, vec=False, masked=False, seed=0):
     beta = mx.random.uniform(0.0, 1.0, (b, t, hv), key=r[4]).astype(dtype)
     state = mx.random.normal((b, hv, dv, dk), key=r[5])
     mask = None
-    if masked:  # the first sequence left-padded by 4 tokens
-        mask = mx.array([[i >= 4 for i in range(t)]] + [[True] * t] * (b - 1))
+    if masked:  # the first sequence left-padded by 4 tokens, the second right-padded by 3
+        rows = [[i >= 4 for i in range(t)], [i < t - 3 for i in range(t)]] + [[True] * t] * b
+        mask = mx.array(rows[:b])
     return q, k, v, g, beta, state, mask
 
 
