@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mlx_paged.blocks import BlockTables, LayerKind
+from mlx_paged.engine.prefills import batched_prefills
 from mlx_paged.engine.request import Prefill, Request
 from mlx_paged.engine.scheduler import Scheduler
 
@@ -274,3 +275,19 @@ def test_a_decode_tokens_blocks_are_what_reserve_takes_for_it(lengths, forks, fi
         assert group.next_token_blocks(t) == group.blocks_needed(t, p, p + 1)
         if p % BS == 0 and p // BS - t.first == len(t.blocks):
             assert group.next_token_blocks(t) == 1  # a block boundary past the table's end
+
+
+def test_requests_of_several_steps_share_forwards_padded_step_by_step():
+    """A hybrid model's prefills stop at snapshot cuts: requests with as many steps share
+    forwards, each padded to its longest row, under the same padding and token bounds."""
+    reqs = [request(uid, [uid + 1]) for uid in range(5)]
+    steps = [[8, 3], [8, 6], [16, 5], [8, 4], [16, 5]]
+    works = batched_prefills(list(zip(reqs, steps, strict=True)), 64)
+    # Alike first: 8+3, 8+4 and 8+6 pad 5 of 42 tokens; adding 16+5 would pad 30 of 88.
+    assert [([r.uid for r in w.requests], w.steps, w.counts) for w in works] == [
+        ([0, 3, 1], [8, 6], ((8, 8, 8), (3, 4, 6))),
+        ([2, 4], [16, 5], None),
+    ]
+    # Each forward of a batch stays within the budget, padding included.
+    works = batched_prefills(list(zip(reqs, steps, strict=True)), 20)
+    assert [[r.uid for r in w.requests] for w in works] == [[0, 3], [1], [2], [4]]
