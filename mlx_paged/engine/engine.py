@@ -63,9 +63,8 @@ class PagedEngine:
             chunks of this size (mlx-lm's default; BENCHMARKS.md runs 179-181).
         prefill_batch_tokens: Most tokens, padding included, in a forward batching several
             requests' short prompts (``None``: 512, at most the step size; run 183).
-        prefill_budget: Most prompt tokens admitted per step, beside its decode
-            (``None``: all that fit, prefilled before the step's decode; each step
-            admits one at least).
+        prefill_budget: Most prompt tokens admitted per step, beside its decode (``None``: all
+            that fit, prefilled before the step's decode; each step admits one at least).
         kv_dtype: Storage dtype for K/V; ``None`` keeps the model's.
         kv_bits, kv_group_size, hot_tokens: A quantized cold tier, as in
             ``make_paged_cache``: full-attention blocks behind each sequence's last
@@ -294,8 +293,7 @@ class PagedEngine:
             if work.alone:
                 logits = self.runner.prefill(work.requests[0], n, logits=want)
             else:
-                counts = work.counts[i] if work.counts else None
-                logits = self.runner.forward(work.requests, n, want, counts)
+                logits = self.runner.forward(work.requests, n, want, work.step_counts(i))
             for req in work.requests:
                 self.scheduler.index_written(req)
         if not work.fresh:

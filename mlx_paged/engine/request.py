@@ -124,6 +124,12 @@ class Request:
         return self.generated[-1] if self.generated else self.prompt[-1]
 
     @property
+    def kv_target(self) -> int:
+        """Tokens that need K/V before decoding: all of a new prompt, all but the last
+        token of a resumed request (the decode step feeds that one)."""
+        return len(self.tokens) - 1 if self.generated else len(self.tokens)
+
+    @property
     def written(self) -> int:
         """Tokens whose K/V is written (all groups and layers agree between forwards)."""
         return next(iter(self.tables.values())).lengths[0]
@@ -146,6 +152,10 @@ class Prefill:
     steps: list[int]
     alone: bool
     counts: tuple[tuple[int, ...], ...] | None = None  # per forward, real tokens per request
+
+    def step_counts(self, i: int) -> tuple[int, ...] | None:
+        """Real tokens per request of forward ``i``, or ``None`` where nothing is padded."""
+        return self.counts[i] if self.counts else None
 
     @property
     def fresh(self) -> bool:

@@ -75,9 +75,8 @@ class Scheduler:
             one request a step); the rest wait, and running requests decode between.
         states, snapshot_interval: A hybrid model's recurrent-state slots and snapshots,
             and the tokens between a long prefill's snapshots (a block-size multiple).
-        padded_states: Whether the recurrent layers keep a row's state over right
-            padding (``ArraysCache.lengths``), so that prompts of any lengths may share
-            padded forwards; without it only equal steps share a forward.
+        padded_states: Whether the recurrent layers keep a row's state over right padding
+            (``ArraysCache.lengths``); without it only equal steps share a forward.
     """
 
     def __init__(
@@ -148,7 +147,7 @@ class Scheduler:
             self.running.append(req)
             req.admitted = req.admitted or time.perf_counter()
             start = req.written
-            n = self.kv_target(req) - start
+            n = req.kv_target - start
             spent += n
             self.counters["prefilled_tokens"] += n
             head = tuple(req.prompt[:bs])
@@ -239,11 +238,6 @@ class Scheduler:
         self.counters["failed" if error else "aborted"] += 1
         return None if error is None else Event(req.uid, -1, "error", error=error)
 
-    def kv_target(self, req: Request) -> int:
-        """Tokens that need K/V before decoding: all of a new prompt, all but the
-        last token of a resumed request (the decode step feeds that one)."""
-        return len(req.tokens) - 1 if req.generated else len(req.tokens)
-
     def stats(self) -> EngineStats:
         """Pool counts summed over layer groups, the recurrent state's, plus the counters."""
         return EngineStats(
@@ -270,7 +264,7 @@ class Scheduler:
 
     def _adopt(self, req: Request, use_cache: bool = True) -> bool:
         """Give ``req`` tables holding its cached prefix and room for the rest, or wait."""
-        known, target = req.tokens[:-1], self.kv_target(req)  # the last token always runs
+        known, target = req.tokens[:-1], req.kv_target  # the last token always runs
         if use_cache and self.disk is not None:  # full blocks past memory's, from disk
             loaded, more = self.disk.load(known, busy=bool(self.running))
             self.counters["disk_hit_tokens"] += loaded
