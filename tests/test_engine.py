@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from mlx_lm.generate import generate_step
-from tiny_models import VOCAB, model_of
+from tiny_models import VOCAB, model_of, record_forwards
 from tiny_models import solo as dense_solo
 
 from mlx_paged import PagedEngine, attention
@@ -115,14 +115,7 @@ def test_suffixes_of_different_lengths_share_one_padded_forward(family, monkeypa
     prompts = [system + [rng.randrange(VOCAB) for _ in range(k)] for k in (18, 20, 22)]
     engine = PagedEngine(model_of(family), block_size=BS, max_batch_size=6)
     engine.generate([system], max_tokens=1)  # caches the prefix
-    calls = []
-    forward = engine.runner.forward
-
-    def spy(reqs, n, logits=False, counts=None):
-        calls.append((n, counts))
-        return forward(reqs, n, logits, counts)
-
-    monkeypatch.setattr(engine.runner, "forward", spy)
+    calls = record_forwards(engine, monkeypatch)
     outputs = run_all(engine, prompts)
     (width, counts), *rest = calls
     assert not rest and width == max(counts) and len(set(counts)) == 3, calls

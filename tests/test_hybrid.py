@@ -12,7 +12,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import ArraysCache, make_prompt_cache
-from tiny_models import HYBRIDS, RECURRENT_ONLY, VOCAB, model_of
+from tiny_models import HYBRIDS, RECURRENT_ONLY, VOCAB, model_of, record_forwards
 from tiny_models import solo as dense_solo
 
 from mlx_paged import PagedEngine
@@ -40,7 +40,13 @@ def engine_of(family: str, **kw) -> PagedEngine:
 
 def run(engine: PagedEngine, prompts, max_tokens=MAX_TOKENS, each_step=None):
     """Add ``prompts``, step to the end checking invariants; return tokens per prompt."""
+    return run_requests(engine, prompts, max_tokens, each_step)[1]
+
+
+def run_requests(engine: PagedEngine, prompts, max_tokens=MAX_TOKENS, each_step=None):
+    """``run``, also returning the requests (added at once, in order)."""
     uids = [engine.add_request(p, max_tokens) for p in prompts]
+    reqs = [engine.request(u) for u in uids]
     out: dict[int, list[int]] = {u: [] for u in uids}
     while engine.waiting or engine.running:
         for e in engine.step():
@@ -48,7 +54,7 @@ def run(engine: PagedEngine, prompts, max_tokens=MAX_TOKENS, each_step=None):
         engine.check_invariants()
         if each_step is not None:
             each_step(engine)
-    return [out[u] for u in uids]
+    return reqs, [out[u] for u in uids]
 
 
 def assert_idle(engine: PagedEngine) -> None:
@@ -76,16 +82,11 @@ def test_shared_prefix_adopts_the_last_snapshot_at_or_below_it(family):
     shared = toks(rng, 2 * INTERVAL + 13)  # 45: snapshots at 16 and 32 lie inside it
     prompts = [shared + toks(rng, n) for n in (10, 6, 8)]
     engine = engine_of(family)
-    uids = [engine.add_request(p, MAX_TOKENS) for p in prompts]
-    reqs = [engine.request(u) for u in uids]
-    out = {u: [] for u in uids}
-    for e in engine.stream():
-        out[e.uid].append(e.token)
-        engine.check_invariants()
+    reqs, got = run_requests(engine, prompts)
     # The second adopts the snapshot at 32 and, finding the first's blocks up to 40 (the
     # last whole block of the shared prefix), snapshots there too: the third adopts 40.
     assert [r.prefix_hit for r in reqs] == [0, 2 * INTERVAL, 40]
-    assert [out[u] for u in uids] == [solo(family, tuple(p)) for p in prompts]
+    assert got == [solo(family, tuple(p)) for p in prompts]
     assert engine.stats().prefilled_tokens == sum(map(len, prompts)) - 2 * INTERVAL - 40
     assert_idle(engine)
 
@@ -231,20 +232,8 @@ def test_a_bursts_suffixes_of_different_lengths_share_padded_forwards(family, mo
     prompts = [system + toks(rng, k) for k in (11, 12, 13, 14)]
     engine = engine_of(family)
     run(engine, [system], max_tokens=1)  # caches the prefix, with a snapshot at its end
-    calls = []
-    forward = engine.runner.forward
-
-    def spy(reqs, n, logits=False, counts=None):
-        calls.append((n, counts))
-        return forward(reqs, n, logits, counts)
-
-    monkeypatch.setattr(engine.runner, "forward", spy)
-    uids = [engine.add_request(p, MAX_TOKENS) for p in prompts]
-    reqs = [engine.request(u) for u in uids]
-    out = {u: [] for u in uids}
-    for e in engine.stream():
-        out[e.uid].append(e.token)
-        engine.check_invariants()
+    calls = record_forwards(engine, monkeypatch)
+    reqs, got = run_requests(engine, prompts)
     assert [r.prefix_hit for r in reqs] == [2 * INTERVAL] * 4
     if family in PADDED:
         assert calls == [(8, (8, 8, 8, 8)), (6, (3, 4, 5, 6))]
@@ -255,5 +244,5 @@ def test_a_bursts_suffixes_of_different_lengths_share_padded_forwards(family, mo
             (8, None),
             (6, None),
         ]
-    assert [out[u] for u in uids] == [solo(family, tuple(p)) for p in prompts]
+    assert got == [solo(family, tuple(p)) for p in prompts]
     assert_idle(engine)

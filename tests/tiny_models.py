@@ -327,3 +327,16 @@ def solo(family: str, prompt: tuple[int, ...], max_tokens: int) -> list[int]:
         mx.array(prompt), model, prompt_cache=make_prompt_cache(model), max_tokens=max_tokens
     )
     return [tok for tok, _ in steps]
+
+
+def record_forwards(engine, monkeypatch) -> list[tuple[int, tuple[int, ...] | None]]:
+    """``(n, counts)`` of every batched prefill forward ``engine`` runs from now on."""
+    calls: list[tuple[int, tuple[int, ...] | None]] = []
+    forward = engine.runner.forward
+
+    def spy(reqs, n, logits=False, counts=None):
+        calls.append((n, counts))
+        return forward(reqs, n, logits, counts)
+
+    monkeypatch.setattr(engine.runner, "forward", spy)
+    return calls
