@@ -12,7 +12,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import ArraysCache, make_prompt_cache
-from tiny_models import HYBRIDS, RECURRENT_ONLY, VOCAB, model_of, record_forwards
+from tiny_models import HYBRIDS, MORE_HYBRIDS, RECURRENT_ONLY, VOCAB, model_of, record_forwards
 from tiny_models import solo as dense_solo
 
 from mlx_paged import PagedEngine
@@ -214,14 +214,15 @@ def test_engine_on_the_gpu_equals_dense_on_the_gpu(family):
 
 #: The families whose recurrent layers keep their state over right padding.
 PADDED = ["lfm2", "qwen3_5", "qwen3_next", "granitemoehybrid", "falcon_h1", "mamba2"]
+PADDED += ["lfm2_moe", "plamo2", "kimi_linear"]
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + list(MORE_HYBRIDS))
 def test_which_families_keep_their_state_over_right_padding(family):
     assert PagedLayout.of(model_of(family)).padded_states == (family in PADDED)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + list(MORE_HYBRIDS))
 def test_a_bursts_suffixes_of_different_lengths_share_padded_forwards(family, monkeypatch):
     """Four requests behind a cached 32-token prefix, with suffixes of 11-14 tokens: each
     prefill stops at its last full block (40) to snapshot, then runs its 3-6 token tail.

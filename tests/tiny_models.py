@@ -265,6 +265,57 @@ CONFIGS: dict[str, dict] = {
     ),
 }
 
+#: More hybrids, built only where a test names them (their batched prefills): not in FAMILIES.
+MORE_HYBRIDS: dict[str, dict] = {
+    "lfm2_moe": dict(
+        CONFIGS["lfm2"],
+        model_type="lfm2_moe",
+        moe_intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        use_expert_bias=False,
+        num_dense_layers=1,
+    ),
+    # Mamba layers alternate with sliding-window attention.
+    "plamo2": dict(
+        _COMMON,
+        model_type="plamo2",
+        hidden_size_per_head=16,
+        max_position_embeddings=512,
+        attention_window_size=512,
+        mamba_d_state=8,
+        mamba_d_conv=4,
+        mamba_num_heads=4,
+        mamba_step=2,
+        mamba_chunk_size=16,
+    ),
+    # Kimi delta attention layers (1 and 3) and MLA full attention (2 and 4).
+    "kimi_linear": dict(
+        _COMMON,
+        model_type="kimi_linear",
+        num_key_value_heads=4,
+        head_dim=16,
+        rope_theta=10000.0,
+        model_max_length=512,
+        num_experts=4,
+        num_experts_per_token=2,
+        first_k_dense_replace=1,
+        moe_intermediate_size=32,
+        kv_lora_rank=16,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        linear_attn_config={
+            "kda_layers": [1, 3],
+            "full_attn_layers": [2, 4],
+            "num_heads": 4,
+            "head_dim": 16,
+            "short_conv_kernel_size": 4,
+        },
+    ),
+}
+
 #: Families with recurrent (ArraysCache) layers beside attention.
 HYBRIDS = ["lfm2", "qwen3_5", "qwen3_next", "granitemoehybrid", "nemotron_h", "falcon_h1", "jamba"]
 #: Families with recurrent layers only: nothing of theirs is paged outside PagedEngine.
@@ -280,7 +331,7 @@ _FILL_ZEROS = {"rwkv7"}
 def tiny_model(family: str, seed: int = 0, **config: object) -> nn.Module:
     """A float32 random-weight model of ``family`` (a key of CONFIGS), ``config`` overriding."""
     module = importlib.import_module(f"mlx_lm.models.{family}")
-    args = module.ModelArgs.from_dict({**CONFIGS[family], **config})
+    args = module.ModelArgs.from_dict({**(CONFIGS | MORE_HYBRIDS)[family], **config})
     mx.random.seed(seed)
     model = module.Model(args)
     # Random init gives tiny logits; scale weights so tokens differ clearly.

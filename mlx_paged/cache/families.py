@@ -105,7 +105,10 @@ def attention_reads_kv_directly(model: nn.Module) -> bool:
 #: nemotron_h reads ``lengths`` for its convolution only: its SSM state takes the padding.
 PADDED_STATE_MODULES = frozenset(
     f"mlx_lm.models.{name}"
-    for name in ("falcon_h1", "granitemoehybrid", "lfm2", "mamba2", "qwen3_5", "qwen3_next")
+    for name in (
+        *("falcon_h1", "granitemoehybrid", "kimi_linear", "lfm2", "lfm2_moe", "mamba2"),
+        *("plamo2", "qwen3_5", "qwen3_next"),
+    )
 )
 
 
