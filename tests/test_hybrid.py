@@ -214,7 +214,7 @@ def test_engine_on_the_gpu_equals_dense_on_the_gpu(family):
 
 #: The families whose recurrent layers keep their state over right padding.
 PADDED = ["lfm2", "qwen3_5", "qwen3_next", "granitemoehybrid", "falcon_h1", "mamba2"]
-PADDED += ["lfm2_moe", "plamo2", "kimi_linear"]
+PADDED += ["lfm2_moe", "plamo2", "kimi_linear", "bailing_moe_v3"]
 
 
 @pytest.mark.parametrize("family", FAMILIES + list(MORE_HYBRIDS))

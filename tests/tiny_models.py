@@ -290,6 +290,28 @@ MORE_HYBRIDS: dict[str, dict] = {
         mamba_step=2,
         mamba_chunk_size=16,
     ),
+    # Kimi delta attention in every second layer, MLA attention in the others.
+    "bailing_moe_v3": dict(
+        _COMMON,
+        model_type="bailing_moe_v3",
+        moe_intermediate_size=32,
+        moe_shared_expert_intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        num_shared_experts=1,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+        layer_group_size=2,
+        head_dim=16,
+        q_lora_rank=16,
+        kv_lora_rank=16,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        rope_theta=10000.0,
+        max_position_embeddings=512,
+    ),
     # Kimi delta attention layers (1 and 3) and MLA full attention (2 and 4).
     "kimi_linear": dict(
         _COMMON,

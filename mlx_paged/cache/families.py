@@ -106,8 +106,8 @@ def attention_reads_kv_directly(model: nn.Module) -> bool:
 PADDED_STATE_MODULES = frozenset(
     f"mlx_lm.models.{name}"
     for name in (
-        *("falcon_h1", "granitemoehybrid", "kimi_linear", "lfm2", "lfm2_moe", "mamba2"),
-        *("plamo2", "qwen3_5", "qwen3_next"),
+        *("bailing_moe_v3", "falcon_h1", "granitemoehybrid", "kimi_linear", "lfm2"),
+        *("lfm2_moe", "mamba2", "plamo2", "qwen3_5", "qwen3_next"),
     )
 )
 
