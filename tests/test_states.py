@@ -203,7 +203,7 @@ def test_state_pool_writes_a_steps_taken_slots_in_one_scatter_per_entry():
     for slot in range(3):
         assert pool.take_slot() == slot
     rows = mx.arange(3 * 2 * 3, dtype=mx.float32).reshape(3, 2, 3)
-    pool.write(0, 3, [rows, rows + 100])
+    pool.write(0, 3, [rows + 0, rows + 100])  # all 3 rows: the pool keeps these arrays
     snap = pool.snapshot(1)  # slot 1's state
     for slot in (0, 1):
         pool.free_slot(slot)
@@ -214,3 +214,106 @@ def test_state_pool_writes_a_steps_taken_slots_in_one_scatter_per_entry():
     k, v = pool.read(0, mx.array([0, 1, 2], dtype=mx.int32))
     assert mx.array_equal(k, mx.stack([rows[1], mx.zeros((2, 3)), rows[2]]))
     assert mx.array_equal(v, mx.stack([rows[1] + 100, mx.zeros((2, 3)), rows[2] + 100]))
+
+
+class StatePoolMachine(RuleBasedStateMachine):
+    """``StatePool``'s arrays against a plain record of every slot's and snapshot's state,
+    through takes, frees, snapshots and forwards over taken slots in any order."""
+
+    def __init__(self):
+        import mlx.core as mx
+
+        from mlx_paged.storage import StatePool
+
+        super().__init__()
+        self.mx = mx
+        self.pool = StatePool([2, 1], num_slots=5, num_snapshots=3)
+        self.slots: dict[int, list[float]] = {}  # taken slot -> its state: one value a layer
+        self.snaps: dict[int, list[float]] = {}
+        self.steps = 0
+
+    def _rows(self, value: float, b: int, entry: int):
+        return self.mx.full((b, 2, 1 + entry), value, dtype=self.mx.float32)
+
+    @rule(data=st.data())
+    def take(self, data):
+        snap = data.draw(st.sampled_from([None, *sorted(self.snaps)]))
+        slot = self.pool.take_slot(snap)
+        if slot is None:
+            assert len(self.slots) == self.pool.num_slots
+            return
+        assert slot == min(set(range(self.pool.num_slots)) - set(self.slots))
+        self.slots[slot] = list(self.snaps[snap]) if snap is not None else [0.0, 0.0]
+
+    @precondition(lambda self: self.slots)
+    @rule(data=st.data())
+    def free(self, data):
+        slot = data.draw(st.sampled_from(sorted(self.slots)))
+        self.pool.free_slot(slot)
+        del self.slots[slot]
+
+    @precondition(lambda self: self.slots and self.steps)
+    @rule(data=st.data())
+    def snapshot(self, data):
+        slot = data.draw(st.sampled_from(sorted(self.slots)))
+        before = set(self.pool.ids())
+        sid = self.pool.snapshot(slot)
+        for gone in before - set(self.pool.ids()):
+            del self.snaps[gone]  # the least recently used, evicted
+        self.snaps[sid] = list(self.slots[slot])
+
+    @precondition(lambda self: self.snaps)
+    @rule(data=st.data())
+    def drop(self, data):
+        sid = data.draw(st.sampled_from(sorted(self.snaps)))
+        self.pool.drop(sid)
+        del self.snaps[sid]
+
+    @precondition(lambda self: self.slots)
+    @rule(data=st.data())
+    def forward(self, data):
+        """A step over some taken slots (often all of them in slot order): each layer reads
+        their states and adds the step's number to them."""
+        mx = self.mx
+        taken = sorted(self.slots)
+        batch = data.draw(st.one_of(st.just(taken), st.permutations(taken)))
+        batch = batch[: data.draw(st.integers(1, len(batch)))]
+        rows = self.pool.rows(batch)
+        if batch == taken and taken == list(range(len(taken))):
+            assert rows == len(batch) == self.pool.rows_held  # the arrays themselves
+        self.steps += 1
+        for layer in range(2):
+            read = self.pool.read(layer, rows)
+            written = []
+            for e, got in enumerate(read):
+                if got is None:  # nothing written yet: every state is zero
+                    assert all(self.slots[s][layer] == 0 for s in batch)
+                    got = self._rows(0.0, len(batch), e)
+                want = [self.slots[s][layer] for s in batch]
+                assert got[:, 0, 0].tolist() == want, (layer, e, batch)
+                written.append(got + self.steps)
+            if isinstance(rows, int) and rows == self.pool.rows_held:
+                for e, a in enumerate(read):
+                    assert a is None or a is self.pool.arrays[layer][e]
+            self.pool.write(layer, rows, written)
+        for s in batch:
+            self.slots[s] = [v + self.steps for v in self.slots[s]]
+        mx.eval(self.pool.evaluated())
+
+    @invariant()
+    def consistent(self):
+        self.pool.check_invariants(list(self.slots), list(self.snaps))
+        self.pool.evaluated()  # taken slots' starting states written: rows for all of them
+        assert self.pool.rows_held > max(self.slots, default=-1)
+        for held in self.pool.arrays:
+            for a in held:
+                assert a is None or a.shape[0] == self.pool.rows_held
+        for sid, values in self.snaps.items():
+            state = self.pool.snapshot_state(sid)
+            for layer in range(2):
+                for a in state[layer]:
+                    assert a is None or a[0, 0, 0].item() == values[layer]
+
+
+TestStatePoolMachine = StatePoolMachine.TestCase
+TestStatePoolMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)

@@ -2,10 +2,13 @@
 
 ``StatePool`` holds, for each recurrent layer of a hybrid model (mlx-lm's
 ``ArraysCache``), one array per state entry (conv state, SSM state, ...) shaped
-``[num_slots, *entry_shape]``, created at the entry's first write. A batched
+``[rows_held, *entry_shape]``, created at the entry's first write. A batched
 forward gathers the rows of its requests' slots and scatters the new state back,
-so requests join and leave without any state moving. A snapshot is a copy of
-one slot's rows in every layer. Bookkeeping (ids, LRU) is ``StateSlots``'.
+so requests join and leave without any state moving. A step whose requests are
+slots ``0 .. B-1`` in order, with no other slot taken, reads and replaces the
+arrays themselves: they shrink to ``B`` rows for it, and grow again when a
+higher slot is taken. A snapshot is a copy of one slot's rows in every layer.
+Bookkeeping (ids, LRU) is ``StateSlots``'.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ class StatePool(StateSlots):
         # Slots taken since the arrays were last used, and what each starts from (a
         # snapshot's state, or ``None``: zeros): written together, one scatter per entry.
         self._pending: dict[int, State | None] = {}
+        #: Rows of every state array: more than any slot taken.
+        self.rows_held = 0
 
     @property
     def num_layers(self) -> int:
@@ -45,23 +50,30 @@ class StatePool(StateSlots):
 
     def rows(self, slots: list[int]) -> mx.array | int:
         """How a step addresses its requests' slots: ``B`` when they are slots ``0 .. B-1``
-        in order (read as a slice, written without a scatter; all of them: the arrays
-        themselves), else a ``(B,)`` int32 index array (a gather and a scatter per entry)."""
-        if slots == list(range(len(slots))):
-            return len(slots)
-        return mx.array(slots, dtype=mx.int32)
+        in order (read as a slice and written without a scatter; when no other slot is
+        taken, the arrays shrink to ``B`` rows and are read and replaced whole), else a
+        ``(B,)`` int32 index array (a gather and a scatter per entry)."""
+        b = len(slots)
+        if slots != list(range(b)):
+            return mx.array(slots, dtype=mx.int32)
+        if b < self.rows_held and self.num_slots - len(self._free_slots) == b:
+            self._flush()
+            self._resize(b)
+        return b
 
     def read(self, layer: int, rows: mx.array | int) -> list[mx.array | None]:
         """``(B, *entry_shape)`` state of one layer for ``rows`` (``None`` for an entry
         nothing has written yet: every sequence still starts from zeros)."""
         self._flush()
         if isinstance(rows, int):
-            whole = rows == self.num_slots
+            whole = rows == self.rows_held
             return [a if a is None or whole else a[:rows] for a in self.arrays[layer]]
         return [None if a is None else a[rows] for a in self.arrays[layer]]
 
     def write(self, layer: int, rows: mx.array | int, entries: list[mx.array | None]) -> None:
-        """Store ``(B, *entry_shape)`` new state of one layer in ``rows``."""
+        """Store ``(B, *entry_shape)`` new state of one layer in ``rows``. A write of every
+        row keeps ``entries``' arrays as the pool's, which later writes update in place:
+        pass arrays nothing else reads."""
         self._flush()
         held = self.arrays[layer]
         if len(entries) != len(held):
@@ -70,8 +82,8 @@ class StatePool(StateSlots):
             if new is None:
                 continue
             self._ensure(layer, e, new)
-            if isinstance(rows, int) and rows == self.num_slots:
-                held[e] = new  # every slot, in order: the new state is the array
+            if isinstance(rows, int) and rows == self.rows_held:
+                held[e] = new  # every row, in order: the new state is the array
             elif isinstance(rows, int):
                 held[e][:rows] = new
             else:
@@ -106,6 +118,7 @@ class StatePool(StateSlots):
         if not self._pending:
             return
         pending, self._pending = self._pending, {}
+        self._resize(max(self.rows_held, max(pending) + 1))
         at = mx.array(list(pending), dtype=mx.int32)
         for layer, held in enumerate(self.arrays):
             for e, a in enumerate(held):
@@ -143,13 +156,29 @@ class StatePool(StateSlots):
         or check that it holds them."""
         held = self.arrays[layer]
         if held[e] is None:
-            held[e] = mx.zeros((self.num_slots, *like.shape[1:]), dtype=like.dtype)
-            self.bytes_per_state += held[e].nbytes // self.num_slots
+            held[e] = mx.zeros((self.rows_held, *like.shape[1:]), dtype=like.dtype)
+            self.bytes_per_state += like.nbytes // like.shape[0]
         elif held[e].shape[1:] != like.shape[1:] or held[e].dtype != like.dtype:
             raise ValueError(
                 f"layer {layer} state {e}: expected {held[e].shape[1:]} {held[e].dtype}, "
                 f"got {like.shape[1:]} {like.dtype}."
             )
+
+    def _resize(self, rows: int) -> None:
+        """Give every state array ``rows`` rows: cut off the last ones (no slot is taken
+        there), or add zeros."""
+        if rows == self.rows_held:
+            return
+        for held in self.arrays:
+            for e, a in enumerate(held):
+                if a is None:
+                    continue
+                if rows < self.rows_held:
+                    held[e] = a[:rows]
+                else:
+                    zeros = mx.zeros((rows - self.rows_held, *a.shape[1:]), dtype=a.dtype)
+                    held[e] = mx.concatenate([a, zeros])
+        self.rows_held = rows
 
     def _free(self, snapshot: int) -> None:
         del self._snapshots[snapshot]
