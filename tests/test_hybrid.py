@@ -11,7 +11,7 @@ import random
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
-from mlx_lm.models.cache import ArraysCache, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, CacheList, make_prompt_cache
 from tiny_models import HYBRIDS, MORE_HYBRIDS, RECURRENT_ONLY, VOCAB, model_of, record_forwards
 from tiny_models import solo as dense_solo
 
@@ -214,12 +214,48 @@ def test_engine_on_the_gpu_equals_dense_on_the_gpu(family):
 
 #: The families whose recurrent layers keep their state over right padding.
 PADDED = ["lfm2", "qwen3_5", "qwen3_next", "granitemoehybrid", "falcon_h1", "mamba2"]
-PADDED += ["lfm2_moe", "plamo2", "kimi_linear", "bailing_moe_v3"]
+PADDED += ["lfm2_moe", "plamo2", "kimi_linear", "bailing_moe_v3", "gear", "bailing_hybrid"]
+PADDED += ["kimi_k3", "qwen3_5_moe"]
 
 
 @pytest.mark.parametrize("family", FAMILIES + list(MORE_HYBRIDS))
 def test_which_families_keep_their_state_over_right_padding(family):
     assert PagedLayout.of(model_of(family)).padded_states == (family in PADDED)
+
+
+@pytest.mark.parametrize("family", PADDED)
+def test_padded_families_leave_each_rows_state_at_its_last_real_token(family):
+    """Rows of 3-6 real tokens padded on the right to 6 through mlx-lm's own caches, the
+    recurrent ones given ``lengths``: every state entry of row ``i`` equals the state of
+    row ``i``'s real tokens run alone (after a shared 10-token start)."""
+    model = model_of(family)
+    rng = random.Random(7)
+    start, counts = toks(rng, 10), [3, 4, 5, 6]
+    rows = [toks(rng, c) + [0] * (6 - c) for c in counts]
+    batch = make_prompt_cache(model)
+    alone = []
+    for row, c in zip(rows, counts, strict=True):
+        cache = make_prompt_cache(model)
+        model(mx.array([start + row[:c]]), cache=cache)
+        alone.append(cache)
+    model(mx.array([start] * len(rows)), cache=batch)
+    for cache in recurrent_caches(batch):
+        cache.lengths = mx.array(counts)
+    model(mx.array(rows), cache=batch)
+    states = [recurrent_caches(c) for c in [batch, *alone]]
+    assert states[0]
+    for layer, got in enumerate(states[0]):
+        for e, rows_got in enumerate(got.cache):
+            for r, own in enumerate(states[1:]):
+                want = own[layer].cache[e]
+                assert mx.allclose(rows_got[r : r + 1], want, atol=1e-4), (layer, e, r)
+
+
+def recurrent_caches(caches: list) -> list[ArraysCache]:
+    """The ``ArraysCache`` objects of a model's cache list, in order (within ``CacheList``s
+    too)."""
+    flat = [c for x in caches for c in (x.caches if isinstance(x, CacheList) else [x])]
+    return [c for c in flat if isinstance(c, ArraysCache)]
 
 
 @pytest.mark.parametrize("family", FAMILIES + list(MORE_HYBRIDS))

@@ -336,7 +336,43 @@ MORE_HYBRIDS: dict[str, dict] = {
             "short_conv_kernel_size": 4,
         },
     ),
+    # Short-convolution mixers (two conv states) between full and sliding-window attention.
+    "gear": dict(
+        _COMMON,
+        model_type="gear",
+        head_dim=16,
+        layer_types=["conv_mixer", "full_attention", "conv_mixer", "sliding_attention"],
+        sliding_window=24,
+        max_position_embeddings=512,
+    ),
 }
+# Linear attention (a gated recurrence) beside MLA, as bailing_moe_v3's layers are grouped.
+MORE_HYBRIDS["bailing_hybrid"] = dict(
+    MORE_HYBRIDS["bailing_moe_v3"],
+    model_type="bailing_hybrid",
+    group_norm_size=2,
+    routed_scaling_factor=1.0,
+)
+# qwen3_5's layers with a mixture of experts in every MLP.
+MORE_HYBRIDS["qwen3_5_moe"] = dict(
+    CONFIGS["qwen3_5"],
+    model_type="qwen3_5_moe",
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=32,
+    decoder_sparse_step=1,
+    norm_topk_prob=True,
+    mlp_only_layers=[],
+)
+# Kimi delta attention and MLA, with kimi_k3's own activation and a query LoRA.
+MORE_HYBRIDS["kimi_k3"] = dict(
+    {k: v for k, v in MORE_HYBRIDS["kimi_linear"].items() if k not in ("head_dim", "rope_theta")},
+    model_type="kimi_k3",
+    activation_situ_beta=1.0,
+    activation_situ_linear_beta=0.5,
+    q_lora_rank=16,
+)
 
 #: Families with recurrent (ArraysCache) layers beside attention.
 HYBRIDS = ["lfm2", "qwen3_5", "qwen3_next", "granitemoehybrid", "nemotron_h", "falcon_h1", "jamba"]

@@ -101,13 +101,15 @@ def attention_reads_kv_directly(model: nn.Module) -> bool:
 
 #: mlx-lm modules whose recurrent layers keep a right-padded row's state (and convolution
 #: window) at its last real token: they read ``ArraysCache.lengths`` throughout, and a
-#: padded batch gives each request the tokens it gets alone (``tests/test_hybrid.py``).
+#: padded batch gives each request the tokens it gets alone, and each row the state it has
+#: alone (``tests/test_hybrid.py``; qwen3_5_moe runs qwen3_5's layers).
 #: nemotron_h reads ``lengths`` for its convolution only: its SSM state takes the padding.
 PADDED_STATE_MODULES = frozenset(
     f"mlx_lm.models.{name}"
     for name in (
-        *("bailing_moe_v3", "falcon_h1", "granitemoehybrid", "kimi_linear", "lfm2"),
-        *("lfm2_moe", "mamba2", "plamo2", "qwen3_5", "qwen3_next"),
+        *("bailing_hybrid", "bailing_moe_v3", "falcon_h1", "gear", "granitemoehybrid"),
+        *("kimi_k3", "kimi_linear", "lfm2", "lfm2_moe", "mamba2", "plamo2", "qwen3_5"),
+        "qwen3_next",
     )
 )
 
