@@ -12,9 +12,17 @@ prefilled; then ``--steps`` decode steps are timed one by one:
   recurrent layer's slots for one step when the batch is not in slot order (in
   slot order, as the engine decodes, there are none).
 
+``--stream`` times one request instead: mlx-lm's ``generate_step`` (which
+overlaps each step's graph building with the previous step on the device, as the
+engine does) and ``PagedEngine.step()`` advance one token each in turn, so drift
+in the host's speed reaches both alike; the engine's host phases per step are
+printed beside them. ``--model DIR`` loads a model directory instead of building
+a random one.
+
 Usage:
     python benchmarks/hybrid_decode.py --dtype float16      # on a GPU
     python benchmarks/hybrid_decode.py --hidden 128 --layers 4 --vocab 1000 --system 64 --b 4
+    python benchmarks/hybrid_decode.py --model /path/to/model --stream --steps 240
 """
 
 from __future__ import annotations
@@ -27,9 +35,12 @@ import time
 
 import mlx.core as mx
 from engine import build_model
+from mlx_lm import load
+from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_paged import PagedEngine
+from mlx_paged.engine.engine import vocab_size
 
 
 def dense_steps(model, prompts, steps) -> list[float]:
@@ -100,6 +111,29 @@ def state_steps(model, prompts, steps) -> list[float]:
     return times
 
 
+def stream_steps(model, prompt, steps) -> tuple[list[float], list[float], dict[str, float]]:
+    """One request's decode steps, ``generate_step`` and ``PagedEngine`` in turn: each one's
+    step times, and the engine's host seconds per step by phase."""
+    engine = PagedEngine(model, prefill_step_size=2048)
+    engine.add_request(prompt, steps + 16)
+    dense = generate_step(mx.array(prompt), model, max_tokens=steps + 16)
+    while not engine.running or not engine.running[0].generated:
+        engine.step()
+    for _ in range(5):  # past the first steps of both
+        engine.step()
+        next(dense)
+    engine.clock.reset()
+    times: dict[str, list[float]] = {"dense": [], "paged": []}
+    for i in range(steps):
+        for name in ("dense", "paged") if i % 2 else ("paged", "dense"):
+            t = time.perf_counter()
+            engine.step() if name == "paged" else next(dense)
+            times[name].append(time.perf_counter() - t)
+    n = engine.clock.decode_steps
+    phases = {k: v / n for k, v in engine.clock.seconds.items()}
+    return times["dense"], times["paged"], phases
+
+
 def ms(xs: list[float]) -> str:
     return f"{statistics.median(xs) * 1e3:7.2f} ms"
 
@@ -114,12 +148,29 @@ def main() -> None:
     parser.add_argument("--unique", type=int, default=64)
     parser.add_argument("--b", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--model", help="an mlx-lm model directory (default: a random model)")
+    parser.add_argument("--stream", action="store_true", help="one request, in turn with mlx-lm")
     args = parser.parse_args()
     args.shape = "qwen3_5"
-    model = build_model(args)
+    if args.model:
+        model = load(args.model)[0]
+        args.vocab = vocab_size(model)
+    else:
+        model = build_model(args)
     rng = random.Random(0)
     system = [rng.randrange(args.vocab) for _ in range(args.system)]
     print(f"device={mx.default_device()} dtype={args.dtype} system={args.system}", flush=True)
+    if args.stream:
+        prompt = system + [rng.randrange(args.vocab) for _ in range(args.unique)]
+        dense, paged, phases = stream_steps(model, prompt, args.steps)
+        host = ", ".join(f"{k} {v * 1e3:.2f}" for k, v in phases.items() if v)
+        print(
+            f"one stream: dense {ms(dense)}  paged {ms(paged)}  "
+            f"paged/dense {statistics.median(paged) / statistics.median(dense):.3f}x  "
+            f"(paged host ms per step: {host})",
+            flush=True,
+        )
+        return
     for b in args.b:
         prompts = [
             system + [rng.randrange(args.vocab) for _ in range(args.unique)] for _ in range(b)
