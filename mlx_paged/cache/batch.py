@@ -96,6 +96,35 @@ class DecodeBatch:
         self._stand_ins: dict[tuple, tuple[mx.array, mx.array]] = {}
         self._view_tables: mx.array | None = None
 
+    def arrays(self, width: int | None = None) -> list[mx.array]:
+        """What ``of_arrays`` rebuilds a decode step from (``n_new`` 1, no padding): the
+        block tables padded to the kernels' width or to ``width`` (``pad_tables``), starts,
+        offsets, and where the new tokens go."""
+        assert self.n_new == 1 and not self.padded, "only an unpadded decode step"
+        tables = pad_tables(self.block_tables, width)
+        return [tables, self.starts, self.offset, self.write_ids, self.write_slots]
+
+    @classmethod
+    def of_arrays(cls, pool: KVPool, arrays: list[mx.array]) -> DecodeBatch:
+        """A decode step of ``arrays()``, made of arrays alone (inside ``mx.compile``: the
+        step's Python runs once per shape); its tables are padded, which the kernels and
+        the masks ignore. It has no tables to ``finish`` and no cold blocks."""
+        tables, starts, offset, write_ids, write_slots = arrays
+        self = cls.__new__(cls)
+        self.block_size, self._pool = pool.block_size, pool
+        self.tables, self.n_new, self._rows = [None] * offset.shape[0], 1, []
+        self.block_tables = self._view_tables = tables
+        self.has_cold, self._plan = False, None
+        self.starts, self.offset = starts, offset
+        self.new_tokens = [1] * offset.shape[0]
+        self.counts = mx.ones_like(offset)
+        self.lengths = offset + 1
+        self.padded, self.write_rows = False, None
+        self.write_ids, self.write_slots = write_ids, write_slots
+        self.width = tables.shape[1] * self.block_size
+        self.masks, self._slots, self._stand_ins = {}, None, {}
+        return self
+
     def write(self, pool: mx.array, new: mx.array) -> None:
         """Store ``(B, n_new, H, D)`` new K or V in a layer's pool array, real tokens only."""
         if self.write_rows is not None:
@@ -155,11 +184,12 @@ class DecodeBatch:
             t.lengths[:] = [n] * len(t.lengths)
 
 
-def pad_tables(block_tables: mx.array) -> mx.array:
-    """``(B, width)`` ids padded on the right to ``table_width(width)`` with each row's last id
-    (kernels stop at each sequence's length and never read them)."""
+def pad_tables(block_tables: mx.array, to: int | None = None) -> mx.array:
+    """``(B, width)`` ids padded on the right to ``table_width(width)`` (or to ``to``, at
+    least that) with each row's last id (kernels stop at each sequence's length and never
+    read them)."""
     width = block_tables.shape[-1]
-    extra = table_width(width) - width
+    extra = max(table_width(width), to or 0) - width
     if not extra:
         return block_tables
     return mx.pad(block_tables, [(0, 0)] * (block_tables.ndim - 1) + [(0, extra)], mode="edge")

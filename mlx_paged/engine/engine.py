@@ -28,6 +28,7 @@ from ..attention import route_attention
 from ..blocks import LayerKind, check_block_size
 from ..cache import PagedLayout, make_pools
 from ..storage import KVPool, StatePool, check_kv_dtype, check_kv_quant
+from .compiled import CompiledDecode
 from .decode import Decoder, emit
 from .disk_tier import DiskTier
 from .distributed import Agreement
@@ -91,6 +92,8 @@ class PagedEngine:
             the host builds step t+1 while the device runs step t (as mlx-lm's
             ``generate_step`` does), while no running request has a constraint. A step's
             tokens come out with the next step's events; a stop token costs one row.
+        compile_decode: Replay each decode step's graph, built once per step shape
+            (``engine/compiled.py``: attention-only models, no cold tier, one process).
     """
 
     def __init__(
@@ -113,6 +116,7 @@ class PagedEngine:
         kv_disk_dir: str | os.PathLike | None = None,
         kv_disk_bytes: int | None = None,
         overlap: bool = True,
+        compile_decode: bool = True,
     ):
         check_block_size(block_size)
         check_kv_dtype(kv_dtype)
@@ -132,10 +136,8 @@ class PagedEngine:
         pools = make_pools(layout, block_size, num_blocks, kv_dtype, quant, cold_blocks)
         if not pools:  # recurrent layers only: blocks index tokens and hold no K/V
             pools = {LayerKind(): KVPool(1, block_size, num_blocks)}
-        states = None
-        if layout.entries:
-            snapshots = num_state_snapshots or 2 * max_batch_size
-            states = StatePool(layout.entries, max_batch_size, snapshots)
+        snapshots = num_state_snapshots or 2 * max_batch_size
+        states = StatePool(layout.entries, max_batch_size, snapshots) if layout.entries else None
         self.scheduler = Scheduler(
             pools,
             max_batch_size,
@@ -147,6 +149,7 @@ class PagedEngine:
             layout.padded_states,
         )
         self.runner = ModelRunner(model, layout, pools, states)
+        self.runner.compiled = CompiledDecode.of(self.runner, group, compile_decode)
         disk = (kv_disk_dir, kv_disk_bytes, model, pools, self.scheduler, group)
         self.disk = DiskTier.open(*disk) if kv_disk_dir is not None else None  # a disk tier
         self.agreement = Agreement(group) if group is not None and group.size() > 1 else None
@@ -214,16 +217,14 @@ class PagedEngine:
     def abort(self, request_id: int) -> bool:
         """End a request now; return whether it was still waiting or running.
 
-        Call it between steps (the engine is not thread-safe: a server calls it
-        on the thread that steps). A running request's blocks are parked in the
-        prefix index, as at a normal finish; a waiting one holds none. No event
-        follows for it.
+        Call it between steps (the engine is not thread-safe: a server calls it on the
+        thread that steps). A running request's blocks are parked in the prefix index, as
+        at a normal finish; a waiting one holds none. No event follows for it.
         """
-        for req in (*self.scheduler.running, *self.scheduler.waiting):
-            if req.uid == request_id:
-                self.scheduler.abort(req)
-                return True
-        return False
+        req = self.request(request_id)
+        if req is not None:
+            self.scheduler.abort(req)
+        return req is not None
 
     def request(self, request_id: int) -> Request | None:
         """The waiting or running request with this uid, or ``None``."""

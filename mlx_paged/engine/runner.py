@@ -10,6 +10,8 @@ table holds.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -44,6 +46,8 @@ class ModelRunner:
         self.states = states
         self.masks = MaskWork()
         self.vocab = 0  # columns of the logits, once a step has sampled
+        #: Decode steps through one compiled function per shape (``engine/compiled.py``).
+        self.compiled: Callable[[list[Request], mx.array], mx.array] | None = None
 
     def prefill(self, req: Request, n: int, logits: bool = False) -> mx.array | None:
         """Run ``req``'s next ``n`` tokens through its own caches.
@@ -101,9 +105,17 @@ class ModelRunner:
         Each request feeds its last token, or row ``i`` of ``tokens (B,)`` where given
         (a previous step's samples, not yet on the host).
         """
-        inputs = [[r.last_token] for r in reqs] if tokens is None else tokens[:, None]
-        out, _ = self._batched(reqs, inputs)
-        return out
+        if tokens is None:
+            inputs = mx.array([[r.last_token] for r in reqs], dtype=mx.int32)
+        else:
+            inputs = tokens[:, None]
+        if self.compiled is not None:
+            return self.compiled(reqs, inputs)
+        return self.forward_step(reqs, inputs)
+
+    def forward_step(self, reqs: list[Request], inputs: mx.array) -> mx.array:
+        """One uncompiled decode step of ``inputs`` ``(B, 1)``: the lazy logits ``(B, V)``."""
+        return self._batched(reqs, inputs)[0]
 
     def _batched(
         self,

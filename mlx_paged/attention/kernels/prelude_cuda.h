@@ -28,13 +28,16 @@ PD_INLINE float pd_float(__nv_bfloat16 x) { return __bfloat162float(x); }
   const int pd_threads_x = blockDim.x;
 // ---- publish
   // Publish this split's partial; the last split of the (sequence, head group) to finish
-  // merges them all in this launch. Each launch zeroes its own counters.
+  // merges them all in this launch. Each launch zeroes its own counters, and the merging
+  // split zeroes its counter again: launches that share one buffer (a compiled graph
+  // merges equal fills) each find it zeroed.
   __shared__ int s_last;
   __threadfence();
   __syncthreads();
   if (pd_tid == 0) {
     int* cnt = const_cast<int*>(counters) + (size_t)b * pd_groups_x + pd_group_x;
     s_last = atomicAdd(cnt, 1) == nsplit - 1;
+    if (s_last) *cnt = 0;  // every other split of this group has counted
   }
   __syncthreads();
   if (!s_last) return;

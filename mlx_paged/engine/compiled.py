@@ -1,0 +1,91 @@
+"""The decode forward under ``mx.compile``: its Python runs once per step shape.
+
+A decode step's graph is the same for every token while the batch and its
+block tables' width bucket stay the same; only the arrays' contents move. On
+the engine's host-bound steps (one stream above all) building that graph in
+Python costs as much as running it. ``CompiledDecode`` traces the model's
+forward over ``DecodeBatch.of_arrays`` (token ids, block tables padded to a
+width bucket, positions, write slots) with every pool array as compiled state, and
+replays the trace for later steps of that shape (BENCHMARKS.md, run 262). A fused
+kernel never reads the padded blocks; the portable gather path reads and masks
+them.
+
+It serves attention-only models with no cold tier, outside a distributed group.
+The model's weights are captured when a shape is first traced, as constants: an
+engine's model must not change under it. ``MLX_PAGED_COMPILE=off`` turns it off.
+"""
+
+from __future__ import annotations
+
+import os
+
+import mlx.core as mx
+
+from ..cache import DecodeBatch, StepPagedKVCache
+from .request import Request
+from .runner import ModelRunner
+
+
+class CompiledDecode:
+    """``ModelRunner.decode`` for runners that ``supports`` allows, through one compiled
+    function per step shape."""
+
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+        self.kinds = list(runner.pools)
+        state = [a for pool in runner.pools.values() for a in (pool.keys, pool.values)]
+        self._forward = mx.compile(self._trace, inputs=state, outputs=state)
+        self.traces = 0  # shapes traced so far
+
+    @classmethod
+    def of(
+        cls, runner: ModelRunner, group: mx.distributed.Group | None, enabled: object = True
+    ) -> CompiledDecode | None:
+        """A ``CompiledDecode`` for ``runner`` if ``enabled`` and its steps may be compiled
+        (attention layers only, no cold tier, one process, not ``MLX_PAGED_COMPILE=off``),
+        else ``None``.
+
+        Raises:
+            ValueError: if ``enabled`` is not a bool.
+        """
+        if not isinstance(enabled, bool):
+            raise ValueError(f"compile_decode must be True or False, got {enabled!r}.")
+        off = os.environ.get("MLX_PAGED_COMPILE", "").strip().lower() == "off"
+        quantized = any(pool.cold is not None for pool in runner.pools.values())
+        distributed = group is not None and group.size() > 1
+        plain = runner.states is None and bool(runner.layout.counts)
+        return cls(runner) if enabled and plain and not (off or quantized or distributed) else None
+
+    def __call__(self, reqs: list[Request], tokens: mx.array) -> mx.array:
+        """Lazy logits ``(B, V)`` of one step; ``tokens`` ``(B, 1)``. Advances the tables."""
+        runner = self.runner
+        if any(a is None for pool in runner.pools.values() for a in pool.keys):
+            return runner.forward_step(reqs, tokens)  # a layer not written yet
+        batches = [
+            DecodeBatch(runner.pools[k], [r.tables[k] for r in reqs], k.window) for k in self.kinds
+        ]
+        arrays = [a for b in batches for a in b.arrays(width_bucket(b.block_tables.shape[1]))]
+        if tokens.dtype != mx.int32:  # one trace for host and sampled ids
+            tokens = tokens.astype(mx.int32)
+        logits = self._forward(tokens, *arrays)
+        for batch in batches:
+            batch.finish()
+        return logits
+
+    def _trace(self, tokens: mx.array, *arrays: mx.array) -> mx.array:
+        self.traces += 1
+        runner = self.runner
+        batches = {
+            k: DecodeBatch.of_arrays(runner.pools[k], list(arrays[5 * i : 5 * i + 5]))
+            for i, k in enumerate(self.kinds)
+        }
+        caches = runner.layout.bind(runner.pools, batches, StepPagedKVCache)
+        return runner.model(tokens, cache=caches)[:, -1, :]
+
+
+def width_bucket(width: int) -> int:
+    """Block-table width a compiled step pads ``width`` blocks to: the next power of two up
+    to 64, then the next multiple of 64; a sequence's step retraces when it crosses one."""
+    if width <= 64:
+        return 1 << max(0, width - 1).bit_length()
+    return -(-width // 64) * 64

@@ -1,0 +1,113 @@
+"""The engine's compiled decode step (``engine/compiled.py``) against the uncompiled one and
+mlx-lm alone: the same tokens, one trace per step shape, and the models it leaves alone."""
+
+from __future__ import annotations
+
+import random
+
+import mlx.core as mx
+import pytest
+from tiny_models import VOCAB, model_of
+from tiny_models import solo as dense_solo
+
+from mlx_paged import PagedEngine
+
+BS = 8
+MAX_TOKENS = 12
+# gemma3_text: sliding-window layers beside full ones (two pools); deepseek_v3: MLA latents
+FAMILIES = ["llama", "gemma3_text", "deepseek_v3"]
+
+
+def prompts(seed: int, n: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    system = [rng.randrange(VOCAB) for _ in range(20)]
+    return [system + [rng.randrange(VOCAB) for _ in range(3 + 5 * i)] for i in range(n)]
+
+
+def run(engine: PagedEngine, batch: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
+    uids = [engine.add_request(p, m) for p, m in zip(batch, max_tokens, strict=True)]
+    out: dict[int, list[int]] = {u: [] for u in uids}
+    for event in engine.stream():
+        out[event.uid].append(event.token)
+        engine.check_invariants()
+    return [out[u] for u in uids]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_compiled_steps_give_the_tokens_of_uncompiled_ones_and_of_mlx_lm(family):
+    """Requests of staggered lengths and budgets, so the batch shrinks and the block tables
+    widen as they decode: every request gets mlx-lm's own tokens, with or without the
+    compiled step; the compiled engine traced once per step shape it met."""
+    batch, budgets = prompts(1, 4), [MAX_TOKENS, 5, 9, 3]
+    compiled = PagedEngine(model_of(family), block_size=BS)
+    plain = PagedEngine(model_of(family), block_size=BS, compile_decode=False)
+    assert compiled.runner.compiled is not None and plain.runner.compiled is None
+    shapes = record_shapes(compiled)
+    got = run(compiled, batch, budgets)
+    assert got == run(plain, batch, budgets)
+    assert got == [dense_solo(family, tuple(p), m) for p, m in zip(batch, budgets, strict=True)]
+    assert len(shapes) == compiled.clock.decode_steps  # every step went through it
+    assert compiled.runner.compiled.traces == len(set(shapes)) > 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not mx.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_compiled_steps_on_the_gpu_give_the_uncompiled_tokens(family):
+    """The compiled step over the fused CUDA kernels, against the same engine uncompiled on
+    the same GPU; the 300-token prompt's steps split their keys (split-K), whose counters
+    every layer's launch shares in a compiled graph."""
+    rng = random.Random(5)
+    batch = [*prompts(3, 4), [rng.randrange(VOCAB) for _ in range(300)]]
+    budgets = [MAX_TOKENS, 5, 9, 3, 20]
+    compiled = PagedEngine(model_of(family), block_size=BS)
+    plain = PagedEngine(model_of(family), block_size=BS, compile_decode=False)
+    shapes = record_shapes(compiled)
+    assert run(compiled, batch, budgets) == run(plain, batch, budgets)
+    assert compiled.runner.compiled.traces == len(set(shapes)) > 1
+
+
+def record_shapes(engine: PagedEngine) -> list[tuple]:
+    """Record, per compiled step, what its trace is keyed by: the shapes and dtypes of its
+    arguments and of the pool arrays."""
+    decode, pools = engine.runner.compiled, engine.runner.pools.values()
+    forward, shapes = decode._forward, []
+
+    def recorded(*args):
+        state = [a.shape for pool in pools for a in (*pool.keys, *pool.values)]
+        shapes.append((*[(a.shape, a.dtype) for a in args], *state))
+        return forward(*args)
+
+    decode._forward = recorded
+    return shapes
+
+
+def test_a_steady_batch_replays_without_tracing_again():
+    """Steps of one batch whose tables stay within one width bucket, in a pool of fixed
+    size (a growing pool's new arrays are a new shape), trace nothing new."""
+    engine = PagedEngine(model_of("llama"), block_size=BS, num_blocks=64)
+    for p in prompts(2, 3):
+        engine.add_request(p, 40)
+    for _ in range(6):
+        engine.step()
+    traces = engine.runner.compiled.traces
+    for _ in range(8):  # 3 rows, tables of 5-8 blocks: one width bucket
+        engine.step()
+    assert engine.runner.compiled.traces == traces
+    assert len(engine.running) == 3
+
+
+@pytest.mark.parametrize(
+    ("family", "kwargs"),
+    [("qwen3_5", {}), ("mamba2", {}), ("llama", {"kv_bits": 8, "hot_tokens": 16})],
+)
+def test_hybrid_and_cold_tier_engines_decode_uncompiled(family, kwargs):
+    assert PagedEngine(model_of(family), block_size=BS, **kwargs).runner.compiled is None
+
+
+def test_the_environment_turns_it_off_and_a_bad_flag_is_refused(monkeypatch):
+    monkeypatch.setenv("MLX_PAGED_COMPILE", "off")
+    assert PagedEngine(model_of("llama"), block_size=BS).runner.compiled is None
+    monkeypatch.delenv("MLX_PAGED_COMPILE")
+    with pytest.raises(ValueError, match="compile_decode must be True or False"):
+        PagedEngine(model_of("llama"), compile_decode="yes")
