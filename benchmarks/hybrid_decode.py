@@ -12,7 +12,8 @@ prefilled; then ``--steps`` decode steps are timed one by one:
   recurrent layer's slots for one step when the batch is not in slot order (in
   slot order, as the engine decodes, there are none).
 
-``--stream`` times one request instead: mlx-lm's ``generate_step`` (which
+``--stream`` times one request instead (``--compile-decode``: the engine's
+compiled decode step): mlx-lm's ``generate_step`` (which
 overlaps each step's graph building with the previous step on the device, as the
 engine does) and ``PagedEngine.step()`` advance one token each in turn, so drift
 in the host's speed reaches both alike; the engine's host phases per step are
@@ -111,10 +112,12 @@ def state_steps(model, prompts, steps) -> list[float]:
     return times
 
 
-def stream_steps(model, prompt, steps) -> tuple[list[float], list[float], dict[str, float]]:
+def stream_steps(
+    model, prompt, steps, compile_decode=None
+) -> tuple[list[float], list[float], dict[str, float]]:
     """One request's decode steps, ``generate_step`` and ``PagedEngine`` in turn: each one's
     step times, and the engine's host seconds per step by phase."""
-    engine = PagedEngine(model, prefill_step_size=2048)
+    engine = PagedEngine(model, prefill_step_size=2048, compile_decode=compile_decode)
     engine.add_request(prompt, steps + 16)
     dense = generate_step(mx.array(prompt), model, max_tokens=steps + 16)
     while not engine.running or not engine.running[0].generated:
@@ -150,6 +153,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--model", help="an mlx-lm model directory (default: a random model)")
     parser.add_argument("--stream", action="store_true", help="one request, in turn with mlx-lm")
+    parser.add_argument(
+        "--compile-decode", action="store_true", help="with --stream: compiled decode steps"
+    )
     args = parser.parse_args()
     args.shape = "qwen3_5"
     if args.model:
@@ -162,7 +168,7 @@ def main() -> None:
     print(f"device={mx.default_device()} dtype={args.dtype} system={args.system}", flush=True)
     if args.stream:
         prompt = system + [rng.randrange(args.vocab) for _ in range(args.unique)]
-        dense, paged, phases = stream_steps(model, prompt, args.steps)
+        dense, paged, phases = stream_steps(model, prompt, args.steps, args.compile_decode or None)
         host = ", ".join(f"{k} {v * 1e3:.2f}" for k, v in phases.items() if v)
         print(
             f"one stream: dense {ms(dense)}  paged {ms(paged)}  "

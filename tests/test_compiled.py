@@ -39,8 +39,8 @@ def test_compiled_steps_give_the_tokens_of_uncompiled_ones_and_of_mlx_lm(family)
     widen as they decode: every request gets mlx-lm's own tokens, with or without the
     compiled step; the compiled engine traced once per step shape it met."""
     batch, budgets = prompts(1, 4), [MAX_TOKENS, 5, 9, 3]
-    compiled = PagedEngine(model_of(family), block_size=BS)
-    plain = PagedEngine(model_of(family), block_size=BS, compile_decode=False)
+    compiled = PagedEngine(model_of(family), block_size=BS, compile_decode=True)
+    plain = PagedEngine(model_of(family), block_size=BS)
     assert compiled.runner.compiled is not None and plain.runner.compiled is None
     shapes = record_shapes(compiled)
     got = run(compiled, batch, budgets)
@@ -60,8 +60,8 @@ def test_compiled_steps_on_the_gpu_give_the_uncompiled_tokens(family):
     rng = random.Random(5)
     batch = [*prompts(3, 4), [rng.randrange(VOCAB) for _ in range(300)]]
     budgets = [MAX_TOKENS, 5, 9, 3, 20]
-    compiled = PagedEngine(model_of(family), block_size=BS)
-    plain = PagedEngine(model_of(family), block_size=BS, compile_decode=False)
+    compiled = PagedEngine(model_of(family), block_size=BS, compile_decode=True)
+    plain = PagedEngine(model_of(family), block_size=BS)
     shapes = record_shapes(compiled)
     assert run(compiled, batch, budgets) == run(plain, batch, budgets)
     assert compiled.runner.compiled.traces == len(set(shapes)) > 1
@@ -85,7 +85,7 @@ def record_shapes(engine: PagedEngine) -> list[tuple]:
 def test_a_steady_batch_replays_without_tracing_again():
     """Steps of one batch whose tables stay within one width bucket, in a pool of fixed
     size (a growing pool's new arrays are a new shape), trace nothing new."""
-    engine = PagedEngine(model_of("llama"), block_size=BS, num_blocks=64)
+    engine = PagedEngine(model_of("llama"), block_size=BS, num_blocks=64, compile_decode=True)
     for p in prompts(2, 3):
         engine.add_request(p, 40)
     for _ in range(6):
@@ -102,12 +102,16 @@ def test_a_steady_batch_replays_without_tracing_again():
     [("qwen3_5", {}), ("mamba2", {}), ("llama", {"kv_bits": 8, "hot_tokens": 16})],
 )
 def test_hybrid_and_cold_tier_engines_decode_uncompiled(family, kwargs):
-    assert PagedEngine(model_of(family), block_size=BS, **kwargs).runner.compiled is None
+    engine = PagedEngine(model_of(family), block_size=BS, compile_decode=True, **kwargs)
+    assert engine.runner.compiled is None
 
 
-def test_the_environment_turns_it_off_and_a_bad_flag_is_refused(monkeypatch):
-    monkeypatch.setenv("MLX_PAGED_COMPILE", "off")
+def test_off_unless_asked_for_by_argument_or_environment(monkeypatch):
+    monkeypatch.delenv("MLX_PAGED_COMPILE", raising=False)
     assert PagedEngine(model_of("llama"), block_size=BS).runner.compiled is None
-    monkeypatch.delenv("MLX_PAGED_COMPILE")
-    with pytest.raises(ValueError, match="compile_decode must be True or False"):
+    monkeypatch.setenv("MLX_PAGED_COMPILE", "on")
+    assert PagedEngine(model_of("llama"), block_size=BS).runner.compiled is not None
+    engine = PagedEngine(model_of("llama"), block_size=BS, compile_decode=False)
+    assert engine.runner.compiled is None
+    with pytest.raises(ValueError, match="compile_decode must be True, False or None"):
         PagedEngine(model_of("llama"), compile_decode="yes")

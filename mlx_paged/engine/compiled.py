@@ -10,9 +10,14 @@ replays the trace for later steps of that shape (BENCHMARKS.md, run 262). A fuse
 kernel never reads the padded blocks; the portable gather path reads and masks
 them.
 
-It serves attention-only models with no cold tier, outside a distributed group.
-The model's weights are captured when a shape is first traced, as constants: an
-engine's model must not change under it. ``MLX_PAGED_COMPILE=off`` turns it off.
+It serves attention-only models with no cold tier, outside a distributed group,
+where asked for (``PagedEngine(compile_decode=True)``, or ``MLX_PAGED_COMPILE=on``
+for engines that do not say): it is off by default until it has been checked on a
+GPU in this form. On the CPU the tests check its tokens against the uncompiled
+step's and mlx-lm's. The model's weights are captured when a shape is first
+traced, as constants: an engine's model must not change under it. All layers of a
+compiled step share one buffer of split-K counters (the graph merges equal zero
+fills), which the CUDA kernel's merging split zeroes again after each launch.
 """
 
 from __future__ import annotations
@@ -24,6 +29,9 @@ import mlx.core as mx
 from ..cache import DecodeBatch, StepPagedKVCache
 from .request import Request
 from .runner import ModelRunner
+
+#: ``MLX_PAGED_COMPILE`` values that turn compiled decode steps on.
+ON = ("1", "on", "true", "yes")
 
 
 class CompiledDecode:
@@ -39,22 +47,23 @@ class CompiledDecode:
 
     @classmethod
     def of(
-        cls, runner: ModelRunner, group: mx.distributed.Group | None, enabled: object = True
+        cls, runner: ModelRunner, group: mx.distributed.Group | None, enabled: object = None
     ) -> CompiledDecode | None:
-        """A ``CompiledDecode`` for ``runner`` if ``enabled`` and its steps may be compiled
-        (attention layers only, no cold tier, one process, not ``MLX_PAGED_COMPILE=off``),
-        else ``None``.
+        """A ``CompiledDecode`` for ``runner`` if ``enabled`` (``None``: if the environment
+        sets ``MLX_PAGED_COMPILE=on``) and its steps may be compiled (attention layers
+        only, no cold tier, one process), else ``None``.
 
         Raises:
-            ValueError: if ``enabled`` is not a bool.
+            ValueError: if ``enabled`` is not a bool or ``None``.
         """
-        if not isinstance(enabled, bool):
-            raise ValueError(f"compile_decode must be True or False, got {enabled!r}.")
-        off = os.environ.get("MLX_PAGED_COMPILE", "").strip().lower() == "off"
+        if enabled is not None and not isinstance(enabled, bool):
+            raise ValueError(f"compile_decode must be True, False or None, got {enabled!r}.")
+        if enabled is None:
+            enabled = os.environ.get("MLX_PAGED_COMPILE", "").strip().lower() in ON
         quantized = any(pool.cold is not None for pool in runner.pools.values())
         distributed = group is not None and group.size() > 1
         plain = runner.states is None and bool(runner.layout.counts)
-        return cls(runner) if enabled and plain and not (off or quantized or distributed) else None
+        return cls(runner) if enabled and plain and not (quantized or distributed) else None
 
     def __call__(self, reqs: list[Request], tokens: mx.array) -> mx.array:
         """Lazy logits ``(B, V)`` of one step; ``tokens`` ``(B, 1)``. Advances the tables."""

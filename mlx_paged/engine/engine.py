@@ -93,7 +93,7 @@ class PagedEngine:
             ``generate_step`` does), while no running request has a constraint. A step's
             tokens come out with the next step's events; a stop token costs one row.
         compile_decode: Replay each decode step's graph, built once per step shape
-            (``engine/compiled.py``: attention-only models, no cold tier, one process).
+            (``engine/compiled.py``); ``None``: as ``MLX_PAGED_COMPILE`` says, else off.
     """
 
     def __init__(
@@ -116,7 +116,7 @@ class PagedEngine:
         kv_disk_dir: str | os.PathLike | None = None,
         kv_disk_bytes: int | None = None,
         overlap: bool = True,
-        compile_decode: bool = True,
+        compile_decode: bool | None = None,
     ):
         check_block_size(block_size)
         check_kv_dtype(kv_dtype)
