@@ -35,7 +35,7 @@ ON = ("1", "on", "true", "yes")
 
 
 class CompiledDecode:
-    """``ModelRunner.decode`` for runners that ``supports`` allows, through one compiled
+    """``ModelRunner.decode`` for the runners ``of`` accepts, through one compiled
     function per step shape."""
 
     def __init__(self, runner: ModelRunner):
