@@ -12,8 +12,8 @@ prefilled; then ``--steps`` decode steps are timed one by one:
   recurrent layer's slots for one step when the batch is not in slot order (in
   slot order, as the engine decodes, there are none).
 
-``--stream`` times one request instead (``--compile-decode``: the engine's
-compiled decode step): mlx-lm's ``generate_step`` (which
+``--stream`` times one request instead (``--uncompiled``: the engine's decode
+steps not compiled): mlx-lm's ``generate_step`` (which
 overlaps each step's graph building with the previous step on the device, as the
 engine does) and ``PagedEngine.step()`` advance one token each in turn, so drift
 in the host's speed reaches both alike; the engine's host phases per step are
@@ -154,7 +154,7 @@ def main() -> None:
     parser.add_argument("--model", help="an mlx-lm model directory (default: a random model)")
     parser.add_argument("--stream", action="store_true", help="one request, in turn with mlx-lm")
     parser.add_argument(
-        "--compile-decode", action="store_true", help="with --stream: compiled decode steps"
+        "--uncompiled", action="store_true", help="with --stream: decode steps not compiled"
     )
     args = parser.parse_args()
     args.shape = "qwen3_5"
@@ -168,7 +168,7 @@ def main() -> None:
     print(f"device={mx.default_device()} dtype={args.dtype} system={args.system}", flush=True)
     if args.stream:
         prompt = system + [rng.randrange(args.vocab) for _ in range(args.unique)]
-        dense, paged, phases = stream_steps(model, prompt, args.steps, args.compile_decode or None)
+        dense, paged, phases = stream_steps(model, prompt, args.steps, False if args.uncompiled else None)
         host = ", ".join(f"{k} {v * 1e3:.2f}" for k, v in phases.items() if v)
         print(
             f"one stream: dense {ms(dense)}  paged {ms(paged)}  "

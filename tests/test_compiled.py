@@ -11,6 +11,7 @@ from tiny_models import VOCAB, model_of
 from tiny_models import solo as dense_solo
 
 from mlx_paged import PagedEngine
+from mlx_paged.engine.compiled import batch_bucket, width_bucket
 
 BS = 8
 MAX_TOKENS = 12
@@ -40,7 +41,7 @@ def test_compiled_steps_give_the_tokens_of_uncompiled_ones_and_of_mlx_lm(family)
     compiled step; the compiled engine traced once per step shape it met."""
     batch, budgets = prompts(1, 4), [MAX_TOKENS, 5, 9, 3]
     compiled = PagedEngine(model_of(family), block_size=BS, compile_decode=True)
-    plain = PagedEngine(model_of(family), block_size=BS)
+    plain = PagedEngine(model_of(family), block_size=BS, compile_decode=False)
     assert compiled.runner.compiled is not None and plain.runner.compiled is None
     shapes = record_shapes(compiled)
     got = run(compiled, batch, budgets)
@@ -61,7 +62,7 @@ def test_compiled_steps_on_the_gpu_give_the_uncompiled_tokens(family):
     batch = [*prompts(3, 4), [rng.randrange(VOCAB) for _ in range(300)]]
     budgets = [MAX_TOKENS, 5, 9, 3, 20]
     compiled = PagedEngine(model_of(family), block_size=BS, compile_decode=True)
-    plain = PagedEngine(model_of(family), block_size=BS)
+    plain = PagedEngine(model_of(family), block_size=BS, compile_decode=False)
     shapes = record_shapes(compiled)
     assert run(compiled, batch, budgets) == run(plain, batch, budgets)
     assert compiled.runner.compiled.traces == len(set(shapes)) > 1
@@ -97,6 +98,32 @@ def test_a_steady_batch_replays_without_tracing_again():
     assert len(engine.running) == 3
 
 
+def test_a_shrinking_batch_traces_once_per_row_bucket():
+    """Seven requests that stop one after another decode at every size from 7 to 1, within
+    one width bucket: sizes 7, 6, 5 pad to 8 rows, 4 and 3 to 4, then 2 and 1. The padded
+    rows change nobody's tokens (the parity tests above) and advance no table."""
+    engine = PagedEngine(model_of("llama"), block_size=BS, num_blocks=64, compile_decode=True)
+    shapes = record_shapes(engine)
+    rng = random.Random(4)
+    system = [rng.randrange(VOCAB) for _ in range(12)]  # 17 tokens, 25 at the end: 3-4 blocks
+    batch = [system + [rng.randrange(VOCAB) for _ in range(5)] for _ in range(7)]
+    budgets = list(range(2, 9))  # request i decodes i + 1 steps after its prefill's token
+    got = run(engine, batch, budgets)
+    assert [len(t) for t in got] == budgets
+    assert [s[0][0][0] for s in shapes] == [8, 8, 8, 4, 4, 2, 1]
+    assert {s[1][0][1] for s in shapes} == {4}  # the tables' width bucket
+    assert engine.runner.compiled.traces == 4
+    assert not engine.running
+    engine.check_invariants()
+
+
+def test_row_and_width_buckets():
+    assert [batch_bucket(b) for b in (1, 2, 3, 5, 8, 9, 16, 17, 64)] == [
+        1, 2, 4, 8, 8, 16, 16, 24, 64
+    ]
+    assert [width_bucket(w) for w in (1, 3, 33, 64, 65, 129)] == [1, 4, 64, 64, 128, 192]
+
+
 @pytest.mark.parametrize(
     ("family", "kwargs"),
     [("qwen3_5", {}), ("mamba2", {}), ("llama", {"kv_bits": 8, "hot_tokens": 16})],
@@ -106,12 +133,18 @@ def test_hybrid_and_cold_tier_engines_decode_uncompiled(family, kwargs):
     assert engine.runner.compiled is None
 
 
-def test_off_unless_asked_for_by_argument_or_environment(monkeypatch):
+def test_on_unless_turned_off_by_argument_or_environment(monkeypatch):
     monkeypatch.delenv("MLX_PAGED_COMPILE", raising=False)
-    assert PagedEngine(model_of("llama"), block_size=BS).runner.compiled is None
-    monkeypatch.setenv("MLX_PAGED_COMPILE", "on")
     assert PagedEngine(model_of("llama"), block_size=BS).runner.compiled is not None
+    monkeypatch.setenv("MLX_PAGED_COMPILE", "Off")
+    assert PagedEngine(model_of("llama"), block_size=BS).runner.compiled is None
+    engine = PagedEngine(model_of("llama"), block_size=BS, compile_decode=True)
+    assert engine.runner.compiled is not None
+    monkeypatch.setenv("MLX_PAGED_COMPILE", "on")
     engine = PagedEngine(model_of("llama"), block_size=BS, compile_decode=False)
     assert engine.runner.compiled is None
     with pytest.raises(ValueError, match="compile_decode must be True, False or None"):
         PagedEngine(model_of("llama"), compile_decode="yes")
+    monkeypatch.setenv("MLX_PAGED_COMPILE", "maybe")
+    with pytest.raises(ValueError, match="MLX_PAGED_COMPILE must be one of 1, on, true, yes"):
+        PagedEngine(model_of("llama"))

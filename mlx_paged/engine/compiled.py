@@ -8,13 +8,15 @@ forward over ``DecodeBatch.of_arrays`` (token ids, block tables padded to a
 width bucket, positions, write slots) with every pool array as compiled state, and
 replays the trace for later steps of that shape (BENCHMARKS.md, run 262). A fused
 kernel never reads the padded blocks; the portable gather path reads and masks
-them.
+them. A batch is padded to a row bucket with copies of its last row, which
+compute that row's K/V again and store it in the same slots, and whose logits
+are dropped: continuous batching changes the batch size from step to step.
 
 It serves attention-only models with no cold tier, outside a distributed group,
-where asked for (``PagedEngine(compile_decode=True)``, or ``MLX_PAGED_COMPILE=on``
-for engines that do not say): it is off by default until it has been checked on a
-GPU in this form. On the CPU the tests check its tokens against the uncompiled
-step's and mlx-lm's. The model's weights are captured when a shape is first
+unless turned off (``PagedEngine(compile_decode=False)``, or ``MLX_PAGED_COMPILE=off``
+for engines that do not say). It has run on CUDA (BENCHMARKS.md, run 263 on); on the
+CPU the tests check its tokens against the uncompiled step's and mlx-lm's; Metal has
+not been run. The model's weights are captured when a shape is first
 traced, as constants: an engine's model must not change under it. All layers of a
 compiled step share one buffer of split-K counters (the graph merges equal zero
 fills), which the CUDA kernel's merging split zeroes again after each launch.
@@ -23,6 +25,7 @@ fills), which the CUDA kernel's merging split zeroes again after each launch.
 from __future__ import annotations
 
 import os
+import time
 
 import mlx.core as mx
 
@@ -30,8 +33,9 @@ from ..cache import DecodeBatch, StepPagedKVCache
 from .request import Request
 from .runner import ModelRunner
 
-#: ``MLX_PAGED_COMPILE`` values that turn compiled decode steps on.
-ON = ("1", "on", "true", "yes")
+#: ``MLX_PAGED_COMPILE`` values that turn compiled decode steps on, and off (unset: on).
+ON = ("", "1", "on", "true", "yes")
+OFF = ("0", "off", "false", "no")
 
 
 class CompiledDecode:
@@ -44,22 +48,29 @@ class CompiledDecode:
         state = [a for pool in runner.pools.values() for a in (pool.keys, pool.values)]
         self._forward = mx.compile(self._trace, inputs=state, outputs=state)
         self.traces = 0  # shapes traced so far
+        self.trace_seconds = 0.0  # host time the calls that traced took
 
     @classmethod
     def of(
         cls, runner: ModelRunner, group: mx.distributed.Group | None, enabled: object = None
     ) -> CompiledDecode | None:
-        """A ``CompiledDecode`` for ``runner`` if ``enabled`` (``None``: if the environment
-        sets ``MLX_PAGED_COMPILE=on``) and its steps may be compiled (attention layers
-        only, no cold tier, one process), else ``None``.
+        """A ``CompiledDecode`` for ``runner`` if ``enabled`` (``None``: unless the
+        environment sets ``MLX_PAGED_COMPILE=off``) and its steps may be compiled
+        (attention layers only, no cold tier, one process), else ``None``.
 
         Raises:
-            ValueError: if ``enabled`` is not a bool or ``None``.
+            ValueError: if ``enabled`` is not a bool or ``None``, or ``MLX_PAGED_COMPILE``
+                is none of ``ON`` and ``OFF``.
         """
         if enabled is not None and not isinstance(enabled, bool):
             raise ValueError(f"compile_decode must be True, False or None, got {enabled!r}.")
         if enabled is None:
-            enabled = os.environ.get("MLX_PAGED_COMPILE", "").strip().lower() in ON
+            setting = os.environ.get("MLX_PAGED_COMPILE", "").strip().lower()
+            if setting not in ON + OFF:
+                raise ValueError(
+                    f"MLX_PAGED_COMPILE must be one of {', '.join(ON[1:] + OFF)}, got {setting!r}."
+                )
+            enabled = setting in ON
         quantized = any(pool.cold is not None for pool in runner.pools.values())
         distributed = group is not None and group.size() > 1
         plain = runner.states is None and bool(runner.layout.counts)
@@ -70,16 +81,25 @@ class CompiledDecode:
         runner = self.runner
         if any(a is None for pool in runner.pools.values() for a in pool.keys):
             return runner.forward_step(reqs, tokens)  # a layer not written yet
+        n = len(reqs)
+        pad = batch_bucket(n) - n
+        rows = reqs + reqs[-1:] * pad  # copies of the last row: the same K/V to the same slots
         batches = [
-            DecodeBatch(runner.pools[k], [r.tables[k] for r in reqs], k.window) for k in self.kinds
+            DecodeBatch(runner.pools[k], [r.tables[k] for r in rows], k.window) for k in self.kinds
         ]
         arrays = [a for b in batches for a in b.arrays(width_bucket(b.block_tables.shape[1]))]
         if tokens.dtype != mx.int32:  # one trace for host and sampled ids
             tokens = tokens.astype(mx.int32)
+        if pad:
+            tokens = mx.pad(tokens, [(0, pad), (0, 0)], mode="edge")
+        traces, start = self.traces, time.perf_counter()
         logits = self._forward(tokens, *arrays)
+        if self.traces != traces:
+            self.trace_seconds += time.perf_counter() - start
         for batch in batches:
+            del batch.tables[n:], batch.new_tokens[n:]  # advance each real table once
             batch.finish()
-        return logits
+        return logits[:n] if pad else logits
 
     def _trace(self, tokens: mx.array, *arrays: mx.array) -> mx.array:
         self.traces += 1
@@ -90,6 +110,15 @@ class CompiledDecode:
         }
         caches = runner.layout.bind(runner.pools, batches, StepPagedKVCache)
         return runner.model(tokens, cache=caches)[:, -1, :]
+
+
+def batch_bucket(rows: int) -> int:
+    """Rows a compiled step pads a batch of ``rows`` to: the next power of two up to 8,
+    then the next multiple of 8. A batch that grows and shrinks by a request at a time
+    meets one trace per bucket instead of one per size."""
+    if rows <= 8:
+        return 1 << max(0, rows - 1).bit_length()
+    return -(-rows // 8) * 8
 
 
 def width_bucket(width: int) -> int:

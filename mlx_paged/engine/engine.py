@@ -93,7 +93,7 @@ class PagedEngine:
             ``generate_step`` does), while no running request has a constraint. A step's
             tokens come out with the next step's events; a stop token costs one row.
         compile_decode: Replay each decode step's graph, built once per step shape
-            (``engine/compiled.py``); ``None``: as ``MLX_PAGED_COMPILE`` says, else off.
+            (``engine/compiled.py``); ``None``: on unless ``MLX_PAGED_COMPILE=off``.
     """
 
     def __init__(
