@@ -168,7 +168,8 @@ def main() -> None:
     print(f"device={mx.default_device()} dtype={args.dtype} system={args.system}", flush=True)
     if args.stream:
         prompt = system + [rng.randrange(args.vocab) for _ in range(args.unique)]
-        dense, paged, phases = stream_steps(model, prompt, args.steps, False if args.uncompiled else None)
+        compiled = False if args.uncompiled else None
+        dense, paged, phases = stream_steps(model, prompt, args.steps, compiled)
         host = ", ".join(f"{k} {v * 1e3:.2f}" for k, v in phases.items() if v)
         print(
             f"one stream: dense {ms(dense)}  paged {ms(paged)}  "
