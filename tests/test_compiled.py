@@ -118,17 +118,8 @@ def test_a_shrinking_batch_traces_once_per_row_bucket():
 
 
 def test_row_and_width_buckets():
-    assert [batch_bucket(b) for b in (1, 2, 3, 5, 8, 9, 16, 17, 64)] == [
-        1,
-        2,
-        4,
-        8,
-        8,
-        16,
-        16,
-        24,
-        64,
-    ]
+    rows = (1, 2, 3, 5, 8, 9, 16, 17, 64)
+    assert [batch_bucket(b) for b in rows] == [1, 2, 4, 8, 8, 16, 16, 24, 64]
     assert [width_bucket(w) for w in (1, 3, 33, 64, 65, 129)] == [1, 4, 64, 64, 128, 192]
 
 
