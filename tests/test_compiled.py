@@ -4,6 +4,7 @@ mlx-lm alone: the same tokens, one trace per step shape, and the models it leave
 from __future__ import annotations
 
 import random
+from collections import Counter
 
 import mlx.core as mx
 import pytest
@@ -11,6 +12,7 @@ from tiny_models import VOCAB, model_of
 from tiny_models import solo as dense_solo
 
 from mlx_paged import PagedEngine
+from mlx_paged.attention import path_counts
 from mlx_paged.engine.compiled import batch_bucket, width_bucket
 
 BS = 8
@@ -115,6 +117,22 @@ def test_a_shrinking_batch_traces_once_per_row_bucket():
     assert engine.runner.compiled.traces == 4
     assert not engine.running
     engine.check_invariants()
+
+
+def test_replayed_steps_count_their_attention_paths():
+    """``path_counts`` (the attention path each layer call took) reads the same with the
+    compiled step, whose Python runs only when it traces, as without it."""
+    counted = []
+    for compiled in (True, False):
+        engine = PagedEngine(model_of("llama"), block_size=BS, compile_decode=compiled)
+        before = Counter(path_counts)
+        run(engine, prompts(1, 4), [MAX_TOKENS, 5, 9, 3])
+        counted.append(path_counts - before)
+    assert counted[0] == counted[1]
+    assert (
+        sum(counted[0].values())
+        > engine.clock.decode_steps * model_of("llama").args.num_hidden_layers
+    )
 
 
 def test_row_and_width_buckets():

@@ -26,9 +26,11 @@ from __future__ import annotations
 
 import os
 import time
+from collections import Counter
 
 import mlx.core as mx
 
+from ..attention import path_counts, read_counts
 from ..cache import DecodeBatch, StepPagedKVCache
 from .request import Request
 from .runner import ModelRunner
@@ -36,6 +38,8 @@ from .runner import ModelRunner
 #: ``MLX_PAGED_COMPILE`` values that turn compiled decode steps on, and off (unset: on).
 ON = ("", "1", "on", "true", "yes")
 OFF = ("0", "off", "false", "no")
+#: The attention counters a step's Python adds to: a replayed step adds what its trace did.
+COUNTERS = (path_counts, read_counts)
 
 
 class CompiledDecode:
@@ -49,6 +53,7 @@ class CompiledDecode:
         self._forward = mx.compile(self._trace, inputs=state, outputs=state)
         self.traces = 0  # shapes traced so far
         self.trace_seconds = 0.0  # host time the calls that traced took
+        self._counts: dict[tuple, list[Counter[str]]] = {}  # per step shape: its path counts
 
     @classmethod
     def of(
@@ -92,14 +97,25 @@ class CompiledDecode:
             tokens = tokens.astype(mx.int32)
         if pad:
             tokens = mx.pad(tokens, [(0, pad), (0, 0)], mode="edge")
+        key = (tokens.shape, *(a.shape for a in arrays), *self._pool_shapes())
+        counted = self._counts.get(key)
+        before = [Counter(c) for c in COUNTERS] if counted is None else None
         traces, start = self.traces, time.perf_counter()
         logits = self._forward(tokens, *arrays)
         if self.traces != traces:
             self.trace_seconds += time.perf_counter() - start
+        if counted is None:  # what the trace's Python counted, for every replay
+            self._counts[key] = [c - b for c, b in zip(COUNTERS, before, strict=True)]
+        else:
+            for total, step in zip(COUNTERS, counted, strict=True):
+                total.update(step)
         for batch in batches:
             del batch.tables[n:], batch.new_tokens[n:]  # advance each real table once
             batch.finish()
         return logits[:n] if pad else logits
+
+    def _pool_shapes(self) -> list[tuple[int, ...]]:
+        return [pool.keys[0].shape for pool in self.runner.pools.values()]
 
     def _trace(self, tokens: mx.array, *arrays: mx.array) -> mx.array:
         self.traces += 1
