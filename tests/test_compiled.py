@@ -8,6 +8,7 @@ from collections import Counter
 
 import mlx.core as mx
 import pytest
+from scripted import Scripted
 from tiny_models import VOCAB, model_of
 from tiny_models import solo as dense_solo
 
@@ -19,6 +20,8 @@ BS = 8
 MAX_TOKENS = 12
 # gemma3_text: sliding-window layers beside full ones (two pools); deepseek_v3: MLA latents
 FAMILIES = ["llama", "gemma3_text", "deepseek_v3"]
+# recurrent layers beside attention (qwen3_5, lfm2, nemotron_h) or alone (mamba2)
+HYBRIDS = ["qwen3_5", "mamba2", "lfm2", "nemotron_h"]
 
 
 def prompts(seed: int, n: int) -> list[list[int]]:
@@ -36,11 +39,13 @@ def run(engine: PagedEngine, batch: list[list[int]], max_tokens: list[int]) -> l
     return [out[u] for u in uids]
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + HYBRIDS)
 def test_compiled_steps_give_the_tokens_of_uncompiled_ones_and_of_mlx_lm(family):
     """Requests of staggered lengths and budgets, so the batch shrinks and the block tables
     widen as they decode: every request gets mlx-lm's own tokens, with or without the
-    compiled step; the compiled engine traced once per step shape it met."""
+    compiled step; the compiled engine traced once per step shape it met. A hybrid's steps
+    are compiled while its requests hold slots 0 .. B-1: here until the second request
+    (slot 1) stops before the third."""
     batch, budgets = prompts(1, 4), [MAX_TOKENS, 5, 9, 3]
     compiled = PagedEngine(model_of(family), block_size=BS, compile_decode=True)
     plain = PagedEngine(model_of(family), block_size=BS, compile_decode=False)
@@ -49,8 +54,25 @@ def test_compiled_steps_give_the_tokens_of_uncompiled_ones_and_of_mlx_lm(family)
     got = run(compiled, batch, budgets)
     assert got == run(plain, batch, budgets)
     assert got == [dense_solo(family, tuple(p), m) for p, m in zip(batch, budgets, strict=True)]
-    assert len(shapes) == compiled.clock.decode_steps  # every step went through it
+    steps = compiled.clock.decode_steps
+    if family in HYBRIDS:
+        assert 1 < len(shapes) < steps  # slots 0 and 2 then: gathered, uncompiled
+    else:
+        assert len(shapes) == steps  # every step went through it
     assert compiled.runner.compiled.traces == len(set(shapes)) > 1
+
+
+@pytest.mark.parametrize("family", HYBRIDS)
+def test_a_hybrid_whose_requests_stop_last_slot_first_compiles_every_step(family):
+    """Budgets that end the requests in reverse slot order keep the running ones in slots
+    0 .. B-1, so every decode step replays a trace over the whole state arrays."""
+    batch, budgets = prompts(2, 4), [MAX_TOKENS, 9, 5, 3]
+    compiled = PagedEngine(model_of(family), block_size=BS, compile_decode=True)
+    shapes = record_shapes(compiled)
+    got = run(compiled, batch, budgets)
+    assert got == [dense_solo(family, tuple(p), m) for p, m in zip(batch, budgets, strict=True)]
+    assert len(shapes) == compiled.clock.decode_steps
+    assert [s[0][0][0] for s in shapes] == [4, 4, 3, 3, 2, 2, 2, 2, 1, 1, 1]
 
 
 @pytest.mark.gpu
@@ -77,7 +99,10 @@ def record_shapes(engine: PagedEngine) -> list[tuple]:
     forward, shapes = decode._forward, []
 
     def recorded(*args):
-        state = [a.shape for pool in pools for a in (*pool.keys, *pool.values)]
+        arrays = [a for pool in pools for a in (*pool.keys, *pool.values)]
+        state = [a.shape for a in arrays if a is not None]  # mamba2 has no attention
+        if engine.runner.states is not None:
+            state += [a.shape for layer in engine.runner.states.arrays for a in layer]
         shapes.append((*[(a.shape, a.dtype) for a in args], *state))
         return forward(*args)
 
@@ -141,12 +166,24 @@ def test_row_and_width_buckets():
     assert [width_bucket(w) for w in (1, 3, 33, 64, 65, 129)] == [1, 4, 64, 64, 128, 192]
 
 
-@pytest.mark.parametrize(
-    ("family", "kwargs"),
-    [("qwen3_5", {}), ("mamba2", {}), ("llama", {"kv_bits": 8, "hot_tokens": 16})],
-)
-def test_hybrid_and_cold_tier_engines_decode_uncompiled(family, kwargs):
-    engine = PagedEngine(model_of(family), block_size=BS, compile_decode=True, **kwargs)
+def test_a_forward_that_cannot_be_traced_decodes_uncompiled(caplog):
+    """The scripted model reads its positions on the host, which a trace cannot: the first
+    compiled step falls back, with one warning, and the tokens are the uncompiled ones."""
+    tokens = []
+    for compiled in (True, False):
+        model = Scripted(VOCAB, eos=2)
+        model.length, model.reply = 5, [7, 8, 9, 2]
+        engine = PagedEngine(model, block_size=BS, compile_decode=compiled)
+        with caplog.at_level("WARNING", logger="mlx_paged.engine"):
+            tokens.append(run(engine, [[1, 3, 4, 5, 6], [1, 3, 4, 5, 6]], [4, 4]))
+        assert engine.runner.compiled is None
+    assert tokens[0] == tokens[1] == [[7, 8, 9, 2]] * 2
+    warned = [r for r in caplog.records if "cannot be compiled" in r.getMessage()]
+    assert len(warned) == 1
+
+
+def test_cold_tier_engines_decode_uncompiled():
+    engine = PagedEngine(model_of("llama"), block_size=BS, kv_bits=8, hot_tokens=16)
     assert engine.runner.compiled is None
 
 

@@ -12,18 +12,26 @@ them. A batch is padded to a row bucket with copies of its last row, which
 compute that row's K/V again and store it in the same slots, and whose logits
 are dropped: continuous batching changes the batch size from step to step.
 
-It serves attention-only models with no cold tier, outside a distributed group,
-unless turned off (``PagedEngine(compile_decode=False)``, or ``MLX_PAGED_COMPILE=off``
-for engines that do not say). It has run on CUDA (BENCHMARKS.md, run 263 on); on the
-CPU the tests check its tokens against the uncompiled step's and mlx-lm's; Metal has
-not been run. The model's weights are captured when a shape is first
-traced, as constants: an engine's model must not change under it. All layers of a
-compiled step share one buffer of split-K counters (the graph merges equal zero
-fills), which the CUDA kernel's merging split zeroes again after each launch.
+A hybrid's step is compiled while its requests hold state slots ``0 .. B-1``:
+the first ``B`` rows of the ``StatePool`` arrays are compiled state beside the
+pools, unpadded (a padding row would run on another row's state and write K/V
+that differs). A step over other slots gathers and scatters its rows uncompiled.
+
+It serves every engine without a cold tier, outside a distributed group, unless
+turned off (``PagedEngine(compile_decode=False)``, or ``MLX_PAGED_COMPILE=off`` for
+engines that do not say). A model whose forward cannot be traced (it reads arrays
+on the host, say) falls back to uncompiled steps at its first trace, with one
+warning. It has run on CUDA (BENCHMARKS.md, runs 263-274); on the CPU the tests
+check its tokens against the uncompiled step's and mlx-lm's; Metal has not been
+run. The model's weights are captured when a shape is first traced, as
+constants: an engine's model must not change under it. All layers of a compiled
+step share one buffer of split-K counters (the graph merges equal zero fills),
+which the CUDA kernel's merging split zeroes again after each launch.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections import Counter
@@ -31,9 +39,11 @@ from collections import Counter
 import mlx.core as mx
 
 from ..attention import path_counts, read_counts
-from ..cache import DecodeBatch, StepPagedKVCache
+from ..cache import DecodeBatch, StepPagedKVCache, StepStateCache
 from .request import Request
 from .runner import ModelRunner
+
+logger = logging.getLogger("mlx_paged.engine")
 
 #: ``MLX_PAGED_COMPILE`` values that turn compiled decode steps on, and off (unset: on).
 ON = ("", "1", "on", "true", "yes")
@@ -50,6 +60,8 @@ class CompiledDecode:
         self.runner = runner
         self.kinds = list(runner.pools)
         state = [a for pool in runner.pools.values() for a in (pool.keys, pool.values)]
+        if runner.states is not None:
+            state.append(runner.states.arrays)
         self._forward = mx.compile(self._trace, inputs=state, outputs=state)
         self.traces = 0  # shapes traced so far
         self.trace_seconds = 0.0  # host time the calls that traced took
@@ -60,8 +72,8 @@ class CompiledDecode:
         cls, runner: ModelRunner, group: mx.distributed.Group | None, enabled: object = None
     ) -> CompiledDecode | None:
         """A ``CompiledDecode`` for ``runner`` if ``enabled`` (``None``: unless the
-        environment sets ``MLX_PAGED_COMPILE=off``) and its steps may be compiled
-        (attention layers only, no cold tier, one process), else ``None``.
+        environment sets ``MLX_PAGED_COMPILE=off``) and its steps may be compiled (no
+        cold tier, one process), else ``None``.
 
         Raises:
             ValueError: if ``enabled`` is not a bool or ``None``, or ``MLX_PAGED_COMPILE``
@@ -78,16 +90,14 @@ class CompiledDecode:
             enabled = setting in ON
         quantized = any(pool.cold is not None for pool in runner.pools.values())
         distributed = group is not None and group.size() > 1
-        plain = runner.states is None and bool(runner.layout.counts)
-        return cls(runner) if enabled and plain and not (quantized or distributed) else None
+        return cls(runner) if enabled and not (quantized or distributed) else None
 
     def __call__(self, reqs: list[Request], tokens: mx.array) -> mx.array:
         """Lazy logits ``(B, V)`` of one step; ``tokens`` ``(B, 1)``. Advances the tables."""
-        runner = self.runner
-        if any(a is None for pool in runner.pools.values() for a in pool.keys):
-            return runner.forward_step(reqs, tokens)  # a layer not written yet
-        n = len(reqs)
-        pad = batch_bucket(n) - n
+        runner, states, n, given = self.runner, self.runner.states, len(reqs), tokens
+        if not self._ready(reqs):
+            return runner.forward_step(reqs, tokens)
+        pad = batch_bucket(n) - n if states is None else 0
         rows = reqs + reqs[-1:] * pad  # copies of the last row: the same K/V to the same slots
         batches = [
             DecodeBatch(runner.pools[k], [r.tables[k] for r in rows], k.window) for k in self.kinds
@@ -101,7 +111,21 @@ class CompiledDecode:
         counted = self._counts.get(key)
         before = [Counter(c) for c in COUNTERS] if counted is None else None
         traces, start = self.traces, time.perf_counter()
-        logits = self._forward(tokens, *arrays)
+        saved = [(held, list(held)) for held in self._state_lists()] if counted is None else []
+        try:
+            logits = self._forward(tokens, *arrays)
+        except Exception as error:
+            if counted is not None:
+                raise
+            for held, items in saved:  # the arrays the failed trace may have swapped out
+                held[:] = items
+            logger.warning(
+                "mlx_paged: this model's decode step cannot be compiled (%s); it decodes "
+                "uncompiled from now on.",
+                error,
+            )
+            runner.compiled = None
+            return runner.forward_step(reqs, given)
         if self.traces != traces:
             self.trace_seconds += time.perf_counter() - start
         if counted is None:  # what the trace's Python counted, for every replay
@@ -114,8 +138,32 @@ class CompiledDecode:
             batch.finish()
         return logits[:n] if pad else logits
 
+    def _ready(self, reqs: list[Request]) -> bool:
+        """Whether this step may replay a trace: every layer written, and for a hybrid, its
+        requests in slots ``0 .. B-1`` (the first ``B`` rows of the state arrays, or all of
+        them; a step over other slots gathers and scatters its rows uncompiled)."""
+        runner, states = self.runner, self.runner.states
+        attention = bool(runner.layout.counts)  # a model of recurrent layers alone has none
+        if attention and any(a is None for pool in runner.pools.values() for a in pool.keys):
+            return False
+        if states is None:
+            return True
+        rows = states.rows([r.slot for r in reqs])
+        written = all(a is not None for layer in states.arrays for a in layer)
+        return written and isinstance(rows, int)
+
+    def _state_lists(self) -> list[list[mx.array | None]]:
+        """The lists that hold the compiled state's arrays."""
+        runner = self.runner
+        lists = [held for pool in runner.pools.values() for held in (pool.keys, pool.values)]
+        return lists + (runner.states.arrays if runner.states is not None else [])
+
     def _pool_shapes(self) -> list[tuple[int, ...]]:
-        return [pool.keys[0].shape for pool in self.runner.pools.values()]
+        pools = self.runner.pools.values()
+        shapes = [pool.keys[0].shape for pool in pools if pool.keys[0] is not None]
+        if self.runner.states is not None:
+            shapes.append((self.runner.states.rows_held,))
+        return shapes
 
     def _trace(self, tokens: mx.array, *arrays: mx.array) -> mx.array:
         self.traces += 1
@@ -124,8 +172,17 @@ class CompiledDecode:
             k: DecodeBatch.of_arrays(runner.pools[k], list(arrays[5 * i : 5 * i + 5]))
             for i, k in enumerate(self.kinds)
         }
-        caches = runner.layout.bind(runner.pools, batches, StepPagedKVCache)
-        return runner.model(tokens, cache=caches)[:, -1, :]
+        views = []
+        if runner.states is not None:  # the first B rows of the state arrays
+            rows = tokens.shape[0]
+            views = [
+                StepStateCache(runner.states, i, rows) for i in range(runner.states.num_layers)
+            ]
+        caches = runner.layout.bind(runner.pools, batches, StepPagedKVCache, views.__getitem__)
+        logits = runner.model(tokens, cache=caches)[:, -1, :]
+        for view in views:
+            view.finish()
+        return logits
 
 
 def batch_bucket(rows: int) -> int:
