@@ -105,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="Hybrid models with --prompts-file: most recurrent-state snapshots kept "
-        "(default: 2x --max-batch-size).",
+        "(default: 2x --max-batch-size, at least 8).",
     )
     return parser
 

@@ -17,6 +17,7 @@ from tiny_models import solo as dense_solo
 
 from mlx_paged import PagedEngine
 from mlx_paged.cache import PagedLayout
+from mlx_paged.engine.engine import MIN_STATE_SNAPSHOTS
 
 BS = 8
 INTERVAL = 16  # two blocks
@@ -155,6 +156,23 @@ def test_snapshot_cap_evicts_and_keeps_tokens(family):
     engine = engine_of(family, num_state_snapshots=3)
     assert run(engine, prompts, each_step=capped) == [solo(family, tuple(p)) for p in prompts]
     assert engine.stats().state_snapshots == 3
+    assert_idle(engine)
+
+
+def test_one_stream_at_a_time_adopts_the_shared_prefix_by_default():
+    """``max_batch_size=1`` (a server at one stream): each request leaves three snapshots
+    (an interval inside the shared prefix, its last whole block, its end), so a cap of
+    ``2 * max_batch_size`` evicted the shared one before the next request came. The
+    default keeps at least ``MIN_STATE_SNAPSHOTS``."""
+    rng = random.Random(9)
+    shared = toks(rng, INTERVAL + 5)
+    engine = engine_of("qwen3_5", max_batch_size=1)
+    hits = []
+    for n in (6, 9, 4):
+        reqs, _ = run_requests(engine, [shared + toks(rng, n)])
+        hits.append(reqs[0].prefix_hit)
+    assert hits == [0, INTERVAL, INTERVAL]
+    assert engine.scheduler.recurrent.slots.num_snapshots == MIN_STATE_SNAPSHOTS
     assert_idle(engine)
 
 

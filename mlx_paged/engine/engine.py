@@ -49,6 +49,10 @@ from .timing import StepClock
 #: Tokens between recurrent-state snapshots of a long prefill (BENCHMARKS.md: snapshot
 #: interval).
 DEFAULT_SNAPSHOT_INTERVAL = 512
+#: The fewest snapshots the default keeps: a request leaves one per interval of its prefill,
+#: one at its last whole block and one at its end, so ``2 * max_batch_size`` alone, at one
+#: stream, evicted a shared prefix's snapshot before the next request came.
+MIN_STATE_SNAPSHOTS = 8
 
 
 class PagedEngine:
@@ -83,8 +87,8 @@ class PagedEngine:
             ``block_size``), so a later request sharing the prefix recomputes less than
             this many of its tokens. ``None``: the multiple of ``block_size`` nearest
             ``DEFAULT_SNAPSHOT_INTERVAL``.
-        num_state_snapshots: Most recurrent-state snapshots kept (least recently
-            used evicted first); ``None``: ``2 * max_batch_size``.
+        num_state_snapshots: Most recurrent-state snapshots kept (least recently used evicted
+            first); ``None``: ``max(MIN_STATE_SNAPSHOTS, 2 * max_batch_size)``.
         group: The ranks of a model sharded across processes (``shard_model``):
             every rank must add the same requests and aborts in the same order;
             before each step their states are compared (``Agreement``).
@@ -136,7 +140,7 @@ class PagedEngine:
         pools = make_pools(layout, block_size, num_blocks, kv_dtype, quant, cold_blocks)
         if not pools:  # recurrent layers only: blocks index tokens and hold no K/V
             pools = {LayerKind(): KVPool(1, block_size, num_blocks)}
-        snapshots = num_state_snapshots or 2 * max_batch_size
+        snapshots = num_state_snapshots or max(MIN_STATE_SNAPSHOTS, 2 * max_batch_size)
         states = StatePool(layout.entries, max_batch_size, snapshots) if layout.entries else None
         self.scheduler = Scheduler(
             pools,

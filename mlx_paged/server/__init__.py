@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--num-state-snapshots",
         type=int,
         default=None,
-        help="Hybrid models: most recurrent-state snapshots kept (default: 2x --max-batch-size).",
+        help="Hybrid models: most state snapshots kept (default: 2x --max-batch-size, at least 8).",
     )
     p.add_argument(
         "--kv-bits",
