@@ -44,35 +44,37 @@ def test_compiled_steps_give_the_tokens_of_uncompiled_ones_and_of_mlx_lm(family)
     """Requests of staggered lengths and budgets, so the batch shrinks and the block tables
     widen as they decode: every request gets mlx-lm's own tokens, with or without the
     compiled step; the compiled engine traced once per step shape it met. A hybrid's steps
-    are compiled while its requests hold slots 0 .. B-1: here until the second request
-    (slot 1) stops before the third."""
+    read its state arrays as they are while its requests hold slots 0 .. B-1 (B a row
+    bucket), and gather their slots otherwise: padded to a bucket with the last row's
+    slot, or once the second request (slot 1) stops before the third."""
     batch, budgets = prompts(1, 4), [MAX_TOKENS, 5, 9, 3]
     compiled = PagedEngine(model_of(family), block_size=BS, compile_decode=True)
     plain = PagedEngine(model_of(family), block_size=BS, compile_decode=False)
     assert compiled.runner.compiled is not None and plain.runner.compiled is None
-    shapes = record_shapes(compiled)
+    shapes, slots = record_shapes(compiled)
     got = run(compiled, batch, budgets)
     assert got == run(plain, batch, budgets)
     assert got == [dense_solo(family, tuple(p), m) for p, m in zip(batch, budgets, strict=True)]
-    steps = compiled.clock.decode_steps
-    if family in HYBRIDS:
-        assert 1 < len(shapes) < steps  # slots 0 and 2 then: gathered, uncompiled
-    else:
-        assert len(shapes) == steps  # every step went through it
+    assert len(shapes) == compiled.clock.decode_steps  # every step went through it
     assert compiled.runner.compiled.traces == len(set(shapes)) > 1
+    if family in HYBRIDS:  # slots 0-3; 0-2 padded to 4 rows; 0 and 2; 0
+        assert [s[0][0][0] for s in shapes] == [4, 4, 4, 4, 2, 2, 2, 2, 1, 1, 1]
+        assert slots == [None] * 2 + [[0, 1, 2, 2]] * 2 + [[0, 2]] * 4 + [None] * 3
 
 
 @pytest.mark.parametrize("family", HYBRIDS)
 def test_a_hybrid_whose_requests_stop_last_slot_first_compiles_every_step(family):
     """Budgets that end the requests in reverse slot order keep the running ones in slots
-    0 .. B-1, so every decode step replays a trace over the whole state arrays."""
+    0 .. B-1: every step of 4, 2 or 1 rows reads and replaces the first rows of the state
+    arrays with no gather; 3 rows pad to 4 with the last row's slot, gathered."""
     batch, budgets = prompts(2, 4), [MAX_TOKENS, 9, 5, 3]
     compiled = PagedEngine(model_of(family), block_size=BS, compile_decode=True)
-    shapes = record_shapes(compiled)
+    shapes, slots = record_shapes(compiled)
     got = run(compiled, batch, budgets)
     assert got == [dense_solo(family, tuple(p), m) for p, m in zip(batch, budgets, strict=True)]
     assert len(shapes) == compiled.clock.decode_steps
-    assert [s[0][0][0] for s in shapes] == [4, 4, 3, 3, 2, 2, 2, 2, 1, 1, 1]
+    assert [s[0][0][0] for s in shapes] == [4, 4, 4, 4, 2, 2, 2, 2, 1, 1, 1]
+    assert slots == [None] * 2 + [[0, 1, 2, 2]] * 2 + [None] * 7
 
 
 @pytest.mark.gpu
@@ -87,18 +89,21 @@ def test_compiled_steps_on_the_gpu_give_the_uncompiled_tokens(family):
     budgets = [MAX_TOKENS, 5, 9, 3, 20]
     compiled = PagedEngine(model_of(family), block_size=BS, compile_decode=True)
     plain = PagedEngine(model_of(family), block_size=BS, compile_decode=False)
-    shapes = record_shapes(compiled)
+    shapes, _ = record_shapes(compiled)
     assert run(compiled, batch, budgets) == run(plain, batch, budgets)
     assert compiled.runner.compiled.traces == len(set(shapes)) > 1
 
 
-def record_shapes(engine: PagedEngine) -> list[tuple]:
-    """Record, per compiled step, what its trace is keyed by: the shapes and dtypes of its
-    arguments and of the pool arrays."""
+def record_shapes(engine: PagedEngine) -> tuple[list[tuple], list[list[int] | None]]:
+    """Record, per compiled step, what its trace is keyed by (the shapes and dtypes of its
+    arguments and of the pool arrays), and the state slots it gathered (``None``: the first
+    rows of a hybrid's state arrays, or no state)."""
     decode, pools = engine.runner.compiled, engine.runner.pools.values()
-    forward, shapes = decode._forward, []
+    forward, shapes, slots = decode._forward, [], []
 
     def recorded(*args):
+        gathered = len(args) > 1 + 5 * len(decode.kinds)
+        slots.append(args[-1].tolist() if gathered else None)
         arrays = [a for pool in pools for a in (*pool.keys, *pool.values)]
         state = [a.shape for a in arrays if a is not None]  # mamba2 has no attention
         if engine.runner.states is not None:
@@ -107,7 +112,7 @@ def record_shapes(engine: PagedEngine) -> list[tuple]:
         return forward(*args)
 
     decode._forward = recorded
-    return shapes
+    return shapes, slots
 
 
 def test_a_steady_batch_replays_without_tracing_again():
@@ -130,7 +135,7 @@ def test_a_shrinking_batch_traces_once_per_row_bucket():
     one width bucket: sizes 7, 6, 5 pad to 8 rows, 4 and 3 to 4, then 2 and 1. The padded
     rows change nobody's tokens (the parity tests above) and advance no table."""
     engine = PagedEngine(model_of("llama"), block_size=BS, num_blocks=64, compile_decode=True)
-    shapes = record_shapes(engine)
+    shapes, _ = record_shapes(engine)
     rng = random.Random(4)
     system = [rng.randrange(VOCAB) for _ in range(12)]  # 17 tokens, 25 at the end: 3-4 blocks
     batch = [system + [rng.randrange(VOCAB) for _ in range(5)] for _ in range(7)]
@@ -202,3 +207,28 @@ def test_on_unless_turned_off_by_argument_or_environment(monkeypatch):
     monkeypatch.setenv("MLX_PAGED_COMPILE", "maybe")
     with pytest.raises(ValueError, match="MLX_PAGED_COMPILE must be one of 1, on, true, yes"):
         PagedEngine(model_of("llama"))
+
+
+def test_a_hybrids_warm_up_traces_both_slot_orders():
+    """After ``warm_up``, bursts whose requests stop first-slot-first (their slots
+    gathered) and last-slot-first (the first rows read as they are) trace nothing new."""
+    from mlx_paged.engine.warmup import warm_up
+
+    engine = PagedEngine(
+        model_of("qwen3_5"), block_size=BS, num_blocks=96, max_batch_size=4, compile_decode=True
+    )
+    warm_up(engine)
+    traces = engine.runner.compiled.traces
+    shapes, slots = record_shapes(engine)
+    rng = random.Random(6)
+    system = [rng.randrange(VOCAB) for _ in range(2 * BS)]  # as long as the warm-up's prefix
+    batch = [system + [rng.randrange(VOCAB) for _ in range(3 + i)] for i in range(4)]
+    for budgets in ([2, 3, 4, 5], [5, 4, 3, 2]):
+        got = run(engine, batch, budgets)
+        want = [dense_solo("qwen3_5", tuple(p), m) for p, m in zip(batch, budgets, strict=True)]
+        assert got == want
+    assert engine.runner.compiled.traces == traces
+    assert slots == [
+        *([None, [1, 2, 3, 3], [2, 3], [3]]),  # slots 0, 1, 2 stop in turn: gathered
+        *([None, [0, 1, 2, 2], None, None]),  # slots 3, 2, 1 stop in turn: the first rows
+    ]

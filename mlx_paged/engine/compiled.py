@@ -12,10 +12,11 @@ them. A batch is padded to a row bucket with copies of its last row, which
 compute that row's K/V again and store it in the same slots, and whose logits
 are dropped: continuous batching changes the batch size from step to step.
 
-A hybrid's step is compiled while its requests hold state slots ``0 .. B-1``:
-the first ``B`` rows of the ``StatePool`` arrays are compiled state beside the
-pools, unpadded (a padding row would run on another row's state and write K/V
-that differs). A step over other slots gathers and scatters its rows uncompiled.
+A hybrid's ``StatePool`` arrays are compiled state beside the pools. While its
+requests hold slots ``0 .. B-1`` and ``B`` is a row bucket, the step reads and
+replaces the first ``B`` rows as they are (no gather). Otherwise the requests'
+slots are one more input, padded like the batch with the last row's slot: a
+padding row reads that row's state and writes back the same state and K/V.
 
 It serves every engine without a cold tier, outside a distributed group, unless
 turned off (``PagedEngine(compile_decode=False)``, or ``MLX_PAGED_COMPILE=off`` for
@@ -95,14 +96,19 @@ class CompiledDecode:
     def __call__(self, reqs: list[Request], tokens: mx.array) -> mx.array:
         """Lazy logits ``(B, V)`` of one step; ``tokens`` ``(B, 1)``. Advances the tables."""
         runner, states, n, given = self.runner, self.runner.states, len(reqs), tokens
-        if not self._ready(reqs):
+        if not self._written():
             return runner.forward_step(reqs, tokens)
-        pad = batch_bucket(n) - n if states is None else 0
+        pad = batch_bucket(n) - n
         rows = reqs + reqs[-1:] * pad  # copies of the last row: the same K/V to the same slots
         batches = [
             DecodeBatch(runner.pools[k], [r.tables[k] for r in rows], k.window) for k in self.kinds
         ]
         arrays = [a for b in batches for a in b.arrays(width_bucket(b.block_tables.shape[1]))]
+        if states is not None:
+            states.flush()  # a trace must not take the pending slots' writes in
+            slots = [r.slot for r in rows]
+            if pad or not isinstance(states.rows(slots), int):  # gathered and scattered
+                arrays.append(mx.array(slots, dtype=mx.int32))
         if tokens.dtype != mx.int32:  # one trace for host and sampled ids
             tokens = tokens.astype(mx.int32)
         if pad:
@@ -138,19 +144,13 @@ class CompiledDecode:
             batch.finish()
         return logits[:n] if pad else logits
 
-    def _ready(self, reqs: list[Request]) -> bool:
-        """Whether this step may replay a trace: every layer written, and for a hybrid, its
-        requests in slots ``0 .. B-1`` (the first ``B`` rows of the state arrays, or all of
-        them; a step over other slots gathers and scatters its rows uncompiled)."""
+    def _written(self) -> bool:
+        """Whether every layer's arrays exist, so that a trace may take them as state (a
+        model of recurrent layers alone has no attention layer)."""
         runner, states = self.runner, self.runner.states
-        attention = bool(runner.layout.counts)  # a model of recurrent layers alone has none
-        if attention and any(a is None for pool in runner.pools.values() for a in pool.keys):
+        if runner.layout.counts and any(a is None for p in runner.pools.values() for a in p.keys):
             return False
-        if states is None:
-            return True
-        rows = states.rows([r.slot for r in reqs])
-        written = all(a is not None for layer in states.arrays for a in layer)
-        return written and isinstance(rows, int)
+        return states is None or all(a is not None for layer in states.arrays for a in layer)
 
     def _state_lists(self) -> list[list[mx.array | None]]:
         """The lists that hold the compiled state's arrays."""
@@ -173,8 +173,8 @@ class CompiledDecode:
             for i, k in enumerate(self.kinds)
         }
         views = []
-        if runner.states is not None:  # the first B rows of the state arrays
-            rows = tokens.shape[0]
+        if runner.states is not None:  # the requests' slots, or the first B rows
+            rows = arrays[-1] if len(arrays) > 5 * len(self.kinds) else tokens.shape[0]
             views = [
                 StepStateCache(runner.states, i, rows) for i in range(runner.states.num_layers)
             ]

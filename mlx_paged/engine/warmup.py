@@ -7,12 +7,14 @@ kernels' builds and self-checks, and the traces of their launch shapes.
 prompt (one prefills the prefix alone, the rest adopt it and prefill their
 suffixes of a few lengths in padded batches, as a real burst's are, then all
 decode). By default one burst of ``max_batch_size`` requests asks for
-staggered numbers of tokens, so its decode batch shrinks
-through every size from ``max_batch_size`` to 1: a server's traffic meets every
-one of them. Then it rehearses the disk tier's spill and load on one of their
-blocks (no file is written) and zeroes the counters and the step clock. The
-made-up blocks stay parked in the prefix index, evicted first when the pool
-needs room.
+staggered numbers of tokens, so its decode batch shrinks through every size
+from ``max_batch_size`` to 1: a server's traffic meets every one of them. Its
+first requests stop first, so a hybrid model's compiled steps gather their state
+slots; a hybrid's second burst stops its last requests first, so that they meet
+the steps over slots ``0 .. B-1`` too (``engine/compiled.py``). Then it
+rehearses the disk tier's spill and load on one of their blocks (no file is
+written) and zeroes the counters and the step clock. The made-up blocks stay
+parked in the prefix index, evicted first when the pool needs room.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ def warm_up(
         ValueError: for a batch size that is not a positive int up to ``max_batch_size``.
     """
     most = engine.scheduler.max_batch_size
-    sizes = [most] if batch_sizes is None else list(batch_sizes)
+    hybrid = engine.runner.states is not None
+    sizes = [most] * (1 + hybrid) if batch_sizes is None else list(batch_sizes)
     for b in sizes:
         if isinstance(b, bool) or not isinstance(b, int) or not 0 < b <= most:
             raise ValueError(f"warm-up batch sizes must be ints in 1..{most}, got {b!r}.")
@@ -50,10 +53,12 @@ def warm_up(
         for i in range(b):
             # Suffixes of four lengths: the batched prefill pads rows, as a real burst's does.
             suffix = [(7 * i + 11 * j + round_) % vocab for j in range(bs // 2 + 1 + i % 4)]
-            # Request i decodes i + 1 steps (its first token comes from its prefill), so
-            # decode step k runs the b - k + 1 requests still going: every size once.
+            # Request i decodes i + 1 steps (its first token comes from its prefill), or
+            # b - i in a hybrid's second round, so decode step k runs the b - k + 1
+            # requests still going: every size once.
+            steps = b - i - 1 if hybrid and round_ else i
             picks = sampler if i % 2 else None
-            engine.add_request(prefix + suffix, i + 2 if batch_sizes is None else 3, picks)
+            engine.add_request(prefix + suffix, steps + 2 if batch_sizes is None else 3, picks)
         for _ in engine.stream():
             pass
     if engine.disk is not None:

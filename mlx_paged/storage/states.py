@@ -57,14 +57,14 @@ class StatePool(StateSlots):
         if slots != list(range(b)):
             return mx.array(slots, dtype=mx.int32)
         if b < self.rows_held and self.num_slots - len(self._free_slots) == b:
-            self._flush()
+            self.flush()
             self._resize(b)
         return b
 
     def read(self, layer: int, rows: mx.array | int) -> list[mx.array | None]:
         """``(B, *entry_shape)`` state of one layer for ``rows`` (``None`` for an entry
         nothing has written yet: every sequence still starts from zeros)."""
-        self._flush()
+        self.flush()
         if isinstance(rows, int):
             whole = rows == self.rows_held
             return [a if a is None or whole else a[:rows] for a in self.arrays[layer]]
@@ -74,7 +74,7 @@ class StatePool(StateSlots):
         """Store ``(B, *entry_shape)`` new state of one layer in ``rows``. A write of every
         row keeps ``entries``' arrays as the pool's, which later writes update in place:
         pass arrays nothing else reads."""
-        self._flush()
+        self.flush()
         held = self.arrays[layer]
         if len(entries) != len(held):
             raise ValueError(f"layer {layer} has {len(held)} state entries, got {len(entries)}.")
@@ -91,7 +91,7 @@ class StatePool(StateSlots):
 
     def evaluated(self) -> list[mx.array]:
         """Every allocated state array (to evaluate with a forward's writes)."""
-        self._flush()
+        self.flush()
         return [a for layer in self.arrays for a in layer if a is not None]
 
     def check_invariants(self, slots: Iterable[int], snapshots: Iterable[int]) -> None:
@@ -112,7 +112,7 @@ class StatePool(StateSlots):
     def _copy_in(self, snapshot: int, slot: int) -> None:
         self._pending[slot] = self._snapshots[snapshot]  # held here even if the id goes
 
-    def _flush(self) -> None:
+    def flush(self) -> None:
         """Write the pending slots' starting states: one scatter per state entry for all of
         them (a burst of requests adopting snapshots takes many slots in one step)."""
         if not self._pending:
@@ -131,7 +131,7 @@ class StatePool(StateSlots):
                 a[at] = mx.concatenate([zero if x is None else x for x in saved])
 
     def _copy_out(self, slot: int, snapshot: int) -> None:
-        self._flush()
+        self.flush()
         # A gather makes a copy (a slice could share the pool's buffer and stop it
         # being updated in place); evaluate it now so it holds no graph.
         at = mx.array([slot], dtype=mx.int32)
