@@ -9,7 +9,7 @@ from collections import Counter
 import mlx.core as mx
 import pytest
 from scripted import Scripted
-from tiny_models import VOCAB, model_of
+from tiny_models import VOCAB, model_of, tiny_model
 from tiny_models import solo as dense_solo
 
 from mlx_paged import PagedEngine
@@ -96,20 +96,23 @@ def test_compiled_steps_on_the_gpu_give_the_uncompiled_tokens(family):
 
 def record_shapes(engine: PagedEngine) -> tuple[list[tuple], list[list[int] | None]]:
     """Record, per compiled step, what its trace is keyed by (the shapes and dtypes of its
-    arguments and of the pool arrays), and the state slots it gathered (``None``: the first
-    rows of a hybrid's state arrays, or no state)."""
+    arguments and of the pool arrays, then whether each layer group's tables hold cold
+    blocks), and the state slots it gathered (``None``: the first rows of a hybrid's state
+    arrays, or no state)."""
     decode, pools = engine.runner.compiled, engine.runner.pools.values()
     forward, shapes, slots = decode._forward, [], []
 
-    def recorded(*args):
+    def recorded(cold, *args):
         gathered = len(args) > 1 + 5 * len(decode.kinds)
         slots.append(args[-1].tolist() if gathered else None)
         arrays = [a for pool in pools for a in (*pool.keys, *pool.values)]
         state = [a.shape for a in arrays if a is not None]  # mamba2 has no attention
         if engine.runner.states is not None:
             state += [a.shape for layer in engine.runner.states.arrays for a in layer]
-        shapes.append((*[(a.shape, a.dtype) for a in args], *state))
-        return forward(*args)
+        colds = [p.cold for p in pools if p.cold is not None]  # a cold tier grows too
+        state += [a.shape for c in colds for parts in c.keys if parts for a in parts]
+        shapes.append((*[(a.shape, a.dtype) for a in args], *state, cold))
+        return forward(cold, *args)
 
     decode._forward = recorded
     return shapes, slots
@@ -187,9 +190,30 @@ def test_a_forward_that_cannot_be_traced_decodes_uncompiled(caplog):
     assert len(warned) == 1
 
 
-def test_cold_tier_engines_decode_uncompiled():
-    engine = PagedEngine(model_of("llama"), block_size=BS, kv_bits=8, hot_tokens=16)
-    assert engine.runner.compiled is None
+@pytest.mark.parametrize("bits", [4, 8])
+def test_compiled_steps_over_the_cold_tier_give_the_uncompiled_tokens(bits):
+    """Blocks behind a 16-token hot tail move to the cold tier as the requests decode: the
+    steps whose tables hold cold blocks trace apart from the others and read both tiers
+    (on the CPU through a plan made from the padded tables, against the host's plan of the
+    uncompiled step), with the tokens of the uncompiled engine."""
+    rng = random.Random(3)  # 64 tokens move to the cold tier together: 80 tokens or more
+    batch = [[rng.randrange(VOCAB) for _ in range(60 + 8 * i)] for i in range(4)]
+    budgets = [2 * MAX_TOKENS, 5, 9, MAX_TOKENS]
+    model = tiny_model("llama", head_dim=32)  # quantized in groups of 32
+    engines = [
+        PagedEngine(
+            model, block_size=BS, kv_bits=bits, kv_group_size=32, hot_tokens=16, compile_decode=c
+        )
+        for c in (True, False)
+    ]
+    shapes, _ = record_shapes(engines[0])
+    got = run(engines[0], batch, budgets)
+    assert got == run(engines[1], batch, budgets)
+    assert [len(t) for t in got] == budgets
+    assert engines[0].stats().migrations == engines[1].stats().migrations > 0
+    assert len(shapes) == engines[0].clock.decode_steps
+    assert {s[-1] for s in shapes} == {(False,), (True,)}
+    assert engines[0].runner.compiled.traces == len(set(shapes))
 
 
 def test_on_unless_turned_off_by_argument_or_environment(monkeypatch):

@@ -105,16 +105,18 @@ class DecodeBatch:
         return [tables, self.starts, self.offset, self.write_ids, self.write_slots]
 
     @classmethod
-    def of_arrays(cls, pool: KVPool, arrays: list[mx.array]) -> DecodeBatch:
+    def of_arrays(cls, pool: KVPool, arrays: list[mx.array], has_cold: bool = False) -> DecodeBatch:
         """A decode step of ``arrays()``, made of arrays alone (inside ``mx.compile``: the
         step's Python runs once per shape); its tables are padded, which the kernels and
-        the masks ignore. It has no tables to ``finish`` and no cold blocks."""
+        the masks ignore. It has no tables to ``finish``. With ``has_cold``, its tables
+        may name cold blocks, which a gather reads through a plan made from the tables."""
         tables, starts, offset, write_ids, write_slots = arrays
         self = cls.__new__(cls)
         self.block_size, self._pool = pool.block_size, pool
         self.tables, self.n_new, self._rows = [None] * offset.shape[0], 1, []
         self.block_tables = self._view_tables = tables
-        self.has_cold, self._plan = False, None
+        self.has_cold = has_cold
+        self._plan = TierPlan.of_ids(tables, pool.block_size) if has_cold else None
         self.starts, self.offset = starts, offset
         self.new_tokens = [1] * offset.shape[0]
         self.counts = mx.ones_like(offset)

@@ -18,7 +18,13 @@ replaces the first ``B`` rows as they are (no gather). Otherwise the requests'
 slots are one more input, padded like the batch with the last row's slot: a
 padding row reads that row's state and writes back the same state and K/V.
 
-It serves every engine without a cold tier, outside a distributed group, unless
+A step whose tables hold cold blocks traces apart from one whose tables do not
+(``has_cold`` per layer group is part of the trace's key), with the cold tier's
+arrays as read-only compiled state: a fused kernel reads both tiers, and the
+portable path reads them through a ``TierPlan`` made on the device from the
+padded tables.
+
+It serves every engine outside a distributed group, unless
 turned off (``PagedEngine(compile_decode=False)``, or ``MLX_PAGED_COMPILE=off`` for
 engines that do not say). A model whose forward cannot be traced (it reads arrays
 on the host, say) falls back to uncompiled steps at its first trace, with one
@@ -63,7 +69,9 @@ class CompiledDecode:
         state = [a for pool in runner.pools.values() for a in (pool.keys, pool.values)]
         if runner.states is not None:
             state.append(runner.states.arrays)
-        self._forward = mx.compile(self._trace, inputs=state, outputs=state)
+        colds = [p.cold for p in runner.pools.values() if p.cold is not None]
+        self._colds = [held for cold in colds for held in (cold.keys, cold.values)]
+        self._forward = mx.compile(self._trace, inputs=state + self._colds, outputs=state)
         self.traces = 0  # shapes traced so far
         self.trace_seconds = 0.0  # host time the calls that traced took
         self._counts: dict[tuple, list[Counter[str]]] = {}  # per step shape: its path counts
@@ -73,8 +81,8 @@ class CompiledDecode:
         cls, runner: ModelRunner, group: mx.distributed.Group | None, enabled: object = None
     ) -> CompiledDecode | None:
         """A ``CompiledDecode`` for ``runner`` if ``enabled`` (``None``: unless the
-        environment sets ``MLX_PAGED_COMPILE=off``) and its steps may be compiled (no
-        cold tier, one process), else ``None``.
+        environment sets ``MLX_PAGED_COMPILE=off``) and its steps may be compiled (one
+        process), else ``None``.
 
         Raises:
             ValueError: if ``enabled`` is not a bool or ``None``, or ``MLX_PAGED_COMPILE``
@@ -89,9 +97,8 @@ class CompiledDecode:
                     f"MLX_PAGED_COMPILE must be one of {', '.join(ON[1:] + OFF)}, got {setting!r}."
                 )
             enabled = setting in ON
-        quantized = any(pool.cold is not None for pool in runner.pools.values())
         distributed = group is not None and group.size() > 1
-        return cls(runner) if enabled and not (quantized or distributed) else None
+        return cls(runner) if enabled and not distributed else None
 
     def __call__(self, reqs: list[Request], tokens: mx.array) -> mx.array:
         """Lazy logits ``(B, V)`` of one step; ``tokens`` ``(B, 1)``. Advances the tables."""
@@ -113,13 +120,14 @@ class CompiledDecode:
             tokens = tokens.astype(mx.int32)
         if pad:
             tokens = mx.pad(tokens, [(0, pad), (0, 0)], mode="edge")
-        key = (tokens.shape, *(a.shape for a in arrays), *self._pool_shapes())
+        cold = tuple(b.has_cold for b in batches)
+        key = (cold, tokens.shape, *(a.shape for a in arrays), *self._pool_shapes())
         counted = self._counts.get(key)
         before = [Counter(c) for c in COUNTERS] if counted is None else None
         traces, start = self.traces, time.perf_counter()
         saved = [(held, list(held)) for held in self._state_lists()] if counted is None else []
         try:
-            logits = self._forward(tokens, *arrays)
+            logits = self._forward(cold, tokens, *arrays)
         except Exception as error:
             if counted is not None:
                 raise
@@ -156,20 +164,21 @@ class CompiledDecode:
         """The lists that hold the compiled state's arrays."""
         runner = self.runner
         lists = [held for pool in runner.pools.values() for held in (pool.keys, pool.values)]
-        return lists + (runner.states.arrays if runner.states is not None else [])
+        return lists + (runner.states.arrays if runner.states is not None else []) + self._colds
 
     def _pool_shapes(self) -> list[tuple[int, ...]]:
         pools = self.runner.pools.values()
         shapes = [pool.keys[0].shape for pool in pools if pool.keys[0] is not None]
+        shapes += [parts[0].shape for held in self._colds for parts in held[:1] if parts]
         if self.runner.states is not None:
             shapes.append((self.runner.states.rows_held,))
         return shapes
 
-    def _trace(self, tokens: mx.array, *arrays: mx.array) -> mx.array:
+    def _trace(self, cold: tuple[bool, ...], tokens: mx.array, *arrays: mx.array) -> mx.array:
         self.traces += 1
         runner = self.runner
         batches = {
-            k: DecodeBatch.of_arrays(runner.pools[k], list(arrays[5 * i : 5 * i + 5]))
+            k: DecodeBatch.of_arrays(runner.pools[k], list(arrays[5 * i : 5 * i + 5]), cold[i])
             for i, k in enumerate(self.kinds)
         }
         views = []

@@ -98,6 +98,19 @@ class TierPlan:
             picks = mx.array(cold, dtype=mx.bool_)[:, None, :, None]  # (B, 1, C, 1)
             self.mask = mx.repeat(picks, block_size, axis=2)
 
+    @classmethod
+    def of_ids(cls, ids: mx.array, block_size: int) -> TierPlan:
+        """The plan of ``(B, width)`` block ids on the device, every column picked by the
+        mask (no host rows: a compiled step's tables are arrays)."""
+        self = cls.__new__(cls)
+        cold = ids >= COLD
+        self.cold_ids = mx.where(cold, ids - COLD, 0)
+        hot = mx.where(cold, 0, ids)
+        slots = hot[:, :, None] * block_size + mx.arange(block_size, dtype=hot.dtype)
+        self.hot_slots = slots.reshape(ids.shape[0], -1)
+        self.mask = mx.repeat(cold[:, None, :, None], block_size, axis=2)
+        return self
+
 
 def read_tiered(
     keys: mx.array,
