@@ -47,9 +47,12 @@ def ranks(tmp_path_factory) -> list[dict]:
 
 @pytest.mark.parametrize("family", FAMILIES + STAGED)
 def test_sharded_engine_gives_one_process_tokens_on_every_rank(ranks, family):
+    """Every decode step compiled (on by default), on both ranks, as in one process."""
     alone = ranks[0][family]["alone"]
     for rank in ranks:
-        assert rank[family]["sharded"]["tokens"] == alone["tokens"]
+        sharded = rank[family]["sharded"]
+        assert sharded["tokens"] == alone["tokens"]
+        assert sharded["compiled_steps"] == sharded["decode_steps"] == alone["decode_steps"] > 0
 
 
 @pytest.mark.parametrize("family", FAMILIES + STAGED)

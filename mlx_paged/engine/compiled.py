@@ -24,12 +24,14 @@ arrays as read-only compiled state: a fused kernel reads both tiers, and the
 portable path reads them through a ``TierPlan`` made on the device from the
 padded tables.
 
-It serves every engine outside a distributed group, unless
-turned off (``PagedEngine(compile_decode=False)``, or ``MLX_PAGED_COMPILE=off`` for
-engines that do not say). A model whose forward cannot be traced (it reads arrays
-on the host, say) falls back to uncompiled steps at its first trace, with one
-warning. It has run on CUDA (BENCHMARKS.md, runs 263-274); on the CPU the tests
-check its tokens against the uncompiled step's and mlx-lm's; Metal has not been
+It serves every engine, sharded ones included (each rank traces the same shapes
+at the same steps, the collectives inside the trace), unless turned off
+(``PagedEngine(compile_decode=False)``, or ``MLX_PAGED_COMPILE=off`` for engines
+that do not say). A model whose forward cannot be traced (it reads arrays on the
+host, say) falls back to uncompiled steps at its first trace, with one warning.
+It has run on CUDA (BENCHMARKS.md, runs 263-281; NCCL in run 280); on the CPU the
+tests check its tokens against the uncompiled step's and mlx-lm's, and a sharded
+engine's over ``mlx.launch``'s ring against one process's; Metal has not been
 run. The model's weights are captured when a shape is first traced, as
 constants: an engine's model must not change under it. All layers of a compiled
 step share one buffer of split-K counters (the graph merges equal zero fills),
@@ -73,16 +75,14 @@ class CompiledDecode:
         self._colds = [held for cold in colds for held in (cold.keys, cold.values)]
         self._forward = mx.compile(self._trace, inputs=state + self._colds, outputs=state)
         self.traces = 0  # shapes traced so far
+        self.steps = 0  # steps that went through a trace (traced or replayed)
         self.trace_seconds = 0.0  # host time the calls that traced took
         self._counts: dict[tuple, list[Counter[str]]] = {}  # per step shape: its path counts
 
     @classmethod
-    def of(
-        cls, runner: ModelRunner, group: mx.distributed.Group | None, enabled: object = None
-    ) -> CompiledDecode | None:
+    def of(cls, runner: ModelRunner, enabled: object = None) -> CompiledDecode | None:
         """A ``CompiledDecode`` for ``runner`` if ``enabled`` (``None``: unless the
-        environment sets ``MLX_PAGED_COMPILE=off``) and its steps may be compiled (one
-        process), else ``None``.
+        environment sets ``MLX_PAGED_COMPILE=off``), else ``None``.
 
         Raises:
             ValueError: if ``enabled`` is not a bool or ``None``, or ``MLX_PAGED_COMPILE``
@@ -97,8 +97,7 @@ class CompiledDecode:
                     f"MLX_PAGED_COMPILE must be one of {', '.join(ON[1:] + OFF)}, got {setting!r}."
                 )
             enabled = setting in ON
-        distributed = group is not None and group.size() > 1
-        return cls(runner) if enabled and not distributed else None
+        return cls(runner) if enabled else None
 
     def __call__(self, reqs: list[Request], tokens: mx.array) -> mx.array:
         """Lazy logits ``(B, V)`` of one step; ``tokens`` ``(B, 1)``. Advances the tables."""
@@ -140,6 +139,7 @@ class CompiledDecode:
             )
             runner.compiled = None
             return runner.forward_step(reqs, given)
+        self.steps += 1
         if self.traces != traces:
             self.trace_seconds += time.perf_counter() - start
         if counted is None:  # what the trace's Python counted, for every replay

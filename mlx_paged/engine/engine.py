@@ -153,7 +153,7 @@ class PagedEngine:
             layout.padded_states,
         )
         self.runner = ModelRunner(model, layout, pools, states)
-        self.runner.compiled = CompiledDecode.of(self.runner, group, compile_decode)
+        self.runner.compiled = CompiledDecode.of(self.runner, compile_decode)
         disk = (kv_disk_dir, kv_disk_bytes, model, pools, self.scheduler, group)
         self.disk = DiskTier.open(*disk) if kv_disk_dir is not None else None  # a disk tier
         self.agreement = Agreement(group) if group is not None and group.size() > 1 else None

@@ -47,6 +47,8 @@ def run(engine: PagedEngine) -> dict:
         "prefix_hit_tokens": stats.prefix_hit_tokens,
         "bytes": stats.bytes,
         "total_blocks": stats.total_blocks,
+        "decode_steps": engine.clock.decode_steps,
+        "compiled_steps": engine.runner.compiled.steps if engine.runner.compiled else 0,
     }
 
 
