@@ -114,7 +114,8 @@ class StatePool(StateSlots):
 
     def flush(self) -> None:
         """Write the pending slots' starting states: one scatter per state entry for all of
-        them (a burst of requests adopting snapshots takes many slots in one step)."""
+        them (a burst of requests adopting snapshots takes many slots in one step). Reads
+        and writes flush first; so does a compiled step, before it may trace."""
         if not self._pending:
             return
         pending, self._pending = self._pending, {}
