@@ -205,8 +205,11 @@ def breakdown(before: dict[str, float], after: dict[str, float]) -> str:
     ttft = 1000 * delta("mlx_paged_time_to_first_token_seconds_sum") / n
     prompt = max(1.0, delta("mlx_paged_prompt_tokens_total"))
     cached = 100 * delta("mlx_paged_prefix_cache_hit_tokens_total") / prompt
+    compiled = delta("mlx_paged_decode_steps_compiled_total")
+    traced = delta("mlx_paged_decode_traces_total")
     return (
-        f"    per decode step ({steps:.0f}), ms: {step}\n"
+        f"    per decode step ({steps:.0f}; {compiled:.0f} compiled, {traced:.0f} new traces), "
+        f"ms: {step}\n"
         f"    first token, mean ms: {first} (server TTFT {ttft:.1f}); "
         f"{cached:.1f} % of prompt tokens cached; kernel launch shapes "
         f"{after.get('mlx_paged_kernel_launch_shapes', 0):.0f}"

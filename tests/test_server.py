@@ -917,6 +917,11 @@ def test_kv_bits_quantizes_old_blocks_and_reports_them(tmp_path):
         # Parked in the prefix index when the request ended, still quantized.
         assert m["mlx_paged_kv_blocks_cold"] == 5 and m["mlx_paged_kv_cold_bytes"] > 0
         assert m["mlx_paged_kv_blocks_active"] == 0
+        # Its 7 decode steps, over cold blocks, ran compiled: one shape, traced once.
+        steps = m["mlx_paged_decode_steps_total"]
+        assert m["mlx_paged_decode_steps_compiled_total"] == steps == 7
+        assert m["mlx_paged_decode_traces_total"] == 1
+        assert m["mlx_paged_decode_trace_seconds_total"] > 0
     finally:
         s.stop()
 
@@ -933,6 +938,8 @@ def test_warm_up_runs_before_ready_and_leaves_no_counts(tmp_path):
         assert m["mlx_paged_prompt_tokens_total"] == 0
         assert m["mlx_paged_generation_tokens_total"] == 0
         assert m["mlx_paged_kv_blocks_cached"] > 0  # the made-up burst's blocks, parked
+        assert m["mlx_paged_decode_steps_total"] == m["mlx_paged_decode_steps_compiled_total"] == 0
+        assert m["mlx_paged_decode_traces_total"] >= 2  # the burst's batch sizes, 2 and 1
         assert "mlx_paged: warming up at batch sizes up to 2" in s.log_tail()
         assert "mlx_paged: warmed up in" in s.log_tail()
         out = s.client().completions.create(model=MODEL, prompt=STORY, max_tokens=4, temperature=0)

@@ -42,6 +42,7 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> FastAPI:
         lambda: worker.queued,
         lambda: getattr(worker.engine, "clock", None),
         lambda: getattr(worker.engine, "disk", None),
+        lambda: getattr(getattr(worker.engine, "runner", None), "compiled", None),
     )
     app.state.accepting = True
 

@@ -34,8 +34,10 @@ class EngineCollector:
         queued: Callable[[], int],
         clock: Callable[[], StepClock | None] = lambda: None,
         disk: Callable[[], Any] = lambda: None,
+        compiled: Callable[[], Any] = lambda: None,
     ):
         self._stats, self._queued, self._clock, self._disk = stats, queued, clock, disk
+        self._compiled = compiled
 
     def collect(self) -> Iterator[Metric]:
         s = self._stats()
@@ -115,6 +117,14 @@ class EngineCollector:
             yield phases
             doc = "Decode steps run."
             yield CounterMetricFamily("mlx_paged_decode_steps", doc, value=clock.decode_steps)
+        compiled = self._compiled()  # the engine's CompiledDecode, None when it is off
+        for name, doc, field in (
+            ("decode_steps_compiled", "Decode steps run as a compiled graph.", "steps"),
+            ("decode_traces", "Decode step shapes traced by mx.compile.", "traces"),
+            ("decode_trace_seconds", "Host seconds of the steps that traced.", "trace_seconds"),
+        ):
+            value = getattr(compiled, field, 0)
+            yield CounterMetricFamily(f"mlx_paged_{name}", doc, value=value)
 
 
 class FirstTokenTimes:
@@ -152,10 +162,11 @@ def metrics_registry(
     queued: Callable[[], int],
     clock: Callable[[], StepClock | None] = lambda: None,
     disk: Callable[[], Any] = lambda: None,
+    compiled: Callable[[], Any] = lambda: None,
 ) -> tuple[CollectorRegistry, FirstTokenTimes]:
     """A registry holding only the server's metrics, and its first-token histograms."""
     registry = CollectorRegistry(auto_describe=True)
-    registry.register(EngineCollector(stats, queued, clock, disk))
+    registry.register(EngineCollector(stats, queued, clock, disk, compiled))
     return registry, FirstTokenTimes(registry)
 
 
