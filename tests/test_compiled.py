@@ -256,3 +256,27 @@ def test_a_hybrids_warm_up_traces_both_slot_orders():
         *([None, [1, 2, 3, 3], [2, 3], [3]]),  # slots 0, 1, 2 stop in turn: gathered
         *([None, [0, 1, 2, 2], None, None]),  # slots 3, 2, 1 stop in turn: the first rows
     ]
+
+
+def test_a_hybrids_state_rows_grow_by_bucket_as_requests_arrive():
+    """Requests arriving one a step take slots 0, 1, 2, ...: the state arrays hold 1, 2, 4,
+    then 8 rows, so the compiled steps over them meet one array shape per bucket, not one
+    per request count; the tokens are mlx-lm's."""
+    engine = PagedEngine(
+        model_of("qwen3_5"), block_size=BS, num_blocks=96, max_batch_size=8, compile_decode=True
+    )
+    shapes, _ = record_shapes(engine)
+    rng = random.Random(8)
+    batch = [[rng.randrange(VOCAB) for _ in range(5 + i)] for i in range(6)]
+    uids, held, events = [], [], []
+    for prompt in batch:
+        uids.append(engine.add_request(prompt, MAX_TOKENS))
+        events += engine.step()
+        held.append(engine.runner.states.rows_held)
+    assert held == [1, 2, 4, 4, 8, 8]
+    events += engine.stream()
+    rows = {s[-2][0] for s in shapes}  # the last state entry's rows, per compiled step
+    assert rows <= {1, 2, 4, 8} and len(shapes) == engine.clock.decode_steps
+    for prompt, uid in zip(batch, uids, strict=True):
+        got = [e.token for e in events if e.uid == uid]
+        assert got == dense_solo("qwen3_5", tuple(prompt), MAX_TOKENS)

@@ -49,6 +49,7 @@ import mlx.core as mx
 
 from ..attention import path_counts, read_counts
 from ..cache import DecodeBatch, StepPagedKVCache, StepStateCache
+from ..storage import batch_bucket
 from .request import Request
 from .runner import ModelRunner
 
@@ -192,15 +193,6 @@ class CompiledDecode:
         for view in views:
             view.finish()
         return logits
-
-
-def batch_bucket(rows: int) -> int:
-    """Rows a compiled step pads a batch of ``rows`` to: the next power of two up to 8,
-    then the next multiple of 8. A batch that grows and shrinks by a request at a time
-    meets one trace per bucket instead of one per size."""
-    if rows <= 8:
-        return 1 << max(0, rows - 1).bit_length()
-    return -(-rows // 8) * 8
 
 
 def width_bucket(width: int) -> int:

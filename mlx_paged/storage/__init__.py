@@ -4,7 +4,7 @@ from .cold import ColdStore, TierPlan
 from .kv_pool import KVPool, Reader
 from .quant import KVQuant, check_kv_dtype, check_kv_quant
 from .read import take_blocks, take_slots
-from .states import StatePool
+from .states import StatePool, batch_bucket
 from .transfer import copy_table
 
 __all__ = [
@@ -13,6 +13,7 @@ __all__ = [
     "KVQuant",
     "Reader",
     "StatePool",
+    "batch_bucket",
     "TierPlan",
     "check_kv_dtype",
     "check_kv_quant",

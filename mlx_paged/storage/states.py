@@ -5,10 +5,13 @@
 ``[rows_held, *entry_shape]``, created at the entry's first write. A batched
 forward gathers the rows of its requests' slots and scatters the new state back,
 so requests join and leave without any state moving. A step whose requests are
-slots ``0 .. B-1`` in order, with no other slot taken, reads and replaces the
-arrays themselves: they shrink to ``B`` rows for it, and grow again when a
-higher slot is taken. A snapshot is a copy of one slot's rows in every layer.
-Bookkeeping (ids, LRU) is ``StateSlots``'.
+slots ``0 .. B-1`` in order reads and writes the first ``B`` rows as a slice, or,
+when ``B`` rows are all the arrays hold, replaces the arrays themselves. The rows
+held follow ``batch_bucket`` (1, 2, 4, 8, then multiples of 8, up to the slots):
+they grow when a higher slot is taken and shrink when every slot taken lies in a
+smaller bucket, so a compiled step (``engine/compiled.py``) meets a few array
+shapes, not one per request count. A snapshot is a copy of one slot's rows in
+every layer. Bookkeeping (ids, LRU) is ``StateSlots``'.
 """
 
 from __future__ import annotations
@@ -21,6 +24,15 @@ from ..blocks import StateSlots
 
 #: One sequence's state: per recurrent layer, per entry, ``(1, *entry_shape)`` or ``None``.
 State = list[list[mx.array | None]]
+
+
+def batch_bucket(rows: int) -> int:
+    """The next power of two up to 8, then the next multiple of 8: the rows a compiled
+    decode step pads a batch to, and the rows the state arrays hold. A count that grows and
+    shrinks by one at a time meets one array shape per bucket instead of one per count."""
+    if rows <= 8:
+        return 1 << max(0, rows - 1).bit_length()
+    return -(-rows // 8) * 8
 
 
 class StatePool(StateSlots):
@@ -51,14 +63,16 @@ class StatePool(StateSlots):
     def rows(self, slots: list[int]) -> mx.array | int:
         """How a step addresses its requests' slots: ``B`` when they are slots ``0 .. B-1``
         in order (read as a slice and written without a scatter; when no other slot is
-        taken, the arrays shrink to ``B`` rows and are read and replaced whole), else a
-        ``(B,)`` int32 index array (a gather and a scatter per entry)."""
+        taken, the arrays shrink to ``B``'s bucket, and are read and replaced whole when
+        that is ``B``), else a ``(B,)`` int32 index array (a gather and a scatter per
+        entry)."""
         b = len(slots)
         if slots != list(range(b)):
             return mx.array(slots, dtype=mx.int32)
-        if b < self.rows_held and self.num_slots - len(self._free_slots) == b:
+        held = self._bucket(b)
+        if held < self.rows_held and self.num_slots - len(self._free_slots) == b:
             self.flush()
-            self._resize(b)
+            self._resize(held)
         return b
 
     def read(self, layer: int, rows: mx.array | int) -> list[mx.array | None]:
@@ -119,7 +133,7 @@ class StatePool(StateSlots):
         if not self._pending:
             return
         pending, self._pending = self._pending, {}
-        self._resize(max(self.rows_held, max(pending) + 1))
+        self._resize(max(self.rows_held, self._bucket(max(pending) + 1)))
         at = mx.array(list(pending), dtype=mx.int32)
         for layer, held in enumerate(self.arrays):
             for e, a in enumerate(held):
@@ -164,6 +178,10 @@ class StatePool(StateSlots):
                 f"layer {layer} state {e}: expected {held[e].shape[1:]} {held[e].dtype}, "
                 f"got {like.shape[1:]} {like.dtype}."
             )
+
+    def _bucket(self, rows: int) -> int:
+        """Rows the arrays hold for ``rows`` in use: their ``batch_bucket``, at most every slot."""
+        return min(batch_bucket(rows), self.num_slots)
 
     def _resize(self, rows: int) -> None:
         """Give every state array ``rows`` rows: cut off the last ones (no slot is taken
