@@ -184,6 +184,33 @@ def test_damaged_files_are_recomputed_and_deleted(tmp_path, monkeypatch, batch, 
     assert stats.live_blocks == 0 and stats.cached_blocks == 6, stats  # 5 full, 1 partial
 
 
+def test_a_damaged_entry_read_ahead_waits_for_the_read_before_it(tmp_path, monkeypatch):
+    """Runs of 2 entries: the first run's read is slow, so the run read ahead of it finds the
+    damaged third entry first. It deletes the pack only once the first read is done, so the
+    two entries before it still load (deleting it at once loaded none)."""
+    monkeypatch.setattr(disk_tier, "LOAD_BATCH", 2)
+    (a,) = prompts(3, 1)
+    first = PagedEngine(model_of("llama"), block_size=BS, kv_disk_dir=tmp_path, kv_disk_bytes=10**8)
+    expected = run(first, a)
+    first.disk.spill_cached()
+    pack, offset, size = first.disk.store.location(chain_keys(a, BS)[2])
+    data = bytearray(pack.read_bytes())
+    data[offset + size // 2] ^= 0xFF
+    pack.write_bytes(bytes(data))
+    second = PagedEngine(model_of("llama"), block_size=BS, kv_disk_dir=tmp_path,
+                         kv_disk_bytes=10**8)  # fmt: skip
+    read_run, leading = second.disk.store.read_run, chain_keys(a, BS)[0]
+
+    def slow_first(keys, *args, **kwargs):
+        if keys[0] == leading:
+            time.sleep(0.3)
+        return read_run(keys, *args, **kwargs)
+
+    monkeypatch.setattr(second.disk.store, "read_run", slow_first)
+    assert run(second, a)[0] == expected[0]
+    assert second.stats().disk_hit_tokens == 2 * BS and not pack.exists()
+
+
 def test_the_directory_stays_under_its_cap(tmp_path):
     engine = PagedEngine(model_of("llama"), block_size=BS, num_blocks=14, kv_disk_dir=tmp_path,
                          kv_disk_bytes=30_000)  # fmt: skip

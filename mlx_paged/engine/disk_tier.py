@@ -133,14 +133,13 @@ class DiskTier:
         recurrent = scheduler.recurrent
         self.states = recurrent.slots if recurrent is not None else None  # a StatePool
         self.block_size = scheduler.block_size
-        # Loading into the pool (of which: waiting on file reads, starting the copies into
-        # MLX and their checks, starting the pool writes and waiting for them), and
-        # spilling (the engine thread's part: reading the pools out).
+        # Loading into the pool (of which: waiting on reads, starting the copies into MLX and
+        # their checks, the pool writes), and spilling (the engine thread's part).
         self.seconds = dict.fromkeys(("load", "load_wait", "load_copy", "load_eval", "write"), 0.0)
-        # Reads runs, two at once: a run's reads start while the last one's slowest finish.
-        self._reader = ThreadPoolExecutor(READS_AHEAD, "mlx_paged-disk-ahead")
+        self._reader = ThreadPoolExecutor(READS_AHEAD, "mlx_paged-disk-ahead")  # runs' reads
         self._spills, self._loads = KeyChain(self.block_size), KeyChain(self.block_size)
         self._ahead: tuple[str, int, Future] | None = None  # (first key, entries, their read)
+        self._last_read: Future | None = None  # the read asked for last (``_read``)
         self._size: int | None = None  # under a group: the entry size runs are planned by
         self.step_blocks = STEP_BLOCKS  # most blocks a step loads while others run,
         self.step_bytes = STEP_BYTES  # ... and most bytes of them
@@ -355,7 +354,8 @@ class DiskTier:
         return max(1, min(blocks, most // (size or 1)))
 
     def _read(self, keys: list[str], i: int) -> Future:
-        """``read_run(keys)`` on the reader thread, into staging buffer ``i``."""
-        out = partial(self.staging.buffer, i)
+        """``read_run(keys)`` into buffer ``i``; a bad file waits for the last read to drop."""
         in_mlx = mx.default_device() == mx.gpu if CHECK_IN_MLX is None else CHECK_IN_MLX
-        return self._reader.submit(self.store.read_run, keys, out, payloads=not in_mlx)
+        last, out = self._last_read, partial(self.staging.buffer, i)
+        self._last_read = self._reader.submit(self.store.read_run, keys, out, not in_mlx, last)
+        return self._last_read

@@ -39,7 +39,8 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent import futures
+from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 
@@ -78,8 +79,7 @@ class DiskStore:
     Args:
         path: The directory (created if missing).
         max_bytes: Most bytes of entry files the directory holds.
-        fingerprint: Identifies the model and cache settings; entries of another
-            fingerprint are never returned.
+        fingerprint: Identifies the model and cache settings (no other's entries return).
     """
 
     def __init__(self, path: str | os.PathLike, max_bytes: int, fingerprint: str):
@@ -183,6 +183,7 @@ class DiskStore:
         keys: Sequence[str],
         out: Callable[[int, int], np.ndarray] | None = None,
         payloads: bool = True,
+        after: Future | None = None,
     ) -> Run | None:
         """The longest leading run of ``keys`` whose files are valid and of one layout,
         read into one buffer; ``None`` when the first is missing or bad.
@@ -193,7 +194,8 @@ class DiskStore:
         (reusing memory spares the page faults). ``payloads=False`` leaves the
         payloads' sums unchecked (``Run.checked``): the caller checks them and
         ``discard``s the file of the first entry that fails. The caller counts
-        the entries it uses (``hit``): a run read ahead may never be used.
+        the entries it uses (``hit``): a run read ahead may never be used. A bad file is
+        dropped once ``after`` (a read of earlier entries, maybe of one pack) is done.
         """
         with self._lock:
             rows, size = self._index.run_rows(keys) if self.enabled else ([], 0)
@@ -214,6 +216,7 @@ class DiskStore:
             errors = [e for part in parts for e in part]
         n, specs, payload, bad = valid_rows(data, keys, errors, self.fingerprint)
         if bad is not None:
+            futures.wait([after] if after is not None else [])
             name, gone = rows[n][0], isinstance(bad, FileNotFoundError)  # another process's
             if not gone:
                 logger.warning("mlx_paged: deleting the disk-tier file %s: %s", name, bad)
