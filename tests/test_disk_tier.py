@@ -145,34 +145,46 @@ def test_another_model_or_block_size_never_hits(tmp_path):
         assert engine.stats().disk_hit_tokens == 0 and engine.stats().prefix_hit_tokens == 0
 
 
+def damaged_third_entry(tmp_path):
+    """A prompt's 5 full blocks on disk, the third entry's arrays then damaged: the prompt,
+    its tokens and log-probs, the file holding that entry, and a new engine over the files."""
+    (a,) = prompts(3, 1)
+    first = PagedEngine(model_of("llama"), block_size=BS, kv_disk_dir=tmp_path, kv_disk_bytes=10**8)
+    expected = run(first, a)
+    first.disk.spill_cached()
+    assert len(first.disk.store.keys) == 5
+    path, offset, size = first.disk.store.location(chain_keys(a, BS)[2])
+    data = bytearray(path.read_bytes())
+    data[offset + size // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    second = PagedEngine(model_of("llama"), block_size=BS, kv_disk_dir=tmp_path,
+                         kv_disk_bytes=10**8)  # fmt: skip
+    return a, expected, path, second
+
+
+def slow_reads(monkeypatch, engine: PagedEngine, key: str, seconds: float) -> None:
+    """Make the engine's disk reads of runs that start at ``key`` take ``seconds`` longer."""
+    read_run = engine.disk.store.read_run
+
+    def slow(keys, *args, **kwargs):
+        if keys[0] == key:
+            time.sleep(seconds)
+        return read_run(keys, *args, **kwargs)
+
+    monkeypatch.setattr(engine.disk.store, "read_run", slow)
+
+
 @pytest.mark.parametrize("in_mlx", [True, False])  # checked in MLX, or on the reader threads
 # The third block: in the first run, the second, or the third (two more reads in flight).
 @pytest.mark.parametrize("batch", [64, 2, 1])
 def test_damaged_files_are_recomputed_and_deleted(tmp_path, monkeypatch, batch, in_mlx):
     monkeypatch.setattr(disk_tier, "LOAD_BATCH", batch)
     monkeypatch.setattr(disk_tier, "CHECK_IN_MLX", in_mlx)
-    (a,) = prompts(3, 1)
-    first = PagedEngine(model_of("llama"), block_size=BS, kv_disk_dir=tmp_path, kv_disk_bytes=10**8)
-    expected = run(first, a)
-    first.disk.spill_cached()
-    assert len(first.disk.store.keys) == 5
     # The third block's entry: the two before it load, the rest is recomputed.
-    third, offset, size = first.disk.store.location(chain_keys(a, BS)[2])
-    data = bytearray(third.read_bytes())
-    data[offset + size // 2] ^= 0xFF
-    third.write_bytes(bytes(data))
-    second = PagedEngine(model_of("llama"), block_size=BS, kv_disk_dir=tmp_path,
-                         kv_disk_bytes=10**8)  # fmt: skip
+    a, expected, third, second = damaged_third_entry(tmp_path)
     # The damaged entry's read is slow, so the reads ahead of it end first: entries read
     # but never used are not hits.
-    read_run, damaged = second.disk.store.read_run, chain_keys(a, BS)[2]
-
-    def slow_read(keys, *args, **kwargs):
-        if keys[0] == damaged:
-            time.sleep(0.2)
-        return read_run(keys, *args, **kwargs)
-
-    monkeypatch.setattr(second.disk.store, "read_run", slow_read)
+    slow_reads(monkeypatch, second, chain_keys(a, BS)[2], 0.2)
     got = run(second, a)
     assert got[0] == expected[0]
     assert second.disk.store.counts["hits"] == 2 and second.stats().disk_hit_tokens == 2 * BS
@@ -189,24 +201,8 @@ def test_a_damaged_entry_read_ahead_waits_for_the_read_before_it(tmp_path, monke
     damaged third entry first. It deletes the pack only once the first read is done, so the
     two entries before it still load (deleting it at once loaded none)."""
     monkeypatch.setattr(disk_tier, "LOAD_BATCH", 2)
-    (a,) = prompts(3, 1)
-    first = PagedEngine(model_of("llama"), block_size=BS, kv_disk_dir=tmp_path, kv_disk_bytes=10**8)
-    expected = run(first, a)
-    first.disk.spill_cached()
-    pack, offset, size = first.disk.store.location(chain_keys(a, BS)[2])
-    data = bytearray(pack.read_bytes())
-    data[offset + size // 2] ^= 0xFF
-    pack.write_bytes(bytes(data))
-    second = PagedEngine(model_of("llama"), block_size=BS, kv_disk_dir=tmp_path,
-                         kv_disk_bytes=10**8)  # fmt: skip
-    read_run, leading = second.disk.store.read_run, chain_keys(a, BS)[0]
-
-    def slow_first(keys, *args, **kwargs):
-        if keys[0] == leading:
-            time.sleep(0.3)
-        return read_run(keys, *args, **kwargs)
-
-    monkeypatch.setattr(second.disk.store, "read_run", slow_first)
+    a, expected, pack, second = damaged_third_entry(tmp_path)
+    slow_reads(monkeypatch, second, chain_keys(a, BS)[0], 0.3)
     assert run(second, a)[0] == expected[0]
     assert second.stats().disk_hit_tokens == 2 * BS and not pack.exists()
 
