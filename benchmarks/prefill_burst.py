@@ -13,6 +13,7 @@ Usage:
     python benchmarks/prefill_burst.py --model DIR --system 64 --n 4 --rounds 2   # CPU
     python benchmarks/prefill_burst.py --model /root/l1b --prefill-step-size 512 --breakdown
     python benchmarks/prefill_burst.py --model /root/l1b --prefill-step-size 512 --warm-up
+    python benchmarks/prefill_burst.py --model DIR --system 1030 --num-blocks 100000  # copies
 """
 
 from __future__ import annotations
@@ -91,10 +92,22 @@ def main() -> None:
         "with their evaluation, and in the rest (sampling, indexing)",
     )
     ap.add_argument("--warm-up", action="store_true", help="run the server's warm-up first")
+    ap.add_argument(
+        "--num-blocks",
+        type=int,
+        default=None,
+        help="a fixed pool of this many blocks (default: grown on demand); with a --system "
+        "that is not a multiple of the block size, each request copies the partial block",
+    )
     args = ap.parse_args()
     model, _ = load(args.model)
     for step in args.prefill_step_size:
-        engine = PagedEngine(model, max_batch_size=max(args.n), prefill_step_size=step)
+        engine = PagedEngine(
+            model,
+            max_batch_size=max(args.n),
+            prefill_step_size=step,
+            num_blocks=args.num_blocks,
+        )
         if args.warm_up:
             print(f"warm-up: {warm_up(engine):.2f} s", flush=True)
         vocab = engine.vocab_size or 256

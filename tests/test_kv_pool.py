@@ -184,6 +184,41 @@ def test_shared_partial_tail_is_copied_on_write(num_layers, suffixes):
         assert_visible(pool, t2, layer, np.concatenate([pk, bk], 2), np.concatenate([pv, bv], 2))
 
 
+def buffer_address(a: mx.array) -> int:
+    """Where ``a``'s data lies (the view is dropped at once: it would hold the buffer)."""
+    mx.eval(a)
+    view = np.asarray(memoryview(a))
+    address = view.ctypes.data
+    del view
+    return address
+
+
+def test_copy_on_write_copies_update_the_pool_in_place():
+    """A burst of copies into one pool leaves every layer's arrays in their buffers: had
+    a write's value still read the array it writes, MLX would have copied the whole
+    array for each block copied (DESIGN.md: exactly one reference to each pool array)."""
+    pool = KVPool(num_layers=3, block_size=4, num_blocks=64)
+    table = pool.new_table()
+    for layer in range(3):
+        write(pool, table, layer, *chunk(10))
+    arrays = [*pool.keys, *pool.values]
+    before = [buffer_address(a) for a in arrays]
+    del arrays
+    for dst in range(20, 30):
+        pool.copy_block(dst % 3, dst)
+    arrays = [*pool.keys, *pool.values]
+    assert [buffer_address(a) for a in arrays] == before
+    for layer in range(3):
+        for dst in range(20, 30):
+            src = dst % 3
+            np.testing.assert_array_equal(
+                np.array(pool.keys[layer][dst]), np.array(pool.keys[layer][src])
+            )
+            np.testing.assert_array_equal(
+                np.array(pool.values[layer][dst]), np.array(pool.values[layer][src])
+            )
+
+
 def test_truncated_fork_copies_before_overwriting():
     """After truncating into a shared block, new tokens go to a copy; the fork keeps its own."""
     pool = KVPool(num_layers=1, block_size=4, num_blocks=8)

@@ -78,12 +78,19 @@ class KVPool(LayerArrays):
         self.write_prefill(table, layer, keys, values)
 
     def copy_block(self, src: int, dst: int) -> None:
-        """Copy block ``src`` (either tier) into hot block ``dst``, every layer (copy-on-write)."""
-        for layer in range(self.num_layers):
-            if self.keys[layer] is not None:
-                k, v = self.block_rows(layer, [src])
-                self.keys[layer][dst] = k[0]
-                self.values[layer][dst] = v[0]
+        """Copy block ``src`` (either tier) into hot block ``dst``, every layer (copy-on-write).
+
+        The block's rows are evaluated before they are written: a write whose value is
+        still a read of the array it writes cannot take over that array's buffer, so MLX
+        would copy the layer's whole pool array for every block copied (BENCHMARKS.md,
+        run 285: 100-170 ms for a burst of requests sharing a partial block on an H100).
+        """
+        layers = [layer for layer in range(self.num_layers) if self.keys[layer] is not None]
+        rows = [self.block_rows(layer, [src]) for layer in layers]
+        mx.eval(rows)
+        for layer, (k, v) in zip(layers, rows, strict=True):
+            self.keys[layer][dst] = k[0]
+            self.values[layer][dst] = v[0]
 
     # ---- the cold tier ----------------------------------------------------
 
