@@ -63,7 +63,12 @@ def start(kind: str, model: str, port: int, args: argparse.Namespace) -> subproc
         ]
         cmd += ["--decode-concurrency", str(max(args.concurrency)), "--max-tokens", "4096"]
     else:
-        cmd = [*launch, sys.executable, "-m", "mlx_paged.server", "--model", model]
+        server = ["-m", "mlx_paged.server"]
+        if getattr(args, "timeline", None):  # the engine thread's timeline, written at exit
+            os.makedirs(args.timeline, exist_ok=True)
+            out = os.path.join(args.timeline, f"timeline-{port}.json")
+            server = [os.path.join(os.path.dirname(__file__), "timeline.py"), out]
+        cmd = [*launch, sys.executable, *server, "--model", model]
         cmd += ["--port", str(port), "--max-batch-size", str(max(args.concurrency))]
         cmd += ["--max-queue", "100000"]
         if getattr(args, "no_warm_up", False):
@@ -315,6 +320,11 @@ def main() -> None:
         help="2c requests at each concurrency c, and each level's tok/s against the first server's",
     )
     ap.add_argument("--backend", default="nccl", help="mlx.launch's backend with --ranks")
+    ap.add_argument(
+        "--timeline",
+        metavar="DIR",
+        help="record the paged server's engine thread (benchmarks/timeline.py) into DIR",
+    )
     ap.add_argument(
         "--level-timeout", type=float, default=300, help="seconds a concurrency level may take"
     )

@@ -1,0 +1,130 @@
+"""The engine thread's timeline in a served process: steps, prefill forwards, hand-overs.
+
+    python benchmarks/timeline.py OUT.json [mlx_paged.server flags]   # serve, recording
+    python benchmarks/timeline.py --show OUT.json [--rows 4]          # what it recorded
+
+Recording runs ``mlx_paged.server`` with the engine's steps, its prefill forwards
+(batched and alone), each job's hand-over to the engine thread (``submit``, then
+``add``) and each request's first token wrapped to note when they start and end,
+and writes the events to ``OUT.json`` when the server exits (SIGINT or SIGTERM).
+``benchmarks/server.py --timeline DIR`` starts the paged server this way.
+
+``--show`` prints how long jobs waited to be handed over, then every prefill
+forward of at least ``--rows`` requests: when it started (ms from the first
+event), how long it took, its rows and tokens per row, and whether the process
+had run that shape before.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import json
+import sys
+import time
+
+
+def record(path: str) -> None:
+    """Wrap the engine thread's calls; write the events to ``path`` at exit."""
+    from mlx_paged.engine.engine import PagedEngine
+    from mlx_paged.engine.runner import ModelRunner
+    from mlx_paged.server.worker import EngineWorker
+
+    events: list[list] = []
+    now = time.perf_counter
+    step, forward, prefill = PagedEngine.step, ModelRunner.forward, ModelRunner.prefill
+    submit, add, on_event = EngineWorker.submit, EngineWorker._add, EngineWorker._on_event
+    seen: set[int] = set()
+
+    def timed_step(self, *args, **kwargs):
+        t, running, waiting = now(), len(self.running), len(self.waiting)
+        out = step(self, *args, **kwargs)
+        events.append(["step", t, now(), running, waiting])
+        return out
+
+    def timed_forward(self, reqs, n, logits=False, counts=None):
+        t = now()
+        out = forward(self, reqs, n, logits, counts)
+        events.append(["forward", t, now(), len(reqs), n])
+        return out
+
+    def timed_prefill(self, req, n, logits=False):
+        t = now()
+        out = prefill(self, req, n, logits)
+        events.append(["alone", t, now(), 1, n])
+        return out
+
+    def timed_submit(self, job):
+        events.append(["submit", now(), id(job)])
+        return submit(self, job)
+
+    def timed_add(self, job):
+        events.append(["add", now(), id(job)])
+        return add(self, job)
+
+    def timed_event(self, event):
+        if event.uid not in seen:
+            seen.add(event.uid)
+            events.append(["first", now(), event.uid])
+        return on_event(self, event)
+
+    PagedEngine.step, ModelRunner.forward, ModelRunner.prefill = (
+        timed_step,
+        timed_forward,
+        timed_prefill,
+    )
+    EngineWorker.submit, EngineWorker._add, EngineWorker._on_event = (
+        timed_submit,
+        timed_add,
+        timed_event,
+    )
+
+    def write() -> None:
+        with open(path, "w") as f:
+            json.dump(events, f)
+
+    atexit.register(write)
+
+
+def show(path: str, rows: int) -> None:
+    """Print the hand-over waits and the prefill forwards of at least ``rows`` requests."""
+    events = sorted(json.load(open(path)), key=lambda e: e[1])
+    if not events:
+        print("no events")
+        return
+    t0 = events[0][1]
+    submitted = {e[2]: e[1] for e in events if e[0] == "submit"}
+    waits = sorted(1e3 * (e[1] - submitted[e[2]]) for e in events if e[0] == "add")
+    if waits:
+        p50, worst = waits[len(waits) // 2], waits[-1]
+        print(f"{len(waits)} jobs handed over: wait p50 {p50:.1f} ms, max {worst:.1f} ms")
+    shapes: set[tuple] = set()
+    for kind, start, end, *shape in (e for e in events if e[0] in ("forward", "alone")):
+        new = (kind, *shape) not in shapes
+        shapes.add((kind, *shape))
+        if shape[0] >= rows:
+            took = 1e3 * (end - start)
+            print(
+                f"{1e3 * (start - t0):10.1f} ms  {kind:7s} {shape[0]:3d} x {shape[1]:5d}  "
+                f"{took:7.1f} ms{'  (new shape)' if new else ''}"
+            )
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--show":
+        ap = argparse.ArgumentParser(description="Show a recorded timeline.")
+        ap.add_argument("--show", required=True, metavar="OUT.json")
+        ap.add_argument("--rows", type=int, default=4, help="forwards of at least this many")
+        args = ap.parse_args()
+        show(args.show, args.rows)
+        return
+    if len(sys.argv) < 2:
+        raise SystemExit(__doc__)
+    record(sys.argv[1])
+    from mlx_paged.server import main as serve
+
+    serve(sys.argv[2:])
+
+
+if __name__ == "__main__":
+    main()
