@@ -201,13 +201,10 @@ def test_copy_on_write_copies_update_the_pool_in_place():
     table = pool.new_table()
     for layer in range(3):
         write(pool, table, layer, *chunk(10))
-    arrays = [*pool.keys, *pool.values]
-    before = [buffer_address(a) for a in arrays]
-    del arrays
-    for dst in range(20, 30):
+    before = [buffer_address(a) for a in (*pool.keys, *pool.values)]
+    for dst in range(20, 30):  # checked after each: a copy's new buffer differs from its input
         pool.copy_block(dst % 3, dst)
-    arrays = [*pool.keys, *pool.values]
-    assert [buffer_address(a) for a in arrays] == before
+        assert [buffer_address(a) for a in (*pool.keys, *pool.values)] == before, dst
     for layer in range(3):
         for dst in range(20, 30):
             src = dst % 3
