@@ -88,7 +88,8 @@ def record(path: str) -> None:
 
 def show(path: str, rows: int) -> None:
     """Print the hand-over waits and the prefill forwards of at least ``rows`` requests."""
-    events = sorted(json.load(open(path)), key=lambda e: e[1])
+    with open(path) as f:
+        events = sorted(json.load(f), key=lambda e: e[1])
     if not events:
         print("no events")
         return

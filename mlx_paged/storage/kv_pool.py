@@ -80,10 +80,11 @@ class KVPool(LayerArrays):
     def copy_block(self, src: int, dst: int) -> None:
         """Copy block ``src`` (either tier) into hot block ``dst``, every layer (copy-on-write).
 
-        The block's rows are evaluated before they are written: a write whose value is
-        still a read of the array it writes cannot take over that array's buffer, so MLX
-        would copy the layer's whole pool array for every block copied (BENCHMARKS.md,
-        run 285: 100-170 ms for a burst of requests sharing a partial block on an H100).
+        The block's rows are evaluated before they are written. A write whose value is
+        still a read of the array it writes keeps that array's buffer in use, and MLX then
+        copies the layer's whole pool array instead of updating it in place: for a burst
+        of requests sharing a partial block, one copy of every array per request
+        (BENCHMARKS.md, runs 284-286: 83-179 ms of a prefill forward on an H100).
         """
         layers = [layer for layer in range(self.num_layers) if self.keys[layer] is not None]
         rows = [self.block_rows(layer, [src]) for layer in layers]
