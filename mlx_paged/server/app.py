@@ -22,6 +22,7 @@ from .grammar import Grammars, json_object_schema, tool_call_schema
 from .messages import CountTokensRequest, MessagesRequest
 from .messages_responses import error_response, message_body, message_events
 from .metrics import metrics_registry, render
+from .prompt_tokens import PromptTokenizer
 from .responses import response_body, stream_chunks
 from .run import ChatShape, Run
 from .schemas import ChatRequest, CompletionRequest, SamplingParams
@@ -37,6 +38,7 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> FastAPI:
     # What XTC never removes, as in mlx_lm.server: the newline and the end tokens.
     xtc_special = tokenizer.encode("\n") + list(tokenizer.eos_token_ids)
     grammars = Grammars(tokenizer, worker.engine.vocab_size or tokenizer.vocab_size)
+    prompts = PromptTokenizer(tokenizer)  # resent prompts tokenize only what is new
     registry, first_tokens = metrics_registry(
         lambda: worker.stats,
         lambda: worker.queued,
@@ -82,7 +84,7 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request) -> Response:
         received = time.perf_counter()
         if isinstance(body.prompt, str):
-            tokens = tokenizer.encode(body.prompt)
+            tokens = prompts.encode(body.prompt)
         else:
             tokens = list(body.prompt)
         run = await _start(body, tokens, body.logprobs, received=received)
@@ -167,18 +169,14 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> FastAPI:
     def _template(messages: list[dict], tools: list[dict] | None, kwargs: dict | None) -> list:
         extra = {"tools": tools} if tools else {}
         try:
-            tokens = tokenizer.apply_chat_template(
+            return prompts.apply_chat_template(
                 messages,
                 add_generation_prompt=True,
-                tokenize=True,
                 **extra,
                 **{**config.chat_template_args, **(kwargs or {})},
             )
         except Exception as e:  # a template that rejects these messages
             raise APIError(400, f"the chat template rejected the messages: {e}") from e
-        if isinstance(tokens, dict):  # some tokenizers return a BatchEncoding
-            tokens = tokens["input_ids"]
-        return list(tokens)
 
     async def _constraints(schema: dict, n: int, param: str) -> list:
         """One grammar per choice; a schema the grammar engine rejects is a 400 with its
