@@ -19,6 +19,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import itertools
 import random
 import time
 
@@ -86,6 +87,9 @@ def main() -> None:
     ap.add_argument("--n", type=int, nargs="+", default=[32, 1], help="requests per burst")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument(
+        "--prefill-batch-tokens", type=int, nargs="+", default=[None], help="PagedEngine's"
+    )
+    ap.add_argument(
         "--breakdown",
         action="store_true",
         help="also print the last burst's ms building the forwards' graphs, in the forwards "
@@ -101,11 +105,12 @@ def main() -> None:
     )
     args = ap.parse_args()
     model, _ = load(args.model)
-    for step in args.prefill_step_size:
+    for step, batch_tokens in itertools.product(args.prefill_step_size, args.prefill_batch_tokens):
         engine = PagedEngine(
             model,
             max_batch_size=max(args.n),
             prefill_step_size=step,
+            prefill_batch_tokens=batch_tokens,
             num_blocks=args.num_blocks,
         )
         if args.warm_up:
@@ -124,7 +129,9 @@ def main() -> None:
                     prompts = [system + [rng.randrange(vocab) for _ in range(k)] for k in lengths]
                     times.append(burst(engine, prompts, split))
                 ms = " ".join(f"{t:.1f}" for t, _ in times)
-                line = f"prefill_step_size {step} n={n} {kind}: ms per burst {ms}; "
+                line = f"prefill_step_size {step} batch tokens {batch_tokens} "
+                line += f"n={n} {kind}: "
+                line += f"ms per burst {ms}; "
                 line += f"forwards {times[-1][1]}"
                 if split is not None:
                     other = times[-1][0] - 1e3 * split.forward

@@ -17,6 +17,7 @@ import argparse
 import random
 import statistics
 import time
+from pathlib import Path
 
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
@@ -48,7 +49,7 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=16)
     args = ap.parse_args()
 
-    tokenizer = load_tokenizer(args.model or embedded_model_path(progress=False))
+    tokenizer = load_tokenizer(Path(args.model) if args.model else embedded_model_path(False))
     prompts = PromptTokenizer(tokenizer)
     print(f"reuse: {prompts.reuse}")
     rng = random.Random(0)
