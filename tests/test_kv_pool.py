@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 import pytest
-from hypothesis import event, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -214,6 +214,45 @@ def test_copy_on_write_copies_update_the_pool_in_place():
             np.testing.assert_array_equal(
                 np.array(pool.values[layer][dst]), np.array(pool.values[layer][src])
             )
+
+
+def test_queued_copies_are_made_together_in_one_evaluation(monkeypatch):
+    """Copies wait for the arrays' next use and are made there with one evaluation: one
+    per copy waited for the device once per request adopting a partial block (run 291)."""
+    pool = KVPool(num_layers=3, block_size=4, num_blocks=64)
+    table = pool.new_table()
+    for layer in range(3):
+        write(pool, table, layer, *chunk(10))
+    want = [np.array(a[:3]) for a in (*pool.keys, *pool.values)]
+    evals = []
+    eval_ = mx.eval
+    monkeypatch.setattr(mx, "eval", lambda *a: evals.append(a) or eval_(*a))
+    for dst in range(20, 30):
+        pool.copy_block(dst % 3, dst)
+    assert evals == []
+    arrays = (*pool.keys, *pool.values)
+    assert len(evals) == 1
+    for a, blocks in zip(arrays, want, strict=True):
+        for dst in range(20, 30):
+            np.testing.assert_array_equal(np.array(a[dst]), blocks[dst % 3])
+
+
+@settings(max_examples=60, deadline=None)
+@given(copies=st.lists(st.tuples(st.integers(0, 7), st.integers(0, 7)), max_size=12))
+def test_queued_copies_read_what_each_source_held_when_it_was_copied(copies):
+    """Against copies made one at a time: a source that is a queued destination, a
+    destination queued twice and a destination that is an earlier copy's source."""
+    pool = KVPool(num_layers=2, block_size=2, num_blocks=8)
+    table = pool.new_table()
+    for layer in range(2):
+        write(pool, table, layer, *chunk(16))
+    model = [np.array(a) for a in (*pool.keys, *pool.values)]
+    for src, dst in copies:
+        pool.copy_block(src, dst)
+        for m in model:
+            m[dst] = m[src]
+    for a, m in zip((*pool.keys, *pool.values), model, strict=True):
+        np.testing.assert_array_equal(np.array(a), m)
 
 
 def test_truncated_fork_copies_before_overwriting():

@@ -111,6 +111,8 @@ class CompiledDecode:
             DecodeBatch(runner.pools[k], [r.tables[k] for r in rows], k.window) for k in self.kinds
         ]
         arrays = [a for b in batches for a in b.arrays(width_bucket(b.block_tables.shape[1]))]
+        for pool in runner.pools.values():  # the trace reads the arrays' lists directly
+            pool.flush_copies()
         if states is not None:
             states.flush()  # a trace must not take the pending slots' writes in
             slots = [r.slot for r in rows]

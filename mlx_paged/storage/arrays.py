@@ -3,7 +3,8 @@
 ``LayerArrays`` is the part of ``KVPool`` that owns arrays rather than moving
 tokens: it creates a layer's arrays at its first write (checking every write's
 shape and dtype), grows them with the pool, quantizes blocks into the cold tier
-(``ColdStore``) and reads whole blocks of either tier.
+(``ColdStore``), reads whole blocks of either tier, and makes the queued
+copy-on-write copies before anything reads or writes the arrays.
 """
 
 from __future__ import annotations
@@ -42,14 +43,48 @@ class LayerArrays(BlockTables):
         self.cold: ColdStore | None = None
         if quant is not None:
             self._set_quant(quant)
-        self.keys: list[mx.array | None] = [None] * num_layers
-        self.values: list[mx.array | None] = [None] * num_layers
+        self._keys: list[mx.array | None] = [None] * num_layers
+        self._values: list[mx.array | None] = [None] * num_layers
+        # Copy-on-write copies queued since the arrays were last used: destination -> source.
+        self._copies: dict[int, int] = {}
         self.input_dtypes: list[mx.Dtype | None] = [None] * num_layers
         #: Whether decode steps may return stand-ins for the K/V a fused kernel reads
         #: itself (set by ``make_pools`` for models that hand K/V straight to attention).
         self.defer_reads = False
         # Per layer, the (K shape, V shape, K dtype, V dtype) of a one-token write that passed.
         self._decode_ok: dict[int, tuple] = {}
+
+    @property
+    def keys(self) -> list[mx.array | None]:
+        """Per layer, the K array (``None`` before the layer's first write), every queued
+        copy made first."""
+        if self._copies:
+            self.flush_copies()
+        return self._keys
+
+    @property
+    def values(self) -> list[mx.array | None]:
+        """Per layer, the V array, as ``keys``."""
+        if self._copies:
+            self.flush_copies()
+        return self._values
+
+    def flush_copies(self) -> None:
+        """Make the queued copy-on-write copies: per array, one read of every source block,
+        evaluated, then one write. A write whose value still reads the array it writes keeps
+        the array's buffer in use, and MLX then copies the whole array instead of updating it
+        in place; one evaluation per copy waited for the device once per copy (BENCHMARKS.md,
+        runs 284-286 and 291)."""
+        copies, self._copies = self._copies, {}
+        layers = [layer for layer in range(self.num_layers) if self._keys[layer] is not None]
+        if not copies or not layers:
+            return
+        rows = [self.block_rows(layer, list(copies.values())) for layer in layers]
+        mx.eval(rows)
+        dst = mx.array(list(copies), dtype=mx.int32)
+        for layer, (k, v) in zip(layers, rows, strict=True):
+            self._keys[layer][dst] = k
+            self._values[layer][dst] = v
 
     def grown(self) -> None:
         """Grow every layer's arrays to the pool's new capacity (zero-filled)."""

@@ -80,18 +80,13 @@ class KVPool(LayerArrays):
     def copy_block(self, src: int, dst: int) -> None:
         """Copy block ``src`` (either tier) into hot block ``dst``, every layer (copy-on-write).
 
-        The block's rows are evaluated before they are written. A write whose value is
-        still a read of the array it writes keeps that array's buffer in use, and MLX then
-        copies the layer's whole pool array instead of updating it in place: for a burst
-        of requests sharing a partial block, one copy of every array per request
-        (BENCHMARKS.md, runs 284-286: 83-179 ms of a prefill forward on an H100).
+        The copy is queued and made with the others queued before the arrays are next used
+        (``flush_copies``): a burst of requests adopting a prefix that ends inside a block
+        copies it once per request.
         """
-        layers = [layer for layer in range(self.num_layers) if self.keys[layer] is not None]
-        rows = [self.block_rows(layer, [src]) for layer in layers]
-        mx.eval(rows)
-        for layer, (k, v) in zip(layers, rows, strict=True):
-            self.keys[layer][dst] = k[0]
-            self.values[layer][dst] = v[0]
+        if src in self._copies:  # a queued copy's destination: its rows are not there yet
+            self.flush_copies()
+        self._copies[dst] = src
 
     # ---- the cold tier ----------------------------------------------------
 
