@@ -71,7 +71,7 @@ class PromptTokenizer:
         # a word there may come out otherwise in the new text, failing the check for nothing.
         self._margin = 2 + max((len(t["content"]) for t in added), default=0)
         self._lead: list[int] = []
-        if self.backend is not None and not self._agrees():
+        if self.backend is not None and not self._agrees([t["content"] for t in added[:1]]):
             self.backend = None
         self._recent: list[PromptIds] = []
         #: Prompts that reused tokens, and the tokens reused (for tests and benchmarks).
@@ -160,11 +160,12 @@ class PromptTokenizer:
         self.hits += 1
         self.reused_tokens += reused
 
-    def _agrees(self) -> bool:
+    def _agrees(self, added: list[str]) -> bool:
         """Whether ``tokenizer.encode`` gives the backend's tokens after the same leading
-        special tokens for every probe (and sets ``_lead`` to those)."""
+        special tokens for every probe, ``added`` tokens' text among them (a tokenizer that
+        splits them as text would differ), and set ``_lead`` to those."""
         leads = []
-        for probe in ("Hello world, 123.", "a\n\n  b\tc"):
+        for probe in ("Hello world, 123.", "a\n\n  b\tc", *(f"x{t}y" for t in added)):
             plain = self.backend.encode(probe, add_special_tokens=False).ids
             full = list(self.tokenizer.encode(probe))
             leads.append(full[: len(full) - len(plain)])
@@ -173,7 +174,7 @@ class PromptTokenizer:
             if list(self.tokenizer.encode(probe, add_special_tokens=False)) != plain:
                 return False
         self._lead = leads[0]
-        return leads[0] == leads[1]
+        return all(lead == leads[0] for lead in leads)
 
 
 def reusable(spec: dict) -> bool:
