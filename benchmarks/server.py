@@ -9,9 +9,15 @@ greedy, streamed, with ``concurrency`` requests in flight. One line per
 inter-token latency p50, and the server process's peak GPU memory (sampled
 with nvidia-smi every 0.2 s; "n/a" where there is none).
 
+The client is ``benchmarks/clients.py``: by default one event loop for every stream, as
+before; ``--client-processes P`` spreads each level's streams over P processes, as
+separate users' clients would be. ``--servers null`` adds the null server, canned
+chunks with no model, whose times are what the client and the HTTP stack take alone.
+
 Usage:
     python benchmarks/server.py                                    # on the GPU
     python benchmarks/server.py --concurrency 2 --requests 4 --system 64 --max-tokens 8  # CPU
+    python benchmarks/server.py --servers null mlx_lm mlx_paged --table --client-processes 4
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import threading
 import time
 import urllib.request
 
-import openai
+from clients import Clients, client, load, pct
 from transformers import AutoTokenizer
 
 from mlx_paged.embedded import embedded_model_path
@@ -50,7 +56,11 @@ def start(kind: str, model: str, port: int, args: argparse.Namespace) -> subproc
     if getattr(args, "ranks", 1) > 1:
         launch = [sys.executable, "-c", LAUNCH, "-n", str(args.ranks)]
         launch += ["--backend", args.backend, "--"]
-    if kind == "mlx_lm":
+    if kind == "null":  # canned chunks: the client's and HTTP's own time (clients.py)
+        here = os.path.dirname(os.path.abspath(__file__))
+        cmd = [sys.executable, os.path.join(here, "clients.py"), "--port", str(port)]
+        cmd += ["--gap-ms", str(args.null_gap_ms)]
+    elif kind == "mlx_lm":
         cmd = [
             *launch,
             sys.executable,
@@ -131,44 +141,6 @@ class GpuMemory:
             time.sleep(0.2)
 
 
-async def one(
-    client, model: str, prompt: str, max_tokens: int, temperature: float = 0.0
-) -> tuple[float, list[float], int]:
-    """(time to first token, inter-token gaps, output tokens) of one streamed request."""
-    start = time.perf_counter()
-    stamps: list[float] = []
-    tokens = 0
-    stream = await client.completions.create(
-        model=model,
-        prompt=prompt,
-        max_tokens=max_tokens,
-        temperature=temperature,
-        stream=True,
-        stream_options={"include_usage": True},
-    )
-    async for chunk in stream:
-        if chunk.choices and chunk.choices[0].text:
-            stamps.append(time.perf_counter())
-        if chunk.usage is not None:
-            tokens = chunk.usage.completion_tokens
-    gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
-    return (stamps[0] - start if stamps else float("nan")), gaps, tokens or len(stamps)
-
-
-async def load(
-    client, model: str, prompts: list[str], concurrency: int, max_tokens: int, temp: float = 0.0
-):
-    gate = asyncio.Semaphore(concurrency)
-
-    async def run(p: str):
-        async with gate:
-            return await one(client, model, p, max_tokens, temp)
-
-    start = time.perf_counter()
-    results = await asyncio.gather(*(run(p) for p in prompts))
-    return time.perf_counter() - start, results
-
-
 def scrape(port: int) -> dict[str, float]:
     """The server's Prometheus samples by name and labels (``{}`` where it has none)."""
     try:
@@ -221,26 +193,39 @@ def breakdown(before: dict[str, float], after: dict[str, float]) -> str:
     )
 
 
+async def level(
+    clients: Clients | None, api, port: int, model: str, prompts, c, tokens, temp, timeout
+):
+    """``load`` from this loop's client ``api``, or spread over ``clients``' processes."""
+    if clients is None:
+        return await asyncio.wait_for(load(api, model, prompts, c, tokens, temp), timeout)
+    return await asyncio.to_thread(clients.load, port, model, prompts, c, tokens, temp, timeout)
+
+
 async def bench(
     kind: str, pid: int, port: int, model: str, prompts: list[str], args, requests, results: dict
 ):
     """Every concurrency level against one running server; one printed line each (and for
     mlx_paged.server, where the time went)."""
-    # Retries: mlx_lm.server's listen backlog (Python's HTTPServer, 5) resets connections
-    # when many requests arrive at once.
-    client = openai.AsyncOpenAI(
-        base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=5, timeout=3600
-    )
-    await load(client, model, prompts[:2], 1, 4)  # warm-up
-    for level, (c, n) in enumerate(zip(args.concurrency, requests, strict=True)):
+    api, clients = client(port), args.clients
+    p = clients.processes if clients else 1
+    await level(clients, api, port, model, prompts[: 2 * p], p, 4, 0.0, None)  # warm-up
+    for i, (c, n) in enumerate(zip(args.concurrency, requests, strict=True)):
         before = scrape(port) if kind == "mlx_paged" else {}
         with GpuMemory(None if getattr(args, "ranks", 1) > 1 else pid) as mem:
             try:
-                wall, res = await asyncio.wait_for(
-                    load(client, model, prompts[:n], c, args.max_tokens, args.temperature),
+                wall, res = await level(
+                    clients,
+                    api,
+                    port,
+                    model,
+                    prompts[:n],
+                    c,
+                    args.max_tokens,
+                    args.temperature,
                     args.level_timeout,
                 )
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 print(f"{kind:9s} c={c:3d} n={n:4d}: timed out after {args.level_timeout} s")
                 break
         after = scrape(port) if kind == "mlx_paged" else {}
@@ -257,20 +242,20 @@ async def bench(
         )
         if after:
             print(breakdown(before, after), flush=True)
-        results[(kind, level)] = out / wall
-    await client.close()
+        results[(kind, i)] = out / wall
+    await api.close()
 
 
 async def bursts(kind: str, port: int, model: str, prompts: list[str], args, ready: float):
     """A fresh server's first burst of ``c`` requests at once, then a second one of other
     prompts: TTFT p50/p99 of each, and the time the server took to report ready."""
-    client = openai.AsyncOpenAI(
-        base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=5, timeout=3600
-    )
-    c = max(args.concurrency)
+    api, c = client(port), max(args.concurrency)
     for i in range(2):
         before = scrape(port) if kind == "mlx_paged" else {}
-        wall, res = await load(client, model, prompts[i * c : (i + 1) * c], c, args.max_tokens)
+        burst = prompts[i * c : (i + 1) * c]
+        wall, res = await level(
+            args.clients, api, port, model, burst, c, args.max_tokens, 0.0, None
+        )
         after = scrape(port) if kind == "mlx_paged" else {}
         ttft = [r[0] for r in res]
         print(
@@ -281,18 +266,26 @@ async def bursts(kind: str, port: int, model: str, prompts: list[str], args, rea
         if after:
             blocks = after.get("mlx_paged_kv_blocks_total", 0)
             print(f"{breakdown(before, after)}; pool {blocks:.0f} blocks", flush=True)
-    await client.close()
-
-
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+    await api.close()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="mlx-lm model directory (default: embedded)")
-    ap.add_argument("--servers", nargs="+", default=["mlx_lm", "mlx_paged"])
+    ap.add_argument(
+        "--servers",
+        nargs="+",
+        default=["mlx_lm", "mlx_paged"],
+        choices=["mlx_lm", "mlx_paged", "null"],
+        help="null: canned chunks (benchmarks/clients.py), the client and HTTP stack's own time",
+    )
+    ap.add_argument(
+        "--client-processes",
+        type=int,
+        default=1,
+        help="spread each level's streams over this many client processes",
+    )
+    ap.add_argument("--null-gap-ms", type=float, default=8.0, help="the null server's chunk gap")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
     ap.add_argument(
         "--requests",
@@ -352,6 +345,7 @@ def main() -> None:
         flush=True,
     )
     results: dict[tuple[str, int], float] = {}  # (server, level) -> tok/s
+    args.clients = Clients(args.client_processes) if args.client_processes > 1 else None
     for kind in args.servers:
         port = free_port()
         t0 = time.perf_counter()
@@ -368,9 +362,12 @@ def main() -> None:
                 proc.wait(30)
             except subprocess.TimeoutExpired:
                 proc.kill()
+    if args.clients:
+        args.clients.close()
 
-    base = args.servers[0]
-    for kind in args.servers[1:]:
+    servers = [kind for kind in args.servers if kind != "null"]  # ratios of real servers
+    base = servers[0] if servers else None
+    for kind in servers[1:]:
         for level, c in enumerate(args.concurrency):  # a level given twice: its own ratio
             if (base, level) in results and (kind, level) in results:
                 ratio = results[(kind, level)] / results[(base, level)]
