@@ -84,7 +84,13 @@ def _client_process(conn: Connection) -> None:
     kept between them (its connections stay open, as the single loop's do)."""
     loop = asyncio.new_event_loop()
     clients: dict[int, openai.AsyncOpenAI] = {}
-    while (job := conn.recv()) is not None:
+    while True:
+        try:
+            job = conn.recv()
+        except EOFError:  # the parent ended
+            return
+        if job is None:
+            break
         port, model, prompts, c, max_tokens, temp, at = job
         if port not in clients:
             clients[port] = client(port)

@@ -346,24 +346,26 @@ def main() -> None:
     )
     results: dict[tuple[str, int], float] = {}  # (server, level) -> tok/s
     args.clients = Clients(args.client_processes) if args.client_processes > 1 else None
-    for kind in args.servers:
-        port = free_port()
-        t0 = time.perf_counter()
-        proc = start(kind, model, port, args)
-        try:
-            if args.bursts:
-                ready = time.perf_counter() - t0
-                asyncio.run(bursts(kind, port, model, prompts, args, ready))
-                continue
-            asyncio.run(bench(kind, proc.pid, port, model, prompts, args, requests, results))
-        finally:
-            proc.terminate()
+    try:
+        for kind in args.servers:
+            port = free_port()
+            t0 = time.perf_counter()
+            proc = start(kind, model, port, args)
             try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-    if args.clients:
-        args.clients.close()
+                if args.bursts:
+                    ready = time.perf_counter() - t0
+                    asyncio.run(bursts(kind, port, model, prompts, args, ready))
+                    continue
+                asyncio.run(bench(kind, proc.pid, port, model, prompts, args, requests, results))
+            finally:
+                proc.terminate()
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+    finally:
+        if args.clients:
+            args.clients.close()
 
     servers = [kind for kind in args.servers if kind != "null"]  # ratios of real servers
     base = servers[0] if servers else None
