@@ -107,6 +107,15 @@ def start(kind: str, model: str, port: int, args: argparse.Namespace) -> subproc
     raise SystemExit(f"{kind} server did not come up")
 
 
+def stop(proc: subprocess.Popen) -> None:
+    """End a server process: SIGTERM, then SIGKILL if it is still there after 30 s."""
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 class GpuMemory:
     """Peak GPU memory of one process (``pid``; ``None``: the largest of any process, one
     per GPU under mlx.launch), sampled with nvidia-smi."""
@@ -358,11 +367,7 @@ def main() -> None:
                     continue
                 asyncio.run(bench(kind, proc.pid, port, model, prompts, args, requests, results))
             finally:
-                proc.terminate()
-                try:
-                    proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+                stop(proc)
     finally:
         if args.clients:
             args.clients.close()

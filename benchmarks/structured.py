@@ -26,11 +26,10 @@ import asyncio
 import json
 import os
 import statistics
-import subprocess
 import time
 
 import openai
-from server import free_port, start
+from server import free_port, start, stop
 
 from mlx_paged.embedded import embedded_model_path
 
@@ -265,11 +264,7 @@ def main() -> None:
     try:
         asyncio.run(bench(port, model, prompts, args))
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
 
 
 if __name__ == "__main__":
