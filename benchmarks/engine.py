@@ -295,6 +295,27 @@ def measure(name: str, fn: Callable, results: list) -> None:
         print(f"{'':28s} TTFT p50 request: {parts}", flush=True)
 
 
+def summarize(n: int, rounds: list[tuple[str, dict]]) -> None:
+    """Each case's median over W's rounds, and the paged cases' ratio to the median
+    ``BatchGenerator`` + copied prefix of the same warmth (where both ran)."""
+    by_case: dict[str, list[dict]] = {}
+    for name, r in rounds:
+        by_case.setdefault(name, []).append(r)
+    tok_s = {k: statistics.median(r["tok_s"] for r in rs) for k, rs in by_case.items()}
+    for name, rs in by_case.items():
+        base = "batchgen+prefix-warm" if name.endswith("-warm") else "batchgen+prefix"
+        ratio = ""
+        if name != base and base in tok_s:
+            ratio = f" ({tok_s[name] / tok_s[base]:.2f}x {base})"
+        spread = f"{min(r['tok_s'] for r in rs):.1f}-{max(r['tok_s'] for r in rs):.1f}"
+        ttft = statistics.median(r["ttft_p50_s"] for r in rs)
+        print(
+            f"W N={n} {name} median of {len(rs)}: {tok_s[name]:8.1f} tok/s{ratio}, "
+            f"range {spread}; TTFT p50 {ttft:.3f} s",
+            flush=True,
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
@@ -386,10 +407,14 @@ def main() -> None:
                 model, p, a, args.gen, args, prefix=system
             ),
         }
+        rounds = []
         for r in range(args.rounds):
             label = f" #{r + 1}" if args.rounds > 1 else ""
             for name in args.cases:
                 measure(f"W N={n} {name}{label}", cases[name], results)
+                rounds.append((name, results[-1]))
+        if args.rounds > 1:
+            summarize(n, rounds)
 
     if args.mixed:
         prompts = [toks(rng.randrange(64, args.mixed_max + 1)) for _ in range(args.mixed)]

@@ -11,6 +11,7 @@ table holds.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -18,6 +19,7 @@ import mlx.nn as nn
 from ..blocks import LayerKind
 from ..cache import DecodeBatch, PagedKVCache, PagedLayout, StepPagedKVCache, StepStateCache
 from ..storage import KVPool, StatePool
+from .head import Head
 from .masks import MaskWork
 from .picks import pick
 from .request import Request, Sampled
@@ -45,6 +47,8 @@ class ModelRunner:
         self.pools = pools
         self.states = states
         self.masks = MaskWork()
+        #: The model's head, cut to the sampled positions in prefill forwards (``head.py``).
+        self.head = Head.of(model)
         self.vocab = 0  # columns of the logits, once a step has sampled
         #: Decode steps through one compiled function per shape (``engine/compiled.py``).
         self.compiled: Callable[[list[Request], mx.array], mx.array] | None = None
@@ -63,7 +67,8 @@ class ModelRunner:
             return self._forward([req], n, logits)
         start = req.written
         caches = self.layout.bind(self.pools, req.tables, PagedKVCache)
-        out = self.model(mx.array(req.tokens[start : start + n])[None], cache=caches)
+        with self._head_at(logits and n > 1):
+            out = self.model(mx.array(req.tokens[start : start + n])[None], cache=caches)
         last = out[:, -1, :] if logits else None
         mx.eval(last if logits else [], [c.state for c in caches])
         return last
@@ -89,7 +94,7 @@ class ModelRunner:
         counts = counts or (n,) * len(reqs)
         pairs = zip(reqs, counts, strict=True)
         inputs = [r.tokens[r.written : r.written + c] + [0] * (n - c) for r, c in pairs]
-        out, caches = self._batched(reqs, inputs, counts)
+        out, caches = self._batched(reqs, inputs, counts, logits)
         states = self.states.evaluated() if self.states is not None else []
         mx.eval(out if logits else [], [c.state for c in caches], states)
         return out if logits else None
@@ -122,12 +127,13 @@ class ModelRunner:
         reqs: list[Request],
         inputs: list[list[int]] | mx.array,
         counts: tuple[int, ...] | None = None,
+        logits: bool = True,
     ) -> tuple[mx.array, list]:
         """One forward of ``inputs`` (rows of equal length, of which the first ``counts[i]``
         of row ``i`` are real, all by default) over the requests' tables; advances them.
 
         Returns each row's last real position's lazy logits ``(B, V)`` and the caches it
-        ran on.
+        ran on. With ``logits``, the head computes those positions alone.
         """
         n = inputs.shape[1] if isinstance(inputs, mx.array) else len(inputs[0])
         padded = counts is not None and any(c != n for c in counts)
@@ -150,9 +156,10 @@ class ModelRunner:
             ]
         caches = self.layout.bind(self.pools, batches, StepPagedKVCache, views.__getitem__)
         x = inputs if isinstance(inputs, mx.array) else mx.array(inputs)
-        out = self.model(x, cache=caches)
-        if padded:  # each row's last real position
-            last = mx.array(counts, dtype=mx.int32) - 1
+        last = mx.array(counts, dtype=mx.int32) - 1 if padded else None  # last real positions
+        with self._head_at(logits and n > 1, last):
+            out = self.model(x, cache=caches)
+        if padded and out.shape[1] == n:  # the head ran over every position
             out = mx.take_along_axis(out, last[:, None, None], axis=1)[:, 0, :]
         else:
             out = out[:, -1, :]  # (B, V)
@@ -161,6 +168,11 @@ class ModelRunner:
         for view in views:
             view.finish()
         return out, caches
+
+    def _head_at(self, cut: bool, rows: mx.array | None = None) -> AbstractContextManager:
+        """Where ``cut`` (and the model has a ``Head``), the head computes one position
+        per row: ``rows``, or the last."""
+        return self.head.at(rows) if cut and self.head is not None else nullcontext()
 
     def sample(self, reqs: list[Request], logits: mx.array) -> list[Sampled]:
         """One token per request from ``(B, V)`` logits, each with its own settings.
