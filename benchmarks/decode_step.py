@@ -1,0 +1,155 @@
+"""Workload W's decode step at batch B: the engine's host phases against a dense batch.
+
+B requests share a ``--system``-token prompt and add ``--unique`` tokens each.
+``paged``: once every request has its first token, ``--steps`` engine steps
+(overlapped, compiled: as the server runs them), with the step's wall time
+(p10, p50, p90) and the engine's host phases per step (``StepClock``: ``build``
+is the step's graph, ``dispatch`` the picks and ``mx.async_eval``, ``wait`` the
+previous step's read). ``dense``: mlx-lm's ``KVCache`` of the same prompts
+merged into one ``BatchKVCache``, one synchronous step at a time (argmax read
+each step). ``--graph`` prints the primitives of one step's graph by kind
+instead of timing. ``--profile`` brackets three timed steps with
+``cuProfilerStart``/``Stop``, for ``ncu --profile-from-start off``.
+
+Usage:
+    python benchmarks/decode_step.py --model /root/l1b --batch 64 32 --cases paged dense
+    python benchmarks/decode_step.py --model /root/l1b --batch 64 --cases paged --graph
+    ncu --clock-control none --profile-from-start off --metrics gpu__time_duration.sum \\
+        python benchmarks/decode_step.py --model /root/l1b --batch 64 --cases paged --profile
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import copy
+import ctypes
+import io
+import random
+import re
+import statistics
+import time
+
+import mlx.core as mx
+from mlx_lm import load
+from mlx_lm.models.cache import make_prompt_cache
+
+from mlx_paged import PagedEngine
+
+
+def profiler(on: bool) -> None:
+    """Start or stop the CUDA profiler's range (for ncu), the device synchronized."""
+    mx.synchronize()
+    lib = ctypes.CDLL("libcuda.so.1")
+    (lib.cuProfilerStart if on else lib.cuProfilerStop)()
+
+
+def graph_counts(arr: mx.array) -> collections.Counter[str]:
+    """The primitives of ``arr``'s graph, by kind."""
+    out = io.StringIO()
+    mx.export_to_dot(out, arr)
+    return collections.Counter(re.findall(r'label ="([A-Za-z_0-9]+)', out.getvalue()))
+
+
+def timed_steps(step, n: int, profile: bool) -> list[float]:
+    times = []
+    if profile:
+        profiler(True)
+    for _ in range(3 if profile else n):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    if profile:
+        profiler(False)
+    return times
+
+
+def spread(times: list[float]) -> str:
+    q = statistics.quantiles(times, n=10) if len(times) > 1 else times * 9
+    return (
+        f"p10 {q[0] * 1e3:.2f}, p50 {statistics.median(times) * 1e3:.2f}, p90 {q[-1] * 1e3:.2f} ms"
+    )
+
+
+def paged(model, prompts: list[list[int]], args) -> None:
+    b = len(prompts)
+    engine = PagedEngine(model, max_batch_size=b, prefill_step_size=2048)
+    engine.generate([prompts[0]], max_tokens=1)  # caches the shared prompt
+    for p in prompts:
+        engine.add_request(p, args.steps + 40)
+    while engine.waiting or any(not r.generated for r in engine.running):
+        engine.step()
+    for _ in range(10):  # the step's shapes traced
+        engine.step()
+    if args.graph:
+        decode = engine.runner.decode
+
+        def spy(reqs, tokens=None):
+            logits = decode(reqs, tokens)
+            counts = graph_counts(logits)
+            print(f"paged B={b}: {sum(counts.values())} primitives: {dict(counts.most_common())}")
+            return logits
+
+        engine.runner.decode = spy
+        engine.step()
+        return
+    mx.synchronize()
+    engine.clock.reset()
+    times = timed_steps(engine.step, args.steps, args.profile)
+    steps = engine.clock.decode_steps
+    phases = {k: round(v / steps * 1e3, 2) for k, v in engine.clock.seconds.items() if v}
+    print(f"paged B={b}: step {spread(times)}; host ms/step {phases}", flush=True)
+
+
+def dense(model, prompts: list[list[int]], args) -> None:
+    b = len(prompts)
+    shared = make_prompt_cache(model)
+    model(mx.array(prompts[0][: args.system])[None], cache=shared)
+    mx.eval([c.state for c in shared])
+    caches = []
+    for p in prompts:  # the shared prompt copied, then each request's own tokens
+        c = copy.deepcopy(shared)
+        mx.eval(model(mx.array(p[args.system :])[None], cache=c))
+        caches.append(c)
+    batch = [type(layer[0]).merge(list(layer)) for layer in zip(*caches, strict=True)]
+    y = mx.array([[p[-1]] for p in prompts])
+
+    def step() -> None:
+        nonlocal y
+        y = mx.argmax(model(y, cache=batch)[:, -1, :], axis=-1)[:, None]
+        y.tolist()
+
+    if args.graph:
+        counts = graph_counts(model(y, cache=batch)[:, -1, :])
+        print(f"dense B={b}: {sum(counts.values())} primitives: {dict(counts.most_common())}")
+        return
+    for _ in range(5):
+        step()
+    print(f"dense B={b}: step {spread(timed_steps(step, args.steps, args.profile))} (synchronous)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True, help="an mlx-lm model directory")
+    parser.add_argument("--batch", type=int, nargs="+", default=[64])
+    parser.add_argument(
+        "--cases", nargs="+", default=["paged", "dense"], choices=["paged", "dense"]
+    )
+    parser.add_argument("--system", type=int, default=2048)
+    parser.add_argument("--unique", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--graph", action="store_true", help="count one step's primitives")
+    parser.add_argument("--profile", action="store_true", help="three steps in a profiler range")
+    args = parser.parse_args()
+    model, _ = load(args.model)
+    rng = random.Random(0)
+    vocab = model.args.vocab_size
+    system = [rng.randrange(vocab) for _ in range(args.system)]
+    for b in args.batch:
+        prompts = [system + [rng.randrange(vocab) for _ in range(args.unique)] for _ in range(b)]
+        for case in args.cases:
+            {"paged": paged, "dense": dense}[case](model, prompts, args)
+
+
+if __name__ == "__main__":
+    main()
