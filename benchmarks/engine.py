@@ -71,8 +71,10 @@ QWEN3_5 = dict(
 )
 
 
-def build_model(args):
-    if args.shape == "qwen3_5":
+def build_model(args, tied: bool = True):
+    """A random-weight model of ``args``' shape (``--shape``, llama unless given); a llama's
+    head is its embedding unless ``tied`` is false."""
+    if getattr(args, "shape", "llama") == "qwen3_5":
         from mlx_lm.models import qwen3_5
 
         config = dict(
@@ -98,7 +100,7 @@ def build_model(args):
             rms_norm_eps=1e-5,
             vocab_size=args.vocab,
             rope_theta=500000.0,
-            tie_word_embeddings=True,
+            tie_word_embeddings=tied,
         )
     )
     model.set_dtype(getattr(mx, args.dtype))

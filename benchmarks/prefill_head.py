@@ -23,29 +23,9 @@ import statistics
 import time
 
 import mlx.core as mx
-from mlx_lm.models import llama
+from engine import build_model
 
 from mlx_paged import PagedEngine
-
-
-def build_model(args) -> llama.Model:
-    heads = max(1, args.hidden // 64)
-    model = llama.Model(
-        llama.ModelArgs(
-            model_type="llama",
-            hidden_size=args.hidden,
-            num_hidden_layers=args.layers,
-            intermediate_size=args.hidden * 4,
-            num_attention_heads=heads,
-            num_key_value_heads=max(1, heads // 4),
-            rms_norm_eps=1e-5,
-            vocab_size=args.vocab,
-            tie_word_embeddings=False,
-        )
-    )
-    model.set_dtype(getattr(mx, args.dtype))
-    mx.eval(model.parameters())
-    return model
 
 
 def timed(fn) -> tuple[float, float]:
@@ -92,7 +72,7 @@ def main() -> None:
         f"{args.prefill_step_size}, burst {args.n} x {args.suffix}",
         flush=True,
     )
-    model = build_model(args)
+    model = build_model(args, tied=False)
     run(model, args, True, seed=-1)  # the process's first-use work for these shapes
     run(model, args, False, seed=-2)
     seen: dict[tuple[str, str], list[tuple[float, float]]] = {}
