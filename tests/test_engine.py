@@ -737,9 +737,9 @@ def test_warm_up_leaves_the_engine_as_good_as_new():
     engine.runner.decode = recording
     forward, padded = engine.runner.forward, []
 
-    def spy(reqs, n, logits=False, counts=None):
+    def spy(reqs, n, logits=False, counts=None, wait=True):
         padded.append(counts is not None and len(set(counts)) > 1)
-        return forward(reqs, n, logits, counts)
+        return forward(reqs, n, logits, counts, wait)
 
     engine.runner.forward = spy
     picks: list[int] = []

@@ -443,9 +443,9 @@ def record_forwards(engine, monkeypatch) -> list[tuple[int, tuple[int, ...] | No
     calls: list[tuple[int, tuple[int, ...] | None]] = []
     forward = engine.runner.forward
 
-    def spy(reqs, n, logits=False, counts=None):
+    def spy(reqs, n, logits=False, counts=None, wait=True):
         calls.append((n, counts))
-        return forward(reqs, n, logits, counts)
+        return forward(reqs, n, logits, counts, wait)
 
     monkeypatch.setattr(engine.runner, "forward", spy)
     return calls

@@ -96,6 +96,8 @@ class PagedEngine:
             the host builds step t+1 while the device runs step t (as mlx-lm's
             ``generate_step`` does), while no running request has a constraint. A step's
             tokens come out with the next step's events; a stop token costs one row.
+            Batched prefill forwards overlap the same way: each is dispatched before the
+            first tokens of the one before it are sampled.
         compile_decode: Replay each decode step's graph, built once per step shape
             (``engine/compiled.py``); ``None``: on unless ``MLX_PAGED_COMPILE=off``.
     """
@@ -241,8 +243,9 @@ class PagedEngine:
         """Admit and prefill what fits, then decode one token for every running request.
 
         Returns the step's events. ``on_event`` hears each one as soon as it
-        exists: a new request's first token right after its own prefill, before
-        the step's other prefills and its decode. With ``overlap``, a decode's
+        exists: a new request's first token right after its own prefill (with
+        ``overlap``, once the next batched prefill is dispatched), before the step's
+        decode. With ``overlap``, a decode's
         tokens come out in the next step, once its successor is dispatched. It
         must not call ``abort`` (the step is under way); abort after ``step``
         returns.
@@ -252,9 +255,16 @@ class PagedEngine:
             self.agreement.check(self.scheduler)
         clock = self.clock
         clock.start()
+        pending: tuple[Prefill, mx.array] | None = None  # dispatched, first tokens not read
         for work in self.scheduler.admit():
             clock.lap("admit")
-            events += _tell(self._prefill(work), on_event, clock, "prefill")
+            logits = self._prefill(work, wait=not self._overlaps_prefill(work))
+            if pending is not None:  # read while this work's forwards run
+                events += _tell(self._first_tokens(*pending), on_event, clock, "prefill")
+            pending = (work, logits) if work.fresh else None
+            clock.lap("prefill")
+        if pending is not None:
+            events += _tell(self._first_tokens(*pending), on_event, clock, "prefill")
         clock.lap("admit")
         if self.scheduler.running:
             events += _tell(self.decoder.step(), on_event, clock, "emit")
@@ -290,21 +300,31 @@ class PagedEngine:
 
     # ---- steps ------------------------------------------------------------
 
-    def _prefill(self, work: Prefill) -> list[Event]:
-        """Run a prefill's forwards, indexing the blocks each one wrote; sample first tokens."""
+    def _prefill(self, work: Prefill, wait: bool = True) -> mx.array | None:
+        """Run a prefill's forwards, indexing the blocks each one wrote; return the lazy
+        logits of its rows' first tokens (``None`` unless ``work.fresh``), evaluated
+        unless ``wait`` is false (then only dispatched)."""
         logits = None
         for i, n in enumerate(work.steps):
             want = work.fresh and i == len(work.steps) - 1
             if work.alone:
                 logits = self.runner.prefill(work.requests[0], n, logits=want)
             else:
-                logits = self.runner.forward(work.requests, n, want, work.step_counts(i))
+                counts = work.step_counts(i)
+                logits = self.runner.forward(work.requests, n, want, counts, wait or not want)
             for req in work.requests:
                 self.scheduler.index_written(req)
-        if not work.fresh:
-            return []
+        return logits
+
+    def _first_tokens(self, work: Prefill, logits: mx.array) -> list[Event]:
+        """Sample and emit the first tokens of a fresh prefill's rows."""
         sampled = self.runner.sample(work.requests, logits)
         return emit(self.scheduler, self.runner, work.requests, sampled)
+
+    def _overlaps_prefill(self, work: Prefill) -> bool:
+        """Whether ``work``'s last forward may be dispatched unread: a batched prefill of
+        a model without recurrent state, with ``overlap``."""
+        return self.decoder.overlap and not work.alone and self.runner.states is None
 
 
 def snapshot_interval(interval: object, block_size: int) -> int:

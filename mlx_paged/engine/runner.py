@@ -79,24 +79,32 @@ class ModelRunner:
         n: int,
         logits: bool = False,
         counts: tuple[int, ...] | None = None,
+        wait: bool = True,
     ) -> mx.array | None:
         """Run the next ``n`` tokens of each request together (blocks reserved); with
         ``counts``, the next ``counts[i]`` of request ``i``, padded on the right to ``n``.
 
         Returns each request's last real position's logits ``(B, V)`` if asked, else
-        ``None``.
+        ``None``. Evaluated before it returns, or with ``wait`` false only dispatched
+        (``mx.async_eval``): the host may build the next forward while this one runs.
         """
-        return self._forward(reqs, n, logits, counts)
+        return self._forward(reqs, n, logits, counts, wait)
 
     def _forward(
-        self, reqs: list[Request], n: int, logits: bool, counts: tuple[int, ...] | None = None
+        self,
+        reqs: list[Request],
+        n: int,
+        logits: bool,
+        counts: tuple[int, ...] | None = None,
+        wait: bool = True,
     ) -> mx.array | None:
         counts = counts or (n,) * len(reqs)
         pairs = zip(reqs, counts, strict=True)
         inputs = [r.tokens[r.written : r.written + c] + [0] * (n - c) for r, c in pairs]
         out, caches = self._batched(reqs, inputs, counts, logits)
         states = self.states.evaluated() if self.states is not None else []
-        mx.eval(out if logits else [], [c.state for c in caches], states)
+        evaluate = mx.eval if wait else mx.async_eval
+        evaluate(out if logits else [], [c.state for c in caches], states)
         return out if logits else None
 
     def migrate(self, reqs: list[Request]) -> int:
