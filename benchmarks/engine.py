@@ -337,7 +337,10 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument(
-        "--prefill-step-size", type=int, default=512, help="for both systems (engine default)"
+        "--prefill-step-size",
+        type=int,
+        default=2048,
+        help="for both systems (their default: PagedEngine's and BatchGenerator's)",
     )
     parser.add_argument(
         "--prefill-budget", type=int, default=None, help="the engine's prompt tokens per step"

@@ -124,6 +124,45 @@ def test_suffixes_of_different_lengths_share_one_padded_forward(family, monkeypa
     assert engine.stats().live_blocks == 0
 
 
+@pytest.mark.parametrize("overlap", [True, False])
+def test_batched_prefills_are_dispatched_before_the_first_tokens_before_them_are_read(overlap):
+    """With ``overlap``, each batched prefill forward after the first goes out before the
+    first tokens of the one before it are read (they are picked on the device first);
+    without it, each forward is read before the next. The tokens are the same."""
+    rng = random.Random(11)
+    system = [rng.randrange(VOCAB) for _ in range(24)]
+    prompts = [system + [rng.randrange(VOCAB) for _ in range(6)] for _ in range(6)]
+    engine = PagedEngine(
+        model_of("llama"), block_size=BS, max_batch_size=6, prefill_batch_tokens=12, overlap=overlap
+    )
+    engine.generate([system], max_tokens=1)  # caches the prefix: 6 suffixes, 2 rows a forward
+    log: list[tuple[str, object]] = []
+    forward = engine.runner.forward
+
+    def spy(reqs, n, logits=False, counts=None, wait=True):
+        log.append(("forward", tuple(r.uid for r in reqs), wait))
+        return forward(reqs, n, logits, counts, wait)
+
+    engine.runner.forward = spy
+    uids = [engine.add_request(p, MAX_TOKENS) for p in prompts]
+    out: dict[int, list[int]] = {u: [] for u in uids}
+    while engine.waiting or engine.running:
+        for e in engine.step(on_event=lambda e: log.append(("token", e.uid))):
+            out[e.uid].append(e.token)
+    forwards = [entry for entry in log if entry[0] == "forward"]
+    assert [len(f[1]) for f in forwards] == [2, 2, 2]
+    assert all(f[2] is not overlap for f in forwards)  # dispatched only, or read
+    firsts = [log.index(("token", f[1][0])) for f in forwards]
+    nexts = [log.index(f) for f in forwards[1:]]
+    if overlap:  # forward k + 1 before forward k's first tokens
+        assert all(nxt < first for nxt, first in zip(nexts, firsts, strict=False))
+    else:
+        assert all(first < nxt for nxt, first in zip(nexts, firsts, strict=False))
+    for prompt, uid in zip(prompts, uids, strict=True):
+        assert out[uid] == solo("llama", tuple(prompt))
+    assert engine.stats().live_blocks == 0
+
+
 def test_a_prefill_budget_changes_when_tokens_come_not_which():
     prompts = mixed_prompts()
     engine = PagedEngine(model_of("llama"), block_size=BS, max_batch_size=6, prefill_budget=24)

@@ -32,6 +32,7 @@ from .compiled import CompiledDecode
 from .decode import Decoder, emit
 from .disk_tier import DiskTier
 from .distributed import Agreement
+from .picks import Picks, pick
 from .request import (
     EngineStats,
     Event,
@@ -255,13 +256,22 @@ class PagedEngine:
             self.agreement.check(self.scheduler)
         clock = self.clock
         clock.start()
-        pending: tuple[Prefill, mx.array] | None = None  # dispatched, first tokens not read
+        pending: tuple[Prefill, mx.array | Picks] | None = None  # first tokens not read yet
         for work in self.scheduler.admit():
             clock.lap("admit")
-            logits = self._prefill(work, wait=not self._overlaps_prefill(work))
+            overlap = self._overlaps_prefill(work)
+            logits = self._prefill(work, wait=not overlap)
+            if overlap and logits is not None:  # picked on the device before the next forward
+                self.runner.vocab = logits.shape[-1]
+                logits = pick(work.requests, logits)
+                mx.async_eval(logits.arrays())
             if pending is not None:  # read while this work's forwards run
                 events += _tell(self._first_tokens(*pending), on_event, clock, "prefill")
-            pending = (work, logits) if work.fresh else None
+                pending = None
+            if work.fresh and overlap:
+                pending = (work, logits)
+            elif work.fresh:
+                events += _tell(self._first_tokens(work, logits), on_event, clock, "prefill")
             clock.lap("prefill")
         if pending is not None:
             events += _tell(self._first_tokens(*pending), on_event, clock, "prefill")
@@ -316,15 +326,21 @@ class PagedEngine:
                 self.scheduler.index_written(req)
         return logits
 
-    def _first_tokens(self, work: Prefill, logits: mx.array) -> list[Event]:
-        """Sample and emit the first tokens of a fresh prefill's rows."""
-        sampled = self.runner.sample(work.requests, logits)
+    def _first_tokens(self, work: Prefill, logits: mx.array | Picks) -> list[Event]:
+        """Sample (or read the picks of) and emit the first tokens of a fresh prefill's
+        rows."""
+        if isinstance(logits, Picks):
+            sampled = logits.read(work.requests, self.runner.vocab)
+        else:
+            sampled = self.runner.sample(work.requests, logits)
         return emit(self.scheduler, self.runner, work.requests, sampled)
 
     def _overlaps_prefill(self, work: Prefill) -> bool:
-        """Whether ``work``'s last forward may be dispatched unread: a batched prefill of
-        a model without recurrent state, with ``overlap``."""
-        return self.decoder.overlap and not work.alone and self.runner.states is None
+        """Whether ``work``'s last forward and its picks may be dispatched unread: a batched
+        prefill of a model without recurrent state, with ``overlap``, and no constraint
+        (whose mask needs the host)."""
+        overlap = self.decoder.overlap and not work.alone and self.runner.states is None
+        return overlap and all(r.constraint is None for r in work.requests)
 
 
 def snapshot_interval(interval: object, block_size: int) -> int:
