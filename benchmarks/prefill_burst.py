@@ -3,10 +3,12 @@
 ``PagedEngine`` on an mlx-lm model directory caches a ``--system``-token prefix,
 then takes bursts of ``--n`` requests that add a suffix of their own: all of
 one length (``equal``) or of lengths drawn from ``--ragged LO HI`` (``ragged``).
-Each burst is admitted and prefilled (every first token sampled), timed with
-the device synchronized, then aborted. One line per case: milliseconds per
-burst, in order (the first holds the process's first-use work for the shapes),
-and the prefill forwards a burst took.
+Each request asks for one token: a burst is timed, with the device
+synchronized, from its admission until every first token is out (``step``
+until all have finished). One line per case: milliseconds per burst, in order
+(the first holds the process's first-use work for the shapes), and the prefill
+forwards a burst took. ``--dense`` adds mlx-lm's ``KVCache`` running each equal
+burst as one batch over the same prefix (repeated per row outside the clock).
 
 Usage:
     python benchmarks/prefill_burst.py --model /root/l1b --prefill-step-size 512 2048
@@ -14,6 +16,8 @@ Usage:
     python benchmarks/prefill_burst.py --model /root/l1b --prefill-step-size 512 --breakdown
     python benchmarks/prefill_burst.py --model /root/l1b --prefill-step-size 512 --warm-up
     python benchmarks/prefill_burst.py --model DIR --system 1030 --num-blocks 100000  # copies
+    python benchmarks/prefill_burst.py --model /root/l1b --system 2048 --suffix 64 --n 32 64 \
+        --prefill-step-size 2048 --overlap off on --dense    # overlapped prefills, dense baseline
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import time
 
 import mlx.core as mx
 from mlx_lm import load
+from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_paged import PagedEngine
 from mlx_paged.engine.warmup import warm_up
@@ -61,20 +66,46 @@ class Split:
 def burst(
     engine: PagedEngine, prompts: list[list[int]], split: Split | None = None
 ) -> tuple[float, int]:
-    """Milliseconds to prefill ``prompts`` (first tokens sampled), and the forwards taken."""
-    uids = [engine.add_request(p, 4) for p in prompts]
+    """Milliseconds until every one of ``prompts`` has its first token (``step``s of
+    requests for one token each), and the prefill forwards taken."""
+    forwards = 0
+    prefill = engine._prefill
+
+    def counting(work, *args, **kwargs):
+        nonlocal forwards
+        forwards += len(work.steps)
+        return prefill(work, *args, **kwargs)
+
+    engine._prefill = counting
+    for p in prompts:
+        engine.add_request(p, 1)
     mx.synchronize()
     if split is not None:
         split.reset()
-    start, forwards = time.perf_counter(), 0
-    for work in engine.scheduler.admit():
-        engine._prefill(work)
-        forwards += len(work.steps)
+    start = time.perf_counter()
+    while engine.waiting or engine.running:
+        engine.step()
     mx.synchronize()
     elapsed = 1000 * (time.perf_counter() - start)
-    for uid in uids:
-        engine.abort(uid)
+    engine._prefill = prefill
     return elapsed, forwards
+
+
+def dense_burst(model, system: list[int], suffixes: list[list[int]]) -> float:
+    """Milliseconds for mlx-lm's ``KVCache`` to run ``suffixes`` (equal lengths) as one
+    batch after ``system`` and give each row's last logits, ``system`` prefilled once
+    and repeated per row outside the clock."""
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.array(system)[None], cache=cache))
+    for c in cache:
+        c.keys = mx.repeat(c.keys[:, :, : c.offset], len(suffixes), axis=0)
+        c.values = mx.repeat(c.values[:, :, : c.offset], len(suffixes), axis=0)
+    mx.eval([c.state for c in cache])
+    mx.synchronize()
+    start = time.perf_counter()
+    logits = model(mx.array(suffixes), cache=cache)[:, -1]
+    mx.eval(logits, [c.state for c in cache])
+    return 1000 * (time.perf_counter() - start)
 
 
 def main() -> None:
@@ -93,9 +124,23 @@ def main() -> None:
         "--breakdown",
         action="store_true",
         help="also print the last burst's ms building the forwards' graphs, in the forwards "
-        "with their evaluation, and in the rest (sampling, indexing)",
+        "with their evaluation, and in the rest (sampling, indexing; with --overlap on, the "
+        "wait for an overlapped forward too)",
     )
     ap.add_argument("--warm-up", action="store_true", help="run the server's warm-up first")
+    ap.add_argument(
+        "--overlap",
+        nargs="+",
+        choices=["on", "off"],
+        default=["on"],
+        help="PagedEngine's overlap: batched prefills dispatched before the previous one's "
+        "first tokens are read (on), or each read first (off)",
+    )
+    ap.add_argument(
+        "--dense",
+        action="store_true",
+        help="also time mlx-lm's KVCache on each equal burst, as one batch (the baseline)",
+    )
     ap.add_argument(
         "--num-blocks",
         type=int,
@@ -105,13 +150,15 @@ def main() -> None:
     )
     args = ap.parse_args()
     model, _ = load(args.model)
-    for step, batch_tokens in itertools.product(args.prefill_step_size, args.prefill_batch_tokens):
+    settings = itertools.product(args.prefill_step_size, args.prefill_batch_tokens, args.overlap)
+    for step, batch_tokens, overlap in settings:
         engine = PagedEngine(
             model,
             max_batch_size=max(args.n),
             prefill_step_size=step,
             prefill_batch_tokens=batch_tokens,
             num_blocks=args.num_blocks,
+            overlap=overlap == "on",
         )
         if args.warm_up:
             print(f"warm-up: {warm_up(engine):.2f} s", flush=True)
@@ -122,16 +169,20 @@ def main() -> None:
         split = Split(engine) if args.breakdown else None
         for n in args.n:
             for kind in ("equal", "ragged"):
-                times = []
+                times, dense = [], []
                 for _ in range(args.rounds):
                     lo, hi = (args.suffix, args.suffix) if kind == "equal" else args.ragged
                     lengths = [rng.randint(lo, hi) for _ in range(n)]
-                    prompts = [system + [rng.randrange(vocab) for _ in range(k)] for k in lengths]
-                    times.append(burst(engine, prompts, split))
+                    suffixes = [[rng.randrange(vocab) for _ in range(k)] for k in lengths]
+                    times.append(burst(engine, [system + x for x in suffixes], split))
+                    if args.dense and kind == "equal":
+                        dense.append(dense_burst(model, system, suffixes))
                 ms = " ".join(f"{t:.1f}" for t, _ in times)
-                line = f"prefill_step_size {step} batch tokens {batch_tokens} "
+                line = f"prefill_step_size {step} batch tokens {batch_tokens} overlap {overlap} "
                 line += f"n={n} {kind}: "
                 line += f"ms per burst {ms}; "
+                if dense:
+                    line += f"dense {' '.join(f'{t:.1f}' for t in dense)}; "
                 line += f"forwards {times[-1][1]}"
                 if split is not None:
                     other = times[-1][0] - 1e3 * split.forward
