@@ -256,22 +256,17 @@ class PagedEngine:
             self.agreement.check(self.scheduler)
         clock = self.clock
         clock.start()
-        pending: tuple[Prefill, mx.array | Picks] | None = None  # first tokens not read yet
+        pending: tuple[Prefill, Picks] | None = None  # first tokens dispatched, not read
         for work in self.scheduler.admit():
             clock.lap("admit")
-            overlap = self._overlaps_prefill(work)
-            logits = self._prefill(work, wait=not overlap)
-            if overlap and logits is not None:  # picked on the device before the next forward
-                self.runner.vocab = logits.shape[-1]
-                logits = pick(work.requests, logits)
-                mx.async_eval(logits.arrays())
+            first = self._prefill(work)
             if pending is not None:  # read while this work's forwards run
                 events += _tell(self._first_tokens(*pending), on_event, clock, "prefill")
                 pending = None
-            if work.fresh and overlap:
-                pending = (work, logits)
-            elif work.fresh:
-                events += _tell(self._first_tokens(work, logits), on_event, clock, "prefill")
+            if isinstance(first, Picks):
+                pending = (work, first)
+            elif first is not None:
+                events += _tell(self._first_tokens(work, first), on_event, clock, "prefill")
             clock.lap("prefill")
         if pending is not None:
             events += _tell(self._first_tokens(*pending), on_event, clock, "prefill")
@@ -310,24 +305,32 @@ class PagedEngine:
 
     # ---- steps ------------------------------------------------------------
 
-    def _prefill(self, work: Prefill, wait: bool = True) -> mx.array | None:
-        """Run a prefill's forwards, indexing the blocks each one wrote; return the lazy
-        logits of its rows' first tokens (``None`` unless ``work.fresh``), evaluated
-        unless ``wait`` is false (then only dispatched)."""
+    def _prefill(self, work: Prefill) -> mx.array | Picks | None:
+        """Run a prefill's forwards, indexing the blocks each one wrote.
+
+        Returns ``None`` unless ``work.fresh``; else its rows' first-token logits,
+        evaluated, or where the work overlaps (``_overlaps_prefill``) their lazy picks,
+        dispatched with the last forward and not read."""
+        overlap = self._overlaps_prefill(work)
         logits = None
         for i, n in enumerate(work.steps):
             want = work.fresh and i == len(work.steps) - 1
             if work.alone:
                 logits = self.runner.prefill(work.requests[0], n, logits=want)
             else:
-                counts = work.step_counts(i)
-                logits = self.runner.forward(work.requests, n, want, counts, wait or not want)
+                counts, wait = work.step_counts(i), not (overlap and want)
+                logits = self.runner.forward(work.requests, n, want, counts, wait)
             for req in work.requests:
                 self.scheduler.index_written(req)
-        return logits
+        if not overlap or logits is None:
+            return logits
+        self.runner.vocab = logits.shape[-1]
+        picks = pick(work.requests, logits)
+        mx.async_eval(picks.arrays())
+        return picks
 
     def _first_tokens(self, work: Prefill, logits: mx.array | Picks) -> list[Event]:
-        """Sample (or read the picks of) and emit the first tokens of a fresh prefill's
+        """Sample ``logits`` (or read picks) and emit the first tokens of a fresh prefill's
         rows."""
         if isinstance(logits, Picks):
             sampled = logits.read(work.requests, self.runner.vocab)
