@@ -69,14 +69,14 @@ def burst(
     """Milliseconds until every one of ``prompts`` has its first token (``step``s of
     requests for one token each), and the prefill forwards taken."""
     forwards = 0
-    prefill = engine._prefill
+    prefill = engine.prefiller.prefill
 
     def counting(work, *args, **kwargs):
         nonlocal forwards
         forwards += len(work.steps)
         return prefill(work, *args, **kwargs)
 
-    engine._prefill = counting
+    engine.prefiller.prefill = counting
     for p in prompts:
         engine.add_request(p, 1)
     mx.synchronize()
@@ -87,7 +87,7 @@ def burst(
         engine.step()
     mx.synchronize()
     elapsed = 1000 * (time.perf_counter() - start)
-    engine._prefill = prefill
+    engine.prefiller.prefill = prefill
     return elapsed, forwards
 
 

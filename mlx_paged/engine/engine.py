@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from functools import partial
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -29,15 +30,14 @@ from ..blocks import LayerKind, check_block_size
 from ..cache import PagedLayout, make_pools
 from ..storage import KVPool, StatePool, check_kv_dtype, check_kv_quant
 from .compiled import CompiledDecode
-from .decode import Decoder, emit
+from .decode import Decoder
 from .disk_tier import DiskTier
 from .distributed import Agreement
-from .picks import Picks, pick
+from .prefilling import Prefiller
 from .request import (
     EngineStats,
     Event,
     LogitsProcessor,
-    Prefill,
     Request,
     Sampler,
     TokenConstraint,
@@ -163,6 +163,7 @@ class PagedEngine:
         self.vocab_size = vocab_size(model)
         self.clock = StepClock()  # host time per step phase (``engine/timing.py``)
         self.decoder = Decoder(self.scheduler, self.runner, self.clock, self.vocab_size, overlap)
+        self.prefiller = Prefiller(self.scheduler, self.runner, self.clock, overlap)
         self._next_uid = 0
         route_attention()
 
@@ -256,20 +257,8 @@ class PagedEngine:
             self.agreement.check(self.scheduler)
         clock = self.clock
         clock.start()
-        pending: tuple[Prefill, Picks] | None = None  # first tokens dispatched, not read
-        for work in self.scheduler.admit():
-            clock.lap("admit")
-            first = self._prefill(work)
-            if pending is not None:  # read while this work's forwards run
-                events += _tell(self._first_tokens(*pending), on_event, clock, "prefill")
-                pending = None
-            if isinstance(first, Picks):
-                pending = (work, first)
-            elif first is not None:
-                events += _tell(self._first_tokens(work, first), on_event, clock, "prefill")
-            clock.lap("prefill")
-        if pending is not None:
-            events += _tell(self._first_tokens(*pending), on_event, clock, "prefill")
+        tell = partial(_tell, on_event=on_event, clock=clock, phase="prefill")
+        events += self.prefiller.run(self.scheduler.admit(), tell)
         clock.lap("admit")
         if self.scheduler.running:
             events += _tell(self.decoder.step(), on_event, clock, "emit")
@@ -302,48 +291,6 @@ class PagedEngine:
     def check_invariants(self) -> None:
         """Assert refcounts equal holders in every group and the index agrees with the pools."""
         self.scheduler.check_invariants()
-
-    # ---- steps ------------------------------------------------------------
-
-    def _prefill(self, work: Prefill) -> mx.array | Picks | None:
-        """Run a prefill's forwards, indexing the blocks each one wrote.
-
-        Returns ``None`` unless ``work.fresh``; else its rows' first-token logits,
-        evaluated, or where the work overlaps (``_overlaps_prefill``) their lazy picks,
-        dispatched with the last forward and not read."""
-        overlap = self._overlaps_prefill(work)
-        logits = None
-        for i, n in enumerate(work.steps):
-            want = work.fresh and i == len(work.steps) - 1
-            if work.alone:
-                logits = self.runner.prefill(work.requests[0], n, logits=want)
-            else:
-                counts, wait = work.step_counts(i), not (overlap and want)
-                logits = self.runner.forward(work.requests, n, want, counts, wait)
-            for req in work.requests:
-                self.scheduler.index_written(req)
-        if not overlap or logits is None:
-            return logits
-        self.runner.vocab = logits.shape[-1]
-        picks = pick(work.requests, logits)
-        mx.async_eval(picks.arrays())
-        return picks
-
-    def _first_tokens(self, work: Prefill, logits: mx.array | Picks) -> list[Event]:
-        """Sample ``logits`` (or read picks) and emit the first tokens of a fresh prefill's
-        rows."""
-        if isinstance(logits, Picks):
-            sampled = logits.read(work.requests, self.runner.vocab)
-        else:
-            sampled = self.runner.sample(work.requests, logits)
-        return emit(self.scheduler, self.runner, work.requests, sampled)
-
-    def _overlaps_prefill(self, work: Prefill) -> bool:
-        """Whether ``work``'s last forward and its picks may be dispatched unread: a batched
-        prefill of a model without recurrent state, with ``overlap``, and no constraint
-        (whose mask needs the host)."""
-        overlap = self.decoder.overlap and not work.alone and self.runner.states is None
-        return overlap and all(r.constraint is None for r in work.requests)
 
 
 def snapshot_interval(interval: object, block_size: int) -> int:
