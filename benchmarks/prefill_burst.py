@@ -6,9 +6,10 @@ one length (``equal``) or of lengths drawn from ``--ragged LO HI`` (``ragged``).
 Each request asks for one token: a burst is timed, with the device
 synchronized, from its admission until every first token is out (``step``
 until all have finished). One line per case: milliseconds per burst, in order
-(the first holds the process's first-use work for the shapes), and the prefill
-forwards a burst took. ``--dense`` adds mlx-lm's ``KVCache`` running each equal
-burst as one batch over the same prefix (repeated per row outside the clock).
+(the first holds the process's first-use work for the shapes), the prefill
+forwards a burst took, and the peak memory of the case's rounds. ``--dense`` adds
+mlx-lm's ``KVCache`` running each equal burst as one batch over the same prefix
+(repeated per row outside the clock).
 
 Usage:
     python benchmarks/prefill_burst.py --model /root/l1b --prefill-step-size 512 2048
@@ -18,6 +19,8 @@ Usage:
     python benchmarks/prefill_burst.py --model DIR --system 1030 --num-blocks 100000  # copies
     python benchmarks/prefill_burst.py --model /root/l1b --system 2048 --suffix 64 --n 32 64 \
         --prefill-step-size 2048 --overlap off on --dense    # overlapped prefills, dense baseline
+    python benchmarks/prefill_burst.py --model /root/l1b --system 2048 --suffix 64 --n 32 64 \
+        --prefill-kernel off on --dense    # the fused prefill kernel against attention by ops
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_paged import PagedEngine
+from mlx_paged.attention import PREFILL_KERNELS, path_counts
 from mlx_paged.engine.warmup import warm_up
 
 
@@ -137,6 +141,14 @@ def main() -> None:
         "first tokens are read (on), or each read first (off)",
     )
     ap.add_argument(
+        "--prefill-kernel",
+        nargs="+",
+        choices=["on", "off"],
+        default=["on"],
+        help="offer batched prefills to the fused paged prefill kernels (on: where one runs) "
+        "or keep attention over gathered K/V (off)",
+    )
+    ap.add_argument(
         "--dense",
         action="store_true",
         help="also time mlx-lm's KVCache on each equal burst, as one batch (the baseline)",
@@ -150,8 +162,12 @@ def main() -> None:
     )
     args = ap.parse_args()
     model, _ = load(args.model)
-    settings = itertools.product(args.prefill_step_size, args.prefill_batch_tokens, args.overlap)
-    for step, batch_tokens, overlap in settings:
+    kernels = list(PREFILL_KERNELS)
+    settings = itertools.product(
+        args.prefill_kernel, args.prefill_step_size, args.prefill_batch_tokens, args.overlap
+    )
+    for kernel, step, batch_tokens, overlap in settings:
+        PREFILL_KERNELS[:] = kernels if kernel == "on" else []
         engine = PagedEngine(
             model,
             max_batch_size=max(args.n),
@@ -170,20 +186,25 @@ def main() -> None:
         for n in args.n:
             for kind in ("equal", "ragged"):
                 times, dense = [], []
+                mx.reset_peak_memory()
                 for _ in range(args.rounds):
                     lo, hi = (args.suffix, args.suffix) if kind == "equal" else args.ragged
                     lengths = [rng.randint(lo, hi) for _ in range(n)]
                     suffixes = [[rng.randrange(vocab) for _ in range(k)] for k in lengths]
+                    kernel_calls = sum(path_counts[k.__name__] for k in kernels)
                     times.append(burst(engine, [system + x for x in suffixes], split))
+                    kernel_calls = sum(path_counts[k.__name__] for k in kernels) - kernel_calls
                     if args.dense and kind == "equal":
                         dense.append(dense_burst(model, system, suffixes))
                 ms = " ".join(f"{t:.1f}" for t, _ in times)
-                line = f"prefill_step_size {step} batch tokens {batch_tokens} overlap {overlap} "
+                line = f"prefill kernel {kernel} prefill_step_size {step} batch tokens "
+                line += f"{batch_tokens} overlap {overlap} "
                 line += f"n={n} {kind}: "
                 line += f"ms per burst {ms}; "
                 if dense:
                     line += f"dense {' '.join(f'{t:.1f}' for t in dense)}; "
-                line += f"forwards {times[-1][1]}"
+                line += f"forwards {times[-1][1]}, prefill kernel calls {kernel_calls}, "
+                line += f"peak {mx.get_peak_memory() / 1e9:.2f} GB"
                 if split is not None:
                     other = times[-1][0] - 1e3 * split.forward
                     line += (

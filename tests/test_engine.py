@@ -16,7 +16,7 @@ from tiny_models import solo as dense_solo
 
 from mlx_paged import PagedEngine, attention
 from mlx_paged.attention import routing
-from mlx_paged.attention.kernels.reference import reference_paged_decode
+from mlx_paged.attention.kernels.reference import reference_paged_decode, reference_paged_prefill
 from mlx_paged.engine import Event
 
 BS = 8
@@ -182,6 +182,57 @@ def test_kernel_path_reads_the_batch_where_it_lies(family, monkeypatch):
     for prompt, got in zip(prompts, outputs, strict=True):
         assert got == solo(family, tuple(prompt))
     assert attention.path_counts["reference_paged_decode"] > before
+
+
+def reference_prefill(queries, view, scale, sinks):
+    """The prefill kernels' spec as a ``PREFILL_KERNELS`` entry (no sinks, as the CUDA one)."""
+    return None if sinks is not None else reference_paged_prefill(queries, view, scale)
+
+
+def declining_prefill(queries, view, scale, sinks):
+    """A ``PREFILL_KERNELS`` entry that takes no call: the deferred K/V are read after all."""
+    return None
+
+
+@pytest.mark.parametrize("kernel", [reference_prefill, declining_prefill])
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_prefill_kernel_path_reads_the_batch_where_it_lies(family, kernel, monkeypatch):
+    """With a prefill kernel offered, batched prefills (suffixes after shared prefixes, right
+    padding, sliding windows) read through the PrefillView, or gather if it declines."""
+    monkeypatch.setattr(routing, "PREFILL_KERNELS", [kernel])
+    routing._ready.clear()
+    prompts = mixed_prompts(seed=6)
+    engine = PagedEngine(model_of(family), block_size=BS, max_batch_size=6, prefill_step_size=16)
+    name = "reference_prefill"
+    before = attention.path_counts[name]
+    outputs = run_all(engine, prompts)
+    for prompt, got in zip(prompts, outputs, strict=True):
+        assert got == solo(family, tuple(prompt))
+    served = attention.path_counts[name] - before
+    assert served > 0 if kernel is reference_prefill else served == 0
+    routing._ready.clear()
+
+
+@pytest.mark.parametrize("kernel", [None, reference_prefill, declining_prefill])
+def test_batches_widen_where_a_prefill_kernel_serves_them(kernel, monkeypatch):
+    """2048-token batched forwards where a prefill kernel runs; 512 again once it declines
+    one; 512 with no kernel; an explicit prefill_batch_tokens stays as given."""
+    monkeypatch.setattr(routing, "PREFILL_KERNELS", [] if kernel is None else [kernel])
+    routing._ready.clear()
+    engine = PagedEngine(model_of("llama"), block_size=BS, max_batch_size=6)
+    widened = kernel is not None
+    assert engine.scheduler.prefill_batch_tokens == (2048 if widened else 512)
+    system = list(range(1, 3 * BS + 1))
+    engine.generate([system + [70]], max_tokens=1)  # cached, so the next ones batch
+    prompts = [system + [80 + i] * (i + 1) for i in range(3)]
+    for prompt, got in zip(prompts, engine.generate(prompts, max_tokens=2), strict=True):
+        assert got == solo("llama", tuple(prompt), 2)
+    keeps = kernel is reference_prefill
+    assert engine.scheduler.prefill_batch_tokens == (2048 if keeps else 512)
+    assert engine.prefiller.widened is keeps
+    fixed = PagedEngine(model_of("llama"), block_size=BS, prefill_batch_tokens=64)
+    assert fixed.scheduler.prefill_batch_tokens == 64
+    routing._ready.clear()
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3_text"])

@@ -5,16 +5,26 @@ kernels where one runs, else MLX's SDPA on gathered K/V); ``kernels`` holds the
 CUDA and Metal kernels and their MLX reference; ``records`` the shared records.
 """
 
-from .records import ColdView, Fetched, PagedLayerCache, PagedView, stand_ins, table_width
+from .records import (
+    ColdView,
+    Fetched,
+    PagedLayerCache,
+    PagedView,
+    PrefillView,
+    stand_ins,
+    table_width,
+)
 from .routing import (
     ATTENTION_PATHS,
     KERNELS,
+    PREFILL_KERNELS,
     READERS,
     attention_path,
     fused_read,
     kernels_ready,
     paged_attention,
     path_counts,
+    prefill_kernels_ready,
     read_counts,
     route_attention,
     scaled_dot_product_attention,
@@ -24,16 +34,19 @@ from .routing import (
 __all__ = [
     "ATTENTION_PATHS",
     "KERNELS",
+    "PREFILL_KERNELS",
     "READERS",
     "ColdView",
     "Fetched",
     "PagedLayerCache",
     "PagedView",
+    "PrefillView",
     "attention_path",
     "fused_read",
     "kernels_ready",
     "paged_attention",
     "path_counts",
+    "prefill_kernels_ready",
     "read_counts",
     "route_attention",
     "scaled_dot_product_attention",

@@ -64,6 +64,29 @@ class PagedView(NamedTuple):
         return self.keys.shape[1]
 
 
+class PrefillView(NamedTuple):
+    """Where one layer's K/V lie for a batched prefill forward of ``B`` sequences.
+
+    Query ``i`` of sequence ``b`` sits at position ``offsets[b] + i`` and sees the
+    positions ``max(starts[b], offsets[b] + i - window + 1) .. min(offsets[b] + i,
+    real - 1)``, where ``real = max(lengths[b], offsets[b] + 1)``: queries past a
+    sequence's new tokens (right padding) see its real keys. Blocks are found as in
+    ``PagedView``. The K/V of every position up to ``real`` are in the pool.
+    """
+
+    keys: mx.array  # (num_blocks, block_size, n_kv_heads, head_dim)
+    values: mx.array  # (num_blocks, block_size, n_kv_heads, head_dim)
+    block_tables: mx.array  # (B, max_blocks) int32
+    starts: mx.array  # (B,) int32, multiples of block_size
+    offsets: mx.array  # (B,) int32, position of each sequence's first query
+    lengths: mx.array  # (B,) int32, offsets + real new tokens
+    window: int | None
+
+    @property
+    def block_size(self) -> int:
+        return self.keys.shape[1]
+
+
 class Fetched:
     """Weak references to the K/V a paged cache last returned.
 
@@ -101,6 +124,11 @@ class PagedLayerCache:
         """Whether the last ``update_and_fetch`` returned views of the pool itself (blocks
         lying in one stretch), which MLX's own attention reads as a dense cache."""
         return False
+
+    def prefill_view(self) -> PrefillView | None:
+        """Where a batched prefill's K/V lie, for fused prefill kernels; ``None`` where the
+        cache cannot describe its last forward that way."""
+        return None
 
     def deferred_read(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array] | None:
         """The real K/V if ``keys``/``values`` are stand-ins this cache returned, else ``None``.

@@ -34,9 +34,14 @@ self-check), ``kernel`` (always offer eligible calls to the kernels, never read
 in place; if no kernel runs on this device, warn once and gather) or ``gather``
 (in-place reads or portable gathers, no kernel).
 
-Other prefill calls (more than one query) read the blocks into contiguous K/V
-for SDPA; on CUDA, small ones compute it in plain MLX ops instead (``prefill``), since
-cuDNN's fused attention builds a graph for every new shape. ``fused_read`` offers
+A batched prefill call (more than one query per sequence) whose K/V and mask
+are the engine's own is offered to ``PREFILL_KERNELS`` with a ``PrefillView``
+(the CUDA kernel reads the blocks in place with tensor cores and builds nothing
+per shape); a cache whose pool ``defer_reads`` returns stand-ins for it while
+``prefill_kernels_ready()``, as for decode. Other prefill calls read the
+blocks into contiguous K/V for SDPA; on CUDA, small ones compute it in plain MLX
+ops instead (``prefill``), since cuDNN's fused attention builds a graph for every
+new shape. ``fused_read`` offers
 the read to the device kernels of ``READERS`` (one 16-byte-wide copy of K and V)
 unless the path is ``gather``, which keeps every read in portable MLX ops. The
 CUDA and Metal kernels of ``mlx_paged.attention.kernels`` are registered at import.
@@ -54,9 +59,9 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models import base
 
-from .kernels import DEVICE_KERNELS, DEVICE_READERS
+from .kernels import DEVICE_KERNELS, DEVICE_PREFILL_KERNELS, DEVICE_READERS
 from .prefill import attention_by_ops, use_ops
-from .records import PagedLayerCache, PagedView
+from .records import PagedLayerCache, PagedView, PrefillView
 from .recurrent import route_gated_delta
 
 _original_sdpa = base.scaled_dot_product_attention
@@ -69,6 +74,13 @@ ATTENTION_PATHS = ("auto", "kernel", "gather")
 #: ``kernel(queries, view, scale, sinks)`` with ``queries`` ``(B, n_heads, 1, D)``
 #: and returns ``(B, n_heads, 1, v_head_dim)`` or ``None`` to decline.
 KERNELS: list[Callable[[mx.array, PagedView, float, mx.array | None], mx.array | None]] = []
+
+#: Fused paged prefill kernels, tried in order. Each is called as
+#: ``kernel(queries, view, scale, sinks)`` with ``queries`` ``(B, n_heads, L, D)`` and a
+#: ``PrefillView``, and returns ``(B, n_heads, L, D)`` or ``None`` to decline.
+PREFILL_KERNELS: list[
+    Callable[[mx.array, PrefillView, float, mx.array | None], mx.array | None]
+] = []
 
 #: How many attention calls each path served, e.g. ``{"gather": 96}``; ``prefill_ops`` counts
 #: the CUDA prefill calls among them that ran in plain MLX ops (``prefill.use_ops``).
@@ -133,6 +145,18 @@ def kernels_ready() -> bool:
     return ready
 
 
+def prefill_kernels_ready() -> bool:
+    """Whether a batched prefill call may go to a fused kernel: the path is not ``"gather"``
+    and an entry of ``PREFILL_KERNELS`` runs on the default device."""
+    if _path == "gather" or not PREFILL_KERNELS:
+        return False
+    key = ("prefill", str(mx.default_device()), *map(id, PREFILL_KERNELS))
+    ready = _ready.get(key)
+    if ready is None:
+        ready = _ready[key] = any(_available(k) for k in PREFILL_KERNELS)
+    return ready
+
+
 def _available(kernel: Callable) -> bool:
     available = getattr(kernel, "available", None)
     return available is None or bool(available())
@@ -169,8 +193,8 @@ def paged_attention(
             (``paged_view``).
         scale, mask, sinks: as in ``mx.fast.scaled_dot_product_attention``.
     """
-    own = queries.shape[2] == 1 and cache.fetched(keys, values, mask)
-    if own and KERNELS and _path != "gather":
+    own = cache.fetched(keys, values, mask) and _path != "gather"
+    if own and queries.shape[2] == 1 and KERNELS:
         view = cache.paged_view()
         for kernel in KERNELS:
             out = kernel(queries, view, scale, sinks)
@@ -179,6 +203,12 @@ def paged_attention(
                 return out
         if _path == "kernel":
             _warn_no_kernel()
+    elif own and queries.shape[2] > 1 and PREFILL_KERNELS and (view := cache.prefill_view()):
+        for kernel in PREFILL_KERNELS:
+            out = kernel(queries, view, scale, sinks)
+            if out is not None:
+                path_counts[getattr(kernel, "__name__", "kernel")] += 1
+                return out
     keys, values = cache.deferred_read(keys, values) or (keys, values)
     path_counts["in_place" if cache.reads_in_place() else "gather"] += 1
     if use_ops(queries, keys, sinks):  # a CUDA prefill: no fused-kernel graph to build
@@ -244,6 +274,9 @@ def _register_device_kernels() -> None:
     for kernel in DEVICE_KERNELS:
         if kernel not in KERNELS:
             KERNELS.append(kernel)
+    for kernel in DEVICE_PREFILL_KERNELS:
+        if kernel not in PREFILL_KERNELS:
+            PREFILL_KERNELS.append(kernel)
     for reader in DEVICE_READERS:
         if reader not in READERS:
             READERS.append(reader)

@@ -18,8 +18,10 @@ from ..attention import (
     Fetched,
     PagedLayerCache,
     PagedView,
+    PrefillView,
     fused_read,
     kernels_ready,
+    prefill_kernels_ready,
     stand_ins,
     table_width,
 )
@@ -239,7 +241,8 @@ class StepPagedKVCache(PagedLayerCache):
         v = p.to_storage(values.swapaxes(1, 2))
         b.write(p.keys[layer], k)
         b.write(p.values[layer], v)
-        if b.n_new == 1 and p.defer_reads and kernels_ready():
+        ready = kernels_ready() if b.n_new == 1 else not b.has_cold and prefill_kernels_ready()
+        if p.defer_reads and ready:
             # A fused kernel will read the blocks itself: no gather to build.
             dtype = p.input_dtypes[layer]
             keys, values = b.stand_ins(keys.shape[1], keys.shape[3], values.shape[3], dtype)
@@ -297,6 +300,22 @@ class StepPagedKVCache(PagedLayerCache):
             lengths=b.lengths,
             window=self.window,
             cold=None if cold is None else ColdView(*cold),
+        )
+
+    def prefill_view(self) -> PrefillView | None:
+        """Where a batched prefill's K/V lie, for fused prefill kernels (``None`` with cold
+        blocks, which they do not read)."""
+        b = self.batch
+        if b.has_cold:
+            return None
+        return PrefillView(
+            keys=self.pool.keys[self.layer],
+            values=self.pool.values[self.layer],
+            block_tables=b.view_tables,
+            starts=b.starts,
+            offsets=b.offset,
+            lengths=b.lengths,
+            window=self.window,
         )
 
     @property

@@ -21,7 +21,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..attention import PagedLayerCache, PagedView
+from ..attention import PagedLayerCache, PagedView, PrefillView
 from ..blocks import BlockTable
 from ..storage import KVPool, copy_table
 from .batch import DecodeBatch, StepPagedKVCache
@@ -349,6 +349,13 @@ class PagedBatchKVCache(PagedLayerCache):
         """Where this layer's K/V lie in the last forward, for fused kernels."""
         self._view.layer = self.layer
         return self._view.paged_view()
+
+    def prefill_view(self) -> PrefillView | None:
+        """Where this layer's K/V lie in the last forward, for fused prefill kernels."""
+        if self._view is None:
+            return None
+        self._view.layer = self.layer
+        return self._view.prefill_view()
 
     def _indices(self, indices: Sequence[int]) -> list[int]:
         out, n = [], len(self.batch.tables)

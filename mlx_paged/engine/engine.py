@@ -68,7 +68,8 @@ class PagedEngine:
         prefill_step_size: Most tokens per prefill forward; a long prompt goes alone in
             chunks of this size (mlx-lm's default; BENCHMARKS.md runs 179-181).
         prefill_batch_tokens: Most tokens, padding included, in a forward batching several
-            requests' short prompts (``None``: 512, at most the step size; run 183).
+            requests' short prompts (``None``: 2048 where a fused prefill kernel serves the
+            forwards, else 512; at most the step size; runs 183 and 321).
         prefill_budget: Most prompt tokens admitted per step, beside its decode (``None``: all
             that fit, prefilled before the step's decode; each step admits one at least).
         kv_dtype: Storage dtype for K/V; ``None`` keeps the model's.
@@ -164,6 +165,8 @@ class PagedEngine:
         self.clock = StepClock()  # host time per step phase (``engine/timing.py``)
         self.decoder = Decoder(self.scheduler, self.runner, self.clock, self.vocab_size, overlap)
         self.prefiller = Prefiller(self.scheduler, self.runner, self.clock, overlap)
+        if prefill_batch_tokens is None:
+            self.prefiller.widen()
         self._next_uid = 0
         route_attention()
 

@@ -8,20 +8,32 @@ work's last forward is dispatched together with its first tokens' picks
 dispatched, so the host builds one forward while the device runs the one before.
 A hybrid model's prefills (recurrent state) and a work with a constrained request
 (whose grammar needs the token on the host) are read at once.
+
+Where a fused prefill kernel runs (``attention.prefill_kernels_ready``), ``widen``
+lets batched forwards grow to ``KERNEL_BATCH_TOKENS``: the kernel holds no score
+matrix, so a forward's memory no longer grows with its rows times their keys. If
+the kernel then declines a batched forward's attention (a head dim, dtype or sinks
+it does not take), the batches shrink back to ``BATCH_TOKENS`` for good.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
 
 import mlx.core as mx
 
+from ..attention import path_counts, prefill_kernels_ready
 from .decode import emit
 from .picks import Picks, pick
 from .request import Event, Prefill
 from .runner import ModelRunner
-from .scheduler import Scheduler
+from .scheduler import BATCH_TOKENS, KERNEL_BATCH_TOKENS, Scheduler
 from .timing import StepClock
+
+logger = logging.getLogger("mlx_paged.engine")
+#: ``path_counts`` keys of attention calls no fused kernel served.
+UNFUSED = ("gather", "in_place", "prefill_ops")
 
 
 class Prefiller:
@@ -37,6 +49,28 @@ class Prefiller:
     ):
         self.scheduler, self.runner, self.clock = scheduler, runner, clock
         self.overlap = overlap
+        self.widened = False  # batches at KERNEL_BATCH_TOKENS, until the kernel declines
+
+    def widen(self) -> None:
+        """Batch prompts up to ``KERNEL_BATCH_TOKENS`` a forward where a fused prefill
+        kernel runs on the default device (else leave the batches as they are)."""
+        if prefill_kernels_ready():
+            step = self.scheduler.prefill_step_size
+            self.scheduler.prefill_batch_tokens = min(KERNEL_BATCH_TOKENS, step)
+            self.widened = True
+
+    def _narrow_if_unfused(self, unfused: int) -> None:
+        """Back to ``BATCH_TOKENS`` a forward if the batched forward just run had attention
+        calls no fused kernel served (``unfused`` counted them before it)."""
+        if sum(path_counts[k] for k in UNFUSED) > unfused:
+            step = self.scheduler.prefill_step_size
+            self.scheduler.prefill_batch_tokens = min(BATCH_TOKENS, step)
+            self.widened = False
+            logger.info(
+                "mlx_paged: the prefill kernel declined a batched forward; batches "
+                "stay at %d tokens.",
+                self.scheduler.prefill_batch_tokens,
+            )
 
     def run(
         self, works: Iterable[Prefill], tell: Callable[[list[Event]], list[Event]]
@@ -74,7 +108,10 @@ class Prefiller:
                 logits = self.runner.prefill(work.requests[0], n, logits=want)
             else:
                 counts, wait = work.step_counts(i), not (overlap and want)
+                unfused = sum(path_counts[k] for k in UNFUSED) if self.widened else 0
                 logits = self.runner.forward(work.requests, n, want, counts, wait)
+                if self.widened:
+                    self._narrow_if_unfused(unfused)
             for req in work.requests:
                 self.scheduler.index_written(req)
         if not overlap or logits is None:

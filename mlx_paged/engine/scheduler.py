@@ -58,8 +58,12 @@ COUNTERS = (
 
 #: Most tokens, padding included, in a forward of several requests' prompts by default:
 #: a burst's batched suffixes gave no earlier first tokens at 2048, at 1.2x-1.6x the peak
-#: memory (BENCHMARKS.md, run 183).
+#: memory (BENCHMARKS.md, run 183), with attention over materialized scores.
 BATCH_TOKENS = 512
+#: The same where a fused prefill kernel serves the forwards (``Prefiller.widen``): no
+#: scores to hold, and a burst of 32 x 64 tokens after a cached prefix took 0.46x the time
+#: of 512-token forwards at 1.3x the peak memory (BENCHMARKS.md, run 321).
+KERNEL_BATCH_TOKENS = 2048
 
 
 class Scheduler:
@@ -70,7 +74,8 @@ class Scheduler:
         max_batch_size: Most requests running at once.
         prefill_step_size: Most tokens per prefill forward.
         prefill_batch_tokens: Most tokens, padding included, in a forward of several
-            requests' prompts (``None``: ``BATCH_TOKENS``; at most the step size).
+            requests' prompts (``None``: ``BATCH_TOKENS``; at most the step size). The
+            engine widens it to ``KERNEL_BATCH_TOKENS`` where a prefill kernel runs.
         prefill_budget: Most prompt tokens admitted per step (``None``: no limit; at least
             one request a step); the rest wait, and running requests decode between.
         states, snapshot_interval: A hybrid model's recurrent-state slots and snapshots,

@@ -18,12 +18,13 @@ import mlx.core as mx
 
 from ...storage import take_blocks
 from . import cuda, metal
+from .cuda_prefill import paged_prefill_cuda, prefill_reason
 from .plan import Launch, LaunchCache, call_key, plan_decode
 from .read import read_blocks, read_reason
-from .reference import reference_paged_decode
+from .reference import reference_paged_decode, reference_paged_prefill
 
 if TYPE_CHECKING:
-    from ..records import PagedView
+    from ..records import PagedView, PrefillView
 
 logger = logging.getLogger("mlx_paged.kernels")
 
@@ -168,6 +169,73 @@ metal_paged_decode = _device_kernel(
 )
 
 DEVICE_KERNELS = [cuda_paged_decode, metal_paged_decode]
+
+
+def prefill_self_check(queries: mx.array, view: PrefillView, scale: float) -> float:
+    """Max abs difference of the CUDA prefill kernel against the reference on random inputs
+    shaped like the call (heads, head dim, dtype, block size, window, scale).
+
+    Three sequences: one whose queries cross a 64-query tile and whose keys start a block
+    in, one padded on the right, and one of a single query. Raises whatever compiling or
+    running the kernel raises.
+    """
+    from .synthetic import random_prefill_batch
+
+    bs, n = view.block_size, 70
+    q, batch = random_prefill_batch(
+        offsets=[2 * bs + 3, 5 * bs + 1, 0],
+        counts=[n, n - 9, 1],
+        n_new=n,
+        n_heads=queries.shape[1],
+        n_kv_heads=view.keys.shape[2],
+        head_dim=queries.shape[-1],
+        block_size=bs,
+        dtype=view.keys.dtype,
+        window=view.window,
+        first_blocks=[0, 1, 0],
+        seed=5,
+    )
+    with mx.stream(mx.cpu):  # GPU float32 matmuls may round through TF32
+        want = reference_paged_prefill(q, batch, scale).astype(mx.float32)
+        mx.eval(want)
+    got = paged_prefill_cuda(q, batch, scale)
+    if got is None:
+        raise RuntimeError("the kernel declined its own self-check inputs")
+    return mx.abs(got.astype(mx.float32) - want).max().item()
+
+
+_prefill_verdicts: dict[tuple, bool] = {}
+
+
+def cuda_paged_prefill(
+    queries: mx.array, view: PrefillView, scale: float, sinks: mx.array | None
+) -> mx.array | None:
+    """``PREFILL_KERNELS`` entry for the CUDA paged prefill kernel (self-checked)."""
+    if not backend_available("cuda"):
+        return None
+    d, n_kv = queries.shape[-1], view.keys.shape[2]
+    variant = (view.keys.dtype, queries.shape[1], n_kv, d, view.block_size, view.window, scale)
+    verdict = _prefill_verdicts.get(variant)
+    if verdict is None:
+        if prefill_reason(queries, view, sinks):
+            return None
+        tol = TOLERANCE[view.keys.dtype]
+
+        def check() -> str | None:
+            err = prefill_self_check(queries, view, scale)
+            if err <= tol:  # a NaN fails
+                return None
+            return f"differs from the reference by {err:.3g} (tolerance {tol:.3g}) for {variant}"
+
+        verdict = _prefill_verdicts[variant] = _passes(
+            "cuda", "paged prefill kernel", "attention over gathered K/V", check
+        )
+    return paged_prefill_cuda(queries, view, scale, sinks) if verdict else None
+
+
+cuda_paged_prefill.available = lambda: backend_available("cuda")  # type: ignore[attr-defined]
+
+DEVICE_PREFILL_KERNELS = [cuda_paged_prefill]
 
 
 def read_self_check(backend: str, keys: mx.array, values: mx.array) -> bool:

@@ -1,8 +1,10 @@
-"""Paged decode attention in plain MLX ops: the spec every fused kernel is checked against.
+"""Paged attention in plain MLX ops: the spec every fused kernel is checked against.
 
-It reads through a ``PagedView`` exactly as a kernel would (block tables,
-per-sequence ``starts``/``lengths``, sliding ``window``, ``sinks``), but
-materialises the gathered K/V, so it is for tests and self-checks, not speed.
+``reference_paged_decode`` reads through a ``PagedView`` exactly as a decode
+kernel would (block tables, per-sequence ``starts``/``lengths``, sliding
+``window``, ``sinks``), and ``reference_paged_prefill`` through a
+``PrefillView`` as a prefill kernel would; both materialise the gathered K/V,
+so they are for tests and self-checks, not speed.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import mlx.core as mx
 from ...blocks import COLD
 
 if TYPE_CHECKING:
-    from ..records import PagedView
+    from ..records import PagedView, PrefillView
 
 
 def visible_range(view: PagedView) -> tuple[mx.array, mx.array]:
@@ -81,3 +83,45 @@ def reference_paged_decode(
     probs = mx.softmax(scores, axis=-1)[..., :T]  # (B, n_kv, group, T)
     out = probs @ v  # (B, n_kv, group, dv)
     return out.reshape(B, n_heads, 1, dv).astype(queries.dtype)
+
+
+def reference_paged_prefill(queries: mx.array, view: PrefillView, scale: float) -> mx.array:
+    """Attention of ``L`` queries per sequence over its blocks, computed in float32.
+
+    Args:
+        queries: ``(B, n_heads, L, head_dim)``; ``n_heads`` a multiple of ``n_kv_heads``.
+        view: where the K/V of each sequence lie, and where its queries sit.
+        scale: multiplies ``q @ k``.
+
+    Returns:
+        ``(B, n_heads, L, head_dim)`` in ``queries.dtype``; zeros for a query that sees no
+        key (right padding past a sliding window).
+    """
+    B, n_heads, n, d = queries.shape
+    bs, n_kv = view.keys.shape[1], view.keys.shape[2]
+    group = n_heads // n_kv
+    max_blocks = view.block_tables.shape[1]
+    T = max_blocks * bs
+    real = mx.maximum(view.lengths, view.offsets + 1)
+    # Table entries past a sequence's last block may be anything: read block 0 instead.
+    needed = (real - view.starts + bs - 1) // bs
+    tables = mx.where(mx.arange(max_blocks)[None] < needed[:, None], view.block_tables, 0)
+    pos = view.starts[:, None, None] + mx.arange(T)[None, None]  # (B, 1, T)
+    query = view.offsets[:, None, None] + mx.arange(n)[None, :, None]  # (B, L, 1)
+    valid = (pos <= query) & (pos < real[:, None, None]) & (pos >= view.starts[:, None, None])
+    if view.window is not None:
+        valid = valid & (pos > query - view.window)  # (B, L, T)
+    written = pos[:, 0] < real[:, None]  # (B, T)
+
+    def gather(pool: mx.array) -> mx.array:
+        x = pool[tables].astype(mx.float32).reshape(B, T, n_kv, d).transpose(0, 2, 1, 3)
+        return mx.where(written[:, None, :, None], x, 0.0)  # (B, n_kv, T, d)
+
+    k, v = gather(view.keys), gather(view.values)
+    q = queries.astype(mx.float32).reshape(B, n_kv, group, n, d)
+    scores = (q @ k[:, :, None].swapaxes(-1, -2)) * scale  # (B, n_kv, group, L, T)
+    scores = mx.where(valid[:, None, None], scores, -mx.inf)
+    out = mx.softmax(scores, axis=-1) @ v[:, :, None]  # (B, n_kv, group, L, d)
+    # A padding query a window keeps from every real key sees nothing: zeros, not NaN.
+    out = mx.where(valid.any(axis=-1)[:, None, None, :, None], out, 0.0)
+    return out.reshape(B, n_heads, n, d).astype(queries.dtype)

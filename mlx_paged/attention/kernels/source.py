@@ -69,3 +69,10 @@ def merge_source(backend: str) -> tuple[str, str]:
     """``(header, body)`` of the launch that merges a decode launch's split partials."""
     pre, body = prelude(backend), sections("paged_decode.kernel")
     return pre["header"], pre["indices"] + body["merge_kernel"] + body["merge"]
+
+
+def prefill_source() -> tuple[str, str]:
+    """``(header, body)`` of the CUDA paged prefill kernel (``paged_prefill.kernel``: tensor
+    core instructions, so CUDA alone)."""
+    pre, body = prelude("cuda"), sections("paged_prefill.kernel")
+    return pre["header"] + body["header"], body["prefill"]

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from ...blocks import COLD
-from ..records import ColdView, PagedView
+from ..records import ColdView, PagedView, PrefillView
 
 
 @dataclass
@@ -138,3 +138,51 @@ def dense_decode(batch: PagedBatch, scale: float) -> mx.array:
             )
         )
     return mx.concatenate(outs)
+
+
+def random_prefill_batch(
+    offsets: list[int],
+    counts: list[int],
+    n_new: int,
+    n_heads: int = 4,
+    n_kv_heads: int = 2,
+    head_dim: int = 64,
+    block_size: int = 16,
+    dtype: mx.Dtype = mx.float32,
+    window: int | None = None,
+    first_blocks: list[int] | None = None,
+    seed: int = 0,
+) -> tuple[mx.array, PrefillView]:
+    """Queries and a pool for a batched prefill forward of ``n_new`` queries per sequence.
+
+    Sequence ``b`` holds ``offsets[b] + counts[b]`` tokens (at least ``offsets[b] + 1``)
+    in shuffled blocks, less its ``first_blocks[b]`` given-back ones; its queries sit at
+    ``offsets[b]``, ``offsets[b] + 1``, .., of which ``counts[b]`` are real (the rest
+    right padding). Unwritten slots and spare blocks hold huge values.
+    """
+    lengths = [o + max(c, 1) for o, c in zip(offsets, counts, strict=True)]
+    batch = random_paged_batch(
+        lengths,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        dk=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+        window=window,
+        first_blocks=first_blocks,
+        seed=seed,
+    )
+    v = batch.view
+    queries = mx.random.normal((len(offsets), n_heads, n_new, head_dim), key=mx.random.key(seed))
+    view = PrefillView(
+        keys=v.keys,
+        values=v.values,
+        block_tables=v.block_tables,
+        starts=v.starts,
+        offsets=mx.array(offsets, dtype=mx.int32),
+        lengths=mx.array([o + c for o, c in zip(offsets, counts, strict=True)], dtype=mx.int32),
+        window=window,
+    )
+    queries = queries.astype(dtype)
+    mx.eval(queries)
+    return queries, view

@@ -1,0 +1,148 @@
+"""Paged prefill attention: the MLX reference against SDPA on contiguous K/V, what the CUDA
+kernel declines, its launch without a GPU, and (on a CUDA GPU only) the kernel itself."""
+
+from __future__ import annotations
+
+import logging
+
+import mlx.core as mx
+import pytest
+
+from mlx_paged.attention.kernels import cuda_prefill, dispatch
+from mlx_paged.attention.kernels.cuda_prefill import paged_prefill_cuda, prefill_reason
+from mlx_paged.attention.kernels.plan import LaunchCache
+from mlx_paged.attention.kernels.reference import reference_paged_prefill
+from mlx_paged.attention.kernels.synthetic import random_prefill_batch
+
+# (offsets, counts, n_new, n_heads, n_kv_heads, head_dim, block_size, window, first_blocks)
+CONFIGS = [
+    ([0], [1], 1, 4, 2, 64, 16, None, None),
+    ([0, 16, 40], [70, 64, 5], 70, 4, 2, 64, 16, None, None),  # crosses a query tile, padding
+    ([2048 + 7, 100], [64, 33], 64, 8, 2, 128, 16, None, None),  # long cached prefix
+    ([35, 81, 0], [70, 61, 1], 70, 4, 4, 64, 64, None, [0, 1, 0]),  # starts past block 0
+    ([90, 200, 3], [40, 12, 9], 40, 4, 1, 64, 8, 20, [8, 21, 0]),  # window, dropped blocks
+    ([130, 5], [129, 1], 129, 6, 2, 128, 32, 64, [2, 0]),  # window across query tiles
+    ([17, 0], [20, 20], 20, 2, 2, 16, 16, 1000, None),  # window wider than the context
+]
+
+
+def ids(c) -> str:
+    return f"o{c[0]}-c{c[1]}-d{c[5]}-bs{c[6]}-w{c[7]}"
+
+
+def batch_of(config, dtype=mx.float32, seed=0):
+    offsets, counts, n_new, hq, hkv, d, bs, window, first = config
+    return random_prefill_batch(offsets, counts, n_new, hq, hkv, d, bs, dtype, window, first, seed)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=ids)
+def test_reference_matches_sdpa_on_each_sequences_contiguous_kv(config):
+    """Per sequence: its visible K/V read in token order, each query's own mask, MLX's SDPA."""
+    queries, view = batch_of(config)
+    offsets, counts, n_new, hq, hkv, d, bs, window, _ = config
+    scale = d**-0.5
+    got = reference_paged_prefill(queries, view, scale)
+    for b, (off, count) in enumerate(zip(offsets, counts, strict=True)):
+        start = view.starts[b].item()
+        real = off + max(count, 1)
+        ids_ = view.block_tables[b].tolist()
+        rows = [ids_[(p - start) // bs] * bs + p % bs for p in range(start, real)]
+        k = view.keys.reshape(-1, hkv, d)[mx.array(rows)].swapaxes(0, 1)[None]
+        v = view.values.reshape(-1, hkv, d)[mx.array(rows)].swapaxes(0, 1)[None]
+        pos = mx.arange(start, real)[None]
+        query = (off + mx.arange(n_new))[:, None]
+        mask = pos <= query
+        if window is not None:
+            mask = mask & (pos > query - window)
+        want = mx.fast.scaled_dot_product_attention(
+            queries[b : b + 1], k, v, scale=scale, mask=mask[None, None]
+        )
+        sees = mask.any(axis=-1)  # padding past a window sees no key: zeros
+        want = mx.where(sees[None, None, :, None], want, 0.0)
+        assert mx.allclose(got[b : b + 1], want, atol=1e-5).item(), b
+
+
+def test_prefill_reason_declines_what_the_kernel_cannot_run():
+    queries, view = batch_of(CONFIGS[1], mx.float16)
+    assert prefill_reason(queries, view, None) is None or "architecture" in prefill_reason(
+        queries, view, None
+    )
+    assert prefill_reason(queries, view, mx.zeros((4,))) == "attention sinks"
+    assert "dtypes" in prefill_reason(queries.astype(mx.float32), view, None)
+    q32, v32 = batch_of(CONFIGS[1], mx.float32)
+    assert "dtypes" in prefill_reason(q32, v32, None)
+    for d in (72, 256):  # not a multiple of 16; over the shared-memory tiles
+        q, v = random_prefill_batch([3], [4], 4, 2, 1, d, dtype=mx.float16)
+        assert prefill_reason(q, v, None) == f"head dim {d}"
+    q, v = random_prefill_batch([3], [4], 4, 3, 2, 64, dtype=mx.float16)
+    assert prefill_reason(q, v, None) == "3 query heads over 2 KV heads"
+
+
+def test_cuda_prefill_entry_declines_off_its_device():
+    queries, view = batch_of(CONFIGS[1], mx.float16)
+    assert dispatch.cuda_paged_prefill(queries, view, 0.125, None) is None
+
+
+def test_cuda_prefill_launch_parameters_without_a_gpu(monkeypatch):
+    """The launch's plumbing, with a stand-in for the kernel object (CPU runs no CUDA)."""
+    calls = []
+
+    def fake_kernel(**kw):
+        calls.append(kw)
+        shapes, dtypes = kw["output_shapes"], kw["output_dtypes"]
+        return [mx.zeros(s, dtype=d) for s, d in zip(shapes, dtypes, strict=True)]
+
+    monkeypatch.setattr(cuda_prefill, "_kernel_obj", [fake_kernel])
+    monkeypatch.setattr(cuda_prefill, "_launches", LaunchCache())
+    monkeypatch.setattr(cuda_prefill, "_tensor_cores", lambda: True)
+    queries, view = batch_of(CONFIGS[2], mx.float16)
+    out = paged_prefill_cuda(queries, view, 0.125)
+    assert out.shape == (2, 8, 64, 128) and out.dtype == mx.float16
+    paged_prefill_cuda(queries, view, 0.125)
+    (call,) = calls  # traced once, replayed after
+    t = dict(call["template"])
+    assert (t["D"], t["HQ"], t["HKV"], t["BS"], t["WINDOW"], t["BQ"]) == (128, 8, 2, 16, 0, 64)
+    assert t["T"] == mx.float16
+    assert call["grid"] == (128, 8, 2) and call["threadgroup"] == (128, 1, 1)
+    assert [x.dtype for x in call["inputs"][3:]] == [mx.int32] * 4
+    q, v = batch_of(CONFIGS[1], mx.float16)  # 70 queries: two tiles
+    paged_prefill_cuda(q, v, 0.125)
+    assert calls[-1]["grid"] == (256, 4, 3)
+
+
+def test_prefill_self_check_failure_declines_and_warns(caplog, monkeypatch):
+    monkeypatch.setattr(dispatch, "backend_available", lambda backend: True)
+    monkeypatch.setattr(dispatch, "prefill_reason", lambda *a: None)
+    monkeypatch.setattr(dispatch, "prefill_self_check", lambda *a: 0.5)
+    monkeypatch.setattr(dispatch, "_prefill_verdicts", {})
+    queries, view = batch_of(CONFIGS[1], mx.float16)
+    with caplog.at_level(logging.WARNING, logger="mlx_paged.kernels"):
+        assert dispatch.cuda_paged_prefill(queries, view, 0.125, None) is None
+        assert dispatch.cuda_paged_prefill(queries, view, 0.125, None) is None
+    warnings = [r for r in caplog.records if "paged prefill kernel" in r.getMessage()]
+    assert len(warnings) == 1 and "differs from the reference by 0.5" in warnings[0].getMessage()
+
+
+def cuda_only(test):
+    """Run ``test`` on a CUDA GPU; skip it elsewhere."""
+    test = pytest.mark.skipif(not mx.cuda.is_available(), reason="needs a CUDA GPU")(test)
+    return pytest.mark.gpu(test)
+
+
+@cuda_only
+@pytest.mark.parametrize("config", CONFIGS, ids=ids)
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+def test_cuda_prefill_kernel_matches_reference(config, dtype):
+    queries, view = batch_of(config, dtype, seed=3)
+    scale = config[5] ** -0.5
+    with mx.stream(mx.cpu):
+        want = reference_paged_prefill(queries, view, scale).astype(mx.float32)
+    got = paged_prefill_cuda(queries, view, scale)
+    assert got is not None and got.dtype == dtype
+    assert mx.abs(got.astype(mx.float32) - want).max().item() <= dispatch.TOLERANCE[dtype]
+
+
+@cuda_only
+def test_cuda_prefill_entry_passes_its_self_check():
+    queries, view = batch_of(CONFIGS[2], mx.float16)
+    assert dispatch.cuda_paged_prefill(queries, view, 128**-0.5, None) is not None
