@@ -7,7 +7,10 @@ import logging
 
 import mlx.core as mx
 import pytest
+from tiny_models import tiny_model
 
+from mlx_paged import PagedEngine
+from mlx_paged.attention import path_counts, routing
 from mlx_paged.attention.kernels import cuda_prefill, dispatch
 from mlx_paged.attention.kernels.cuda_prefill import paged_prefill_cuda, prefill_reason
 from mlx_paged.attention.kernels.plan import LaunchCache
@@ -146,3 +149,35 @@ def test_cuda_prefill_kernel_matches_reference(config, dtype):
 def test_cuda_prefill_entry_passes_its_self_check():
     queries, view = batch_of(CONFIGS[2], mx.float16)
     assert dispatch.cuda_paged_prefill(queries, view, 128**-0.5, None) is not None
+
+
+@cuda_only
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_engine_prefills_through_the_kernel_match_attention_over_gathered_kv(family, monkeypatch):
+    """A burst's batched prefill (ragged suffixes after a cached prefix; gemma3's sliding
+    windows) in PagedEngine on the GPU: the first-token logits with the CUDA kernel serving
+    every attention layer match those with the kernel off."""
+    model = tiny_model(family)
+    model.set_dtype(mx.float16)
+    system = list(range(1, 49))  # three blocks
+    prompts = [system + [60 + i] * (9 + i) for i in range(4)]  # right padding, one block
+
+    def first_logits(kernels: list) -> mx.array:
+        monkeypatch.setattr(routing, "PREFILL_KERNELS", kernels)
+        routing._ready.clear()
+        engine = PagedEngine(model, block_size=16, overlap=False)
+        engine.generate([system + [1]], max_tokens=1)  # the prefix, cached
+        for prompt in prompts:
+            engine.add_request(prompt, 1)
+        (work,) = engine.scheduler.admit()  # one batched forward of the four suffixes
+        assert len(work.requests) == 4 and not work.alone
+        return engine.prefiller.prefill(work).astype(mx.float32)
+
+    before = path_counts["cuda_paged_prefill"]
+    got = first_logits([dispatch.cuda_paged_prefill])
+    assert path_counts["cuda_paged_prefill"] - before == len(model.layers)
+    want = first_logits([])
+    routing._ready.clear()
+    assert path_counts["cuda_paged_prefill"] - before == len(model.layers)
+    scale = mx.abs(want).max().item()
+    assert mx.abs(got - want).max().item() <= 1e-2 * scale
