@@ -62,7 +62,7 @@ COUNTERS = (
 BATCH_TOKENS = 512
 #: The same where a fused prefill kernel serves the forwards (``Prefiller.widen``): no
 #: scores to hold, and a burst of 32 x 64 tokens after a cached prefix took 0.46x the time
-#: of 512-token forwards at 1.3x the peak memory (BENCHMARKS.md, run 321).
+#: of 512-token forwards at 1.3x-1.5x the peak memory (BENCHMARKS.md, run 321).
 KERNEL_BATCH_TOKENS = 2048
 
 
