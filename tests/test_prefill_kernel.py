@@ -26,6 +26,8 @@ CONFIGS = [
     ([90, 200, 3], [40, 12, 9], 40, 4, 1, 64, 8, 20, [8, 21, 0]),  # window, dropped blocks
     ([130, 5], [129, 1], 129, 6, 2, 128, 32, 64, [2, 0]),  # window across query tiles
     ([17, 0], [20, 20], 20, 2, 2, 16, 16, 1000, None),  # window wider than the context
+    ([40, 3, 77], [33, 20, 33], 33, 8, 2, 256, 16, None, None),  # head dim 256: 16-key tiles
+    ([300, 60], [70, 50], 70, 4, 1, 256, 64, 100, [2, 0]),  # head dim 256, window
 ]
 
 
@@ -74,7 +76,7 @@ def test_prefill_reason_declines_what_the_kernel_cannot_run():
     assert "dtypes" in prefill_reason(queries.astype(mx.float32), view, None)
     q32, v32 = batch_of(CONFIGS[1], mx.float32)
     assert "dtypes" in prefill_reason(q32, v32, None)
-    for d in (72, 256):  # not a multiple of 16; over the shared-memory tiles
+    for d in (72, 272):  # not a multiple of 16; over the shared-memory tiles
         q, v = random_prefill_batch([3], [4], 4, 2, 1, d, dtype=mx.float16)
         assert prefill_reason(q, v, None) == f"head dim {d}"
     q, v = random_prefill_batch([3], [4], 4, 3, 2, 64, dtype=mx.float16)

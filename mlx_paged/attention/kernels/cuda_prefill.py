@@ -12,7 +12,7 @@ bfloat16 and float32 accumulators). Queries see the keys ``PrefillView``
 describes: causal from each sequence's offset, right padding, sliding window.
 
 It needs sm_80 or later, queries in the pool's dtype (float16 or bfloat16),
-one head dim for K and V that is a multiple of 16 up to 128, and no attention
+one head dim for K and V that is a multiple of 16 up to 256, and no attention
 sinks; ``prefill_reason`` says why a call is declined. Metal has no such kernel:
 its prefill keeps MLX's attention.
 """
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 LOG2E = 1.4426950408889634
 QUERIES_PER_BLOCK = 64  # 16 per warp
 TENSOR_TYPES = (mx.float16, mx.bfloat16)
-MAX_HEAD_DIM = 128  # shared K and V tiles of 64 rows stay under 48 KB
+MAX_HEAD_DIM = 256  # two K and V tiles (64, 32 or 16 rows by head dim) stay under 48 KB
 
 _INPUTS = ["queries", "keys", "values", "block_tables", "starts", "offsets", "lengths"]
 _kernel_obj: list[CudaKernel] = []
