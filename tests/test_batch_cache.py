@@ -15,15 +15,18 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import BatchGenerator, batch_generate
 from mlx_lm.models.cache import make_prompt_cache
+from test_engine import reference_prefill
 from tiny_models import VOCAB, tiny_model
 
 from mlx_paged import (
     PagedBatchKVCache,
     PagedKVCache,
+    attention,
     install_paged_cache,
     make_paged_cache,
     uninstall_paged_cache,
 )
+from mlx_paged.attention import routing
 
 # lfm2, qwen3_5, falcon_h1 (inside CacheList): recurrent layers merge as mlx-lm's ArraysCache.
 FAMILIES = [
@@ -85,6 +88,26 @@ def test_batch_generator_installed_matches_dense(family):
     assert paged == dense
     assert all(s.live_blocks == 0 for s in stats.values()), stats  # nothing leaked
     assert not any(isinstance(c, PagedKVCache) for c in make_prompt_cache(model))  # uninstalled
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", "qwen3_5"])
+def test_batch_generator_installed_through_a_prefill_kernel_matches_dense(family, monkeypatch):
+    """BatchGenerator's batched prefills on installed caches reach PREFILL_KERNELS through
+    PagedBatchKVCache.prefill_view; with the kernels' spec there, the tokens are mlx-lm's."""
+    monkeypatch.setattr(routing, "PREFILL_KERNELS", [reference_prefill])
+    routing._ready.clear()
+    model = tiny_model(family)
+    ps = prompts()
+    dense = run_generator(model, ps)
+    before = attention.path_counts["reference_prefill"]
+    install_paged_cache(model)
+    try:
+        paged = run_generator(model, ps)
+    finally:
+        uninstall_paged_cache(model)
+        routing._ready.clear()
+    assert paged == dense
+    assert attention.path_counts["reference_prefill"] > before
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3_text", "gpt_oss"])
