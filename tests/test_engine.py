@@ -814,9 +814,12 @@ def test_first_tokens_are_told_before_the_steps_decode(overlap):
         assert [(e.uid, n) for e, n in heard] == [(second, 3), (first, 5), (second, 5)]
 
 
-def test_warm_up_leaves_the_engine_as_good_as_new():
+def test_warm_up_leaves_the_engine_as_good_as_new(monkeypatch):
+    from mlx_paged.engine import warmup
     from mlx_paged.engine.warmup import warm_up
 
+    prebuilt = []
+    monkeypatch.setattr(warmup, "prebuild_kernels", lambda: prebuilt.append(1) or 0)
     engine = PagedEngine(model_of("llama"), block_size=BS, max_batch_size=4)
     decode, batch_sizes = engine.runner.decode, []
 
@@ -837,6 +840,7 @@ def test_warm_up_leaves_the_engine_as_good_as_new():
     assert batch_sizes == [4, 3, 2, 1], "the burst decodes once at every batch size"
     assert 2 in picks, "two requests of the burst sample, in one call a step"
     assert any(padded), "the burst's suffixes share a padded forward, as a real burst's do"
+    assert prebuilt == [1], "the kernels' layouts for longer contexts are built once"
     engine.runner.decode, engine.runner.forward = decode, forward
     stats = engine.stats()
     assert stats.prompt_tokens == stats.generated_tokens == stats.prefix_hit_tokens == 0

@@ -14,7 +14,7 @@ from test_parity import BLOCK, DECODE_STEPS, TOL, max_diff, prompt_tokens, run_g
 from tiny_models import tiny_model
 
 from mlx_paged import PagedEngine, attention, make_paged_cache
-from mlx_paged.attention import path_counts, routing, set_attention_path
+from mlx_paged.attention import PagedView, path_counts, routing, set_attention_path
 from mlx_paged.attention.kernels import dispatch
 from mlx_paged.attention.kernels.cuda import paged_decode_cuda
 from mlx_paged.attention.kernels.plan import LaunchCache, plan_decode
@@ -336,6 +336,55 @@ def test_cuda_launch_parameters_without_a_gpu(monkeypatch, batch, length, splits
     else:
         assert counters is None  # left out of the launch, as the sinks and the cold tier are
     assert call["inputs"][6] is None and call["inputs"][8:] == [None] * 6
+
+
+class RecordingKernel:
+    """Stands in for the CUDA decode kernel object on the CPU: launches return zeros, and
+    launches and builds record their template sets and whether split counters came."""
+
+    def __init__(self):
+        self.launched: set[tuple] = set()
+        self.built: set[tuple] = set()
+
+    def __call__(self, **kw):
+        self.launched.add((tuple(kw["template"]), kw["inputs"][7] is not None))
+        shapes, dtypes = kw["output_shapes"], kw["output_dtypes"]
+        return [mx.zeros(s, dtype=d) for s, d in zip(shapes, dtypes, strict=True)]
+
+    def build(self, inputs, template, output_dtypes):
+        assert [x is None for x in inputs] == [False] * 6 + [True, inputs[7] is None] + [True] * 6
+        self.built.add((tuple(template), inputs[7] is not None))
+        return True
+
+
+def test_prebuild_builds_the_layouts_of_contexts_not_yet_launched(monkeypatch):
+    """After launches at short contexts only (a warm-up's), ``prebuild`` builds every binary
+    that batches of 1-64 at 1k-16k tokens launch (wide or narrow blocks, long or short
+    warp runs, split or not)."""
+    from mlx_paged.attention.kernels import cuda
+
+    kernel = RecordingKernel()
+    monkeypatch.setattr(cuda, "_kernel_obj", [kernel])
+    monkeypatch.setattr(cuda, "_launches", LaunchCache())
+    monkeypatch.setattr(cuda, "_variants", {})
+
+    pool = mx.zeros((1, 16, 8, 64), dtype=mx.float16)  # the stand-in reads no block
+
+    def launch(batch: int, length: int) -> None:
+        tables = mx.zeros((batch, -(-length // 16)), dtype=mx.int32)
+        lengths = mx.full((batch,), length, dtype=mx.int32)
+        view = PagedView(pool, pool, tables, mx.zeros_like(lengths), lengths, None)
+        paged_decode_cuda(mx.zeros((batch, 32, 1, 64), mx.float16), view, 0.125, None)
+
+    for batch in (64, 8, 1):
+        launch(batch, 40)
+    warm = set(kernel.launched)
+    assert cuda.prebuild() == 6  # narrow: 2 row layouts x split or not; wide: 2, unsplit
+    for batch in (1, 4, 16, 64):
+        for length in (1024, 4096, 16384):
+            launch(batch, length)
+    assert kernel.launched - warm  # long contexts launch layouts short ones did not
+    assert kernel.launched <= kernel.built | warm
 
 
 @pytest.fixture

@@ -11,7 +11,9 @@ staggered numbers of tokens, so its decode batch shrinks through every size
 from ``max_batch_size`` to 1: a server's traffic meets every one of them. Its
 first requests stop first, so a hybrid model's compiled steps gather their state
 slots; a hybrid's second burst stops its last requests first, so that they meet
-the steps over slots ``0 .. B-1`` too (``engine/compiled.py``). Then it
+the steps over slots ``0 .. B-1`` too (``engine/compiled.py``). On CUDA it then
+builds the decode kernel's binaries for the layouts longer contexts launch
+(``kernels.prebuild_kernels``: the burst's contexts are short). Then it
 rehearses the disk tier's spill and load on one of their blocks (no file is
 written) and zeroes the counters, the step clock and the compiled step count
 (not its traces). The made-up blocks stay parked in the prefix index, evicted
@@ -23,6 +25,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
+from ..attention.kernels import prebuild_kernels
 from .engine import PagedEngine
 from .request import Sampler
 from .scheduler import COUNTERS
@@ -62,6 +65,7 @@ def warm_up(
             engine.add_request(prefix + suffix, steps + 2 if batch_sizes is None else 3, picks)
         for _ in engine.stream():
             pass
+    prebuild_kernels()
     if engine.disk is not None:
         engine.disk.rehearse()
     engine.scheduler.counters = dict.fromkeys(COUNTERS, 0)

@@ -17,6 +17,7 @@ from .dispatch import (
     cuda_paged_prefill,
     metal_block_read,
     metal_paged_decode,
+    prebuild_kernels,
 )
 from .plan import compiled_variants
 from .reference import reference_paged_decode, reference_paged_prefill
@@ -31,6 +32,7 @@ __all__ = [
     "cuda_paged_prefill",
     "metal_block_read",
     "metal_paged_decode",
+    "prebuild_kernels",
     "reference_paged_decode",
     "reference_paged_prefill",
 ]

@@ -307,6 +307,19 @@ class CudaKernel:
             **shape,
         )
 
+    def build(
+        self,
+        inputs: Sequence[mx.array | None],
+        template: Sequence[TemplateArg],
+        output_dtypes: Sequence[mx.Dtype],
+    ) -> bool:
+        """Compile (or find on disk) the binary a launch with inputs of these dtypes and
+        ranks would use, without launching it; ``False`` where binaries cannot be built
+        here (MLX then compiles at the first launch)."""
+        if self._fallback is not None or not available():
+            return False
+        return self._build(inputs, template, output_dtypes) is not None
+
     def _build(
         self,
         inputs: Sequence[mx.array | None],

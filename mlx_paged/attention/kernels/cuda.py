@@ -95,6 +95,9 @@ _ABSENT |= {
     **dict.fromkeys(("cold_kscales", "cold_kbiases", "cold_vscales", "cold_vbiases"), "T"),
 }
 _kernel_obj: list[object] = []
+#: Per decode variant launched (its base template and input signature), what ``prebuild``
+#: needs to build that variant's other warp, row and split layouts.
+_variants: dict[tuple, tuple] = {}
 
 
 def _kernel() -> object:
@@ -209,8 +212,25 @@ def _make_launch(
     # Logits live in the log2 domain (exp2f), so the scale carries log2(e).
     template = base_template(plan, queries, view, has_sinks, scale * LOG2E)
     pf = (COLD_PREFETCH if bits else PREFETCH) if prefetch is None else prefetch
-    template += [("NW", nw), ("WH", wh), ("RS", rs), ("PF", pf)]
-    kernel_templates.add(("cuda_paged_decode", *template))
+    layouts = [("NW", nw), ("WH", wh), ("RS", rs), ("PF", pf)]
+    kernel_templates.add(("cuda_paged_decode", *template, *layouts))
+    if (num_warps, rows, head_warps, prefetch, lane_bytes) == (None,) * 5:
+        main = [queries, view.keys, view.values, view.block_tables, view.starts, view.lengths]
+        cold_parts = [*view.cold.keys, *view.cold.values] if bits else []
+        _variants.setdefault(
+            tuple(template),
+            (
+                list(template),
+                [_signature(x) for x in main],
+                has_sinks,
+                [_signature(x) for x in cold_parts],
+                groups,
+                plan,
+                view.keys.dtype.size,
+                pf,
+            ),
+        )
+    template += layouts
     blocks = groups // wh
     parts = (B, HQ, S) if S > 1 else (1,)  # unused without splits
     grid = (blocks * nw * 32, B, S)
@@ -255,6 +275,51 @@ def _make_launch(
 
 
 _launches = LaunchCache()
+
+
+def _signature(x: mx.array) -> tuple[mx.Dtype, int]:
+    """An input's dtype and rank: all a build reads of it."""
+    return x.dtype, x.ndim
+
+
+def _stand_in(signature: tuple[mx.Dtype, int]) -> mx.array:
+    """A lazy array of a signature's dtype and rank (never evaluated)."""
+    dtype, ndim = signature
+    return mx.zeros((1,) * ndim, dtype=dtype)
+
+
+def prebuild() -> int:
+    """Build every default warp, row and split layout of each decode variant launched so far.
+
+    A variant's launches pick their layout by batch size and context length (``NW``,
+    ``RS``, split-K or not), each another binary: a warm-up that decoded short contexts
+    only leaves the layouts of long ones for the first real requests, about a second of
+    NVRTC each on a machine that has not built them. Returns how many layouts it built
+    (or found on disk); 0 where binaries cannot be built ahead (MLX compiles them at
+    their first launch there).
+    """
+    build = getattr(_kernel(), "build", None)
+    if build is None:
+        return 0
+    built = 0
+    for base, main, has_sinks, cold, groups, plan, itemsize, pf in list(_variants.values()):
+        row_bases = (COLD_SLOTS,) if cold else (ROWS_PER_STEP, ROWS_PER_STEP_SHORT)
+        rows = {rows_per_step(plan.dk, plan.dv, itemsize, r, plan.cold_elems) for r in row_bases}
+        inputs = [_stand_in(x) for x in main]
+        sinks = _stand_in((mx.float32, 1)) if has_sinks else None
+        cold_inputs = [_stand_in(x) for x in cold] if cold else [None] * 6
+        counters = _stand_in((mx.int32, 1))
+        outputs = [main[0][0], mx.float32, mx.float32, mx.float32]
+        # Wide blocks (NUM_WARPS_WIDE) only ever run unsplit.
+        for nw, split in ((NUM_WARPS, False), (NUM_WARPS, True), (NUM_WARPS_WIDE, False)):
+            wh, _ = warp_layout(groups, nw, HEAD_WARPS)
+            for rs in sorted(rows):
+                template = [*base, ("NW", nw), ("WH", wh), ("RS", rs), ("PF", pf)]
+                args = [*inputs, sinks, counters if split else None, *cold_inputs]
+                if build(args, template, outputs):
+                    kernel_templates.add(("cuda_paged_decode", *template))
+                    built += 1
+    return built
 
 
 def decode_launch(

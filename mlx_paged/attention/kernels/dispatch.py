@@ -171,6 +171,12 @@ metal_paged_decode = _device_kernel(
 DEVICE_KERNELS = [cuda_paged_decode, metal_paged_decode]
 
 
+def prebuild_kernels() -> int:
+    """Build ahead the binaries of every layout the decode variants launched so far may
+    launch later (``cuda.prebuild``), where the CUDA kernels run; return how many."""
+    return cuda.prebuild() if backend_available("cuda") else 0
+
+
 def prefill_self_check(queries: mx.array, view: PrefillView, scale: float) -> float:
     """Max abs difference of the CUDA prefill kernel against the reference on random inputs
     shaped like the call (heads, head dim, dtype, block size, window, scale).
