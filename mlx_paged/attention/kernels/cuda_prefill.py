@@ -112,20 +112,17 @@ def _make_launch(queries: mx.array, view: PrefillView, scale: float, sinks: mx.a
     replay = compiled_launch(kernel_call)
 
     def launch(q: mx.array, view: PrefillView) -> mx.array:
-        return replay(
-            q,
-            view.keys,
-            view.values,
-            view.block_tables.astype(mx.int32),
-            view.starts.astype(mx.int32),
-            view.offsets.astype(mx.int32),
-            view.lengths.astype(mx.int32),
-        )
+        ints = (view.block_tables, view.starts, view.offsets, view.lengths)
+        return replay(q, view.keys, view.values, *(_int32(x) for x in ints))
 
     return launch
 
 
 _launches = LaunchCache()
+
+
+def _int32(x: mx.array) -> mx.array:
+    return x if x.dtype == mx.int32 else x.astype(mx.int32)
 
 
 def _key(queries: mx.array, view: PrefillView, scale: float, sinks: mx.array | None) -> tuple:
