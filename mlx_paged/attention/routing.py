@@ -35,16 +35,17 @@ in place; if no kernel runs on this device, warn once and gather) or ``gather``
 (in-place reads or portable gathers, no kernel).
 
 A batched prefill call (more than one query per sequence) whose K/V and mask
-are the engine's own is offered to ``PREFILL_KERNELS`` with a ``PrefillView``
-(the CUDA kernel reads the blocks in place with tensor cores and builds nothing
-per shape); a cache whose pool ``defer_reads`` returns stand-ins for it while
-``prefill_kernels_ready()``, as for decode. Other prefill calls read the
-blocks into contiguous K/V for SDPA; on CUDA, small ones compute it in plain MLX
-ops instead (``prefill``), since cuDNN's fused attention builds a graph for every
-new shape. ``fused_read`` offers
-the read to the device kernels of ``READERS`` (one 16-byte-wide copy of K and V)
-unless the path is ``gather``, which keeps every read in portable MLX ops. The
-CUDA and Metal kernels of ``mlx_paged.attention.kernels`` are registered at import.
+are its batch cache's own (``StepPagedKVCache``) is offered to
+``PREFILL_KERNELS`` with a ``PrefillView`` (the CUDA kernel reads the blocks in
+place with tensor cores and builds nothing per shape); a cache whose pool
+``defer_reads`` returns stand-ins for it while ``prefill_kernels_ready()``, as
+for decode. Other prefill calls read the blocks into contiguous K/V for SDPA;
+on CUDA, small ones compute it in plain MLX ops instead (``prefill``), since
+cuDNN's fused attention builds a graph for every new shape. ``fused_read``
+offers the read to the device kernels of ``READERS`` (one 16-byte-wide copy of K
+and V) unless the path is ``gather``, which keeps every read in portable MLX ops.
+The CUDA and Metal kernels of ``mlx_paged.attention.kernels`` are registered at
+import.
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ K/V, materialises a ``(B, heads, L, T)`` score matrix and masks and softmaxes it
 in separate passes; MLX's fused SDPA builds a cuDNN graph for every new shape
 (about 50 ms; BENCHMARKS.md, runs 142 and 312). This kernel builds nothing per
 shape and holds no scores: each thread block takes ``BQ`` queries of one
-(sequence, query head), walks the visible keys in tiles of 64 read through the
-block table into shared memory, and keeps an online softmax per query in
+(sequence, query head), walks the visible keys in tiles (64, 32 or 16 rows by head
+dim) read through the block table into shared memory, and keeps an online softmax per query in
 registers (flash attention, with ``mma.sync`` m16n8k16 tiles in float16 or
 bfloat16 and float32 accumulators). Queries see the keys ``PrefillView``
 describes: causal from each sequence's offset, right padding, sliding window.
@@ -24,13 +24,13 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 
 from .cubin import CudaKernel, architecture
+from .cuda import LOG2E
 from .plan import LaunchCache, compiled_launch, float_bits, kernel_templates
 from .source import prefill_source
 
 if TYPE_CHECKING:
     from ..records import PrefillView
 
-LOG2E = 1.4426950408889634
 QUERIES_PER_BLOCK = 64  # 16 per warp
 TENSOR_TYPES = (mx.float16, mx.bfloat16)
 MAX_HEAD_DIM = 256  # two K and V tiles (64, 32 or 16 rows by head dim) stay under 48 KB
@@ -135,7 +135,6 @@ def _key(queries: mx.array, view: PrefillView, scale: float, sinks: mx.array | N
         view.values.shape,
         view.values.dtype,
         view.block_tables.shape,
-        view.block_tables.ndim,
         view.window,
         scale,
         sinks is None,
