@@ -108,6 +108,8 @@ def main() -> None:
         help="the kernel's queries per thread block (16 per warp)",
     )
     args = ap.parse_args()
+    if not mx.cuda.is_available():
+        raise SystemExit("prefill_attention.py times the CUDA prefill kernel: it needs a CUDA GPU.")
     for b, n, prefix in itertools.product(args.batch, args.new, args.prefix):
         print(case(args, b, n, prefix), flush=True)
 

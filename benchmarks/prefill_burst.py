@@ -7,9 +7,9 @@ Each request asks for one token: a burst is timed, with the device
 synchronized, from its admission until every first token is out (``step``
 until all have finished). One line per case: milliseconds per burst, in order
 (the first holds the process's first-use work for the shapes), the prefill
-forwards a burst took, and the peak memory of the case's rounds. ``--dense`` adds
-mlx-lm's ``KVCache`` running each equal burst as one batch over the same prefix
-(repeated per row outside the clock).
+forwards a burst took, and the peak memory of the case's rounds (with ``--dense``,
+the dense runs' included). ``--dense`` adds mlx-lm's ``KVCache`` running each equal
+burst as one batch over the same prefix (repeated per row outside the clock).
 
 Usage:
     python benchmarks/prefill_burst.py --model /root/l1b --prefill-step-size 512 2048
