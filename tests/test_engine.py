@@ -852,3 +852,45 @@ def test_warm_up_leaves_the_engine_as_good_as_new(monkeypatch):
     for bad in ([0], [5], [True], [1.5]):
         with pytest.raises(ValueError, match="warm-up batch sizes"):
             warm_up(engine, bad)
+
+
+def test_warm_up_runs_a_full_prefill_chunk_and_a_full_batched_forward():
+    """The shapes a long prompt and a large burst bring: a chunk of ``prefill_step_size``
+    alone, and a batched forward of close to ``prefill_batch_tokens``."""
+    from mlx_paged.engine.warmup import warm_up
+
+    engine = PagedEngine(
+        model_of("llama"),
+        block_size=BS,
+        max_batch_size=4,
+        prefill_step_size=48,
+        prefill_batch_tokens=40,
+    )
+    runner = engine.runner
+    prefill, forward, alone, batched = runner.prefill, runner.forward, [], []
+
+    def spy_prefill(req, n, logits=False):
+        alone.append(n)
+        return prefill(req, n, logits)
+
+    def spy_forward(reqs, n, logits=False, counts=None, wait=True):
+        batched.append(sum(counts) if counts is not None else len(reqs) * n)
+        return forward(reqs, n, logits, counts, wait)
+
+    runner.prefill, runner.forward = spy_prefill, spy_forward
+    warm_up(engine)
+    runner.prefill, runner.forward = prefill, forward
+    assert max(alone) == 48, "a long prompt's first chunk, prefill_step_size wide"
+    assert 40 - 4 < max(batched) <= 40, "a burst's suffixes fill one batched forward"
+    engine.check_invariants()
+    assert engine.stats().live_blocks == 0
+
+
+def test_warm_up_leaves_out_a_long_prompt_the_pool_cannot_hold():
+    from mlx_paged.engine.warmup import warm_up
+
+    engine = PagedEngine(
+        model_of("llama"), block_size=BS, max_batch_size=2, num_blocks=24, prefill_step_size=512
+    )
+    assert warm_up(engine) > 0
+    engine.check_invariants()

@@ -932,6 +932,8 @@ def test_kv_bits_quantizes_old_blocks_and_reports_them(tmp_path):
 def test_warm_up_runs_before_ready_and_leaves_no_counts(tmp_path):
     # --warm-up after --no-warm-up (start_server's default): the last flag wins.
     flags = ["--warm-up", "--max-batch-size", "2", "--log-level", "info"]
+    # Its full-width forwards at small widths: a 2,048-token chunk takes the CPU a while.
+    flags += ["--prefill-step-size", "64", "--prefill-batch-tokens", "32"]
     s = start_server(tmp_path, "warm", *flags)
     try:
         m = s.metrics()

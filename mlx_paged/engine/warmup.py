@@ -11,9 +11,14 @@ staggered numbers of tokens, so its decode batch shrinks through every size
 from ``max_batch_size`` to 1: a server's traffic meets every one of them. Its
 first requests stop first, so a hybrid model's compiled steps gather their state
 slots; a hybrid's second burst stops its last requests first, so that they meet
-the steps over slots ``0 .. B-1`` too (``engine/compiled.py``). On CUDA it then
-builds the decode kernel's binaries for the layouts longer contexts launch
-(``kernels.prebuild_kernels``: the burst's contexts are short). Then it
+the steps over slots ``0 .. B-1`` too (``engine/compiled.py``). Then one prompt a token
+longer than a prefill chunk (prefilled alone, its first chunk ``prefill_step_size``
+wide) and one burst whose suffixes fill a batched forward of about
+``prefill_batch_tokens``: the shapes of a long prompt's and a large burst's matmuls
+and attention, whose kernels the GPU libraries load at their first use (from disk,
+in a machine's first process). On CUDA it then builds the decode kernel's binaries
+for the layouts longer contexts launch (``kernels.prebuild_kernels``: the burst's
+contexts are short). Then it
 rehearses the disk tier's spill and load on one of their blocks (no file is
 written) and zeroes the counters, the step clock and the compiled step count
 (not its traces). The made-up blocks stay parked in the prefix index, evicted
@@ -65,6 +70,7 @@ def warm_up(
             engine.add_request(prefix + suffix, steps + 2 if batch_sizes is None else 3, picks)
         for _ in engine.stream():
             pass
+    _wide_forwards(engine, vocab)
     prebuild_kernels()
     if engine.disk is not None:
         engine.disk.rehearse()
@@ -73,3 +79,29 @@ def warm_up(
     if engine.runner.compiled is not None:  # its traces stay counted: they were made
         engine.runner.compiled.steps = 0
     return time.perf_counter() - start
+
+
+def _wide_forwards(engine: PagedEngine, vocab: int) -> None:
+    """A made-up prompt of ``prefill_step_size + 1`` tokens, then ``max_batch_size``
+    made-up requests sharing a prefix, the first's prefill alone and the rest's suffixes
+    filling one batched forward; each asks for its first token only."""
+    s = engine.scheduler
+    most, bs = s.max_batch_size, s.block_size
+    _run(engine, [[(vocab - 2 - 5 * j) % vocab for j in range(s.prefill_step_size + 1)]])
+    width = max(1, s.prefill_batch_tokens // max(1, most - 1))
+    prefix = [(vocab - 3 - 7 * j) % vocab for j in range(2 * bs)]
+    _run(
+        engine, [prefix + [(13 * i + 5 * j + 1) % vocab for j in range(width)] for i in range(most)]
+    )
+
+
+def _run(engine: PagedEngine, prompts: list[list[int]]) -> None:
+    """Run ``prompts`` together to their first tokens, less those from the first the pool
+    could never hold."""
+    for prompt in prompts:
+        try:
+            engine.add_request(prompt, 1)
+        except ValueError:
+            break
+    for _ in engine.stream():
+        pass
