@@ -5,7 +5,8 @@ shuffled pool (float16, ``--heads`` query heads over ``--kv-heads``, head dim
 ``--head-dim``) and times ``--layers`` attention calls evaluated together, as one
 forward's layers would be:
 
-- ``kernel``: ``paged_prefill_cuda`` reading the blocks in place;
+- ``kernel``: ``paged_prefill_cuda`` reading the blocks in place, its keys in the
+  planned number of splits (``S=auto``) or in each of ``--splits``;
 - ``ops``: the K/V gathered from the blocks, then ``attention_by_ops`` with the
   engine's boolean mask (the CUDA path before the kernel);
 - ``sdpa``: MLX's fused attention on contiguous K/V with ``"causal"`` (cuDNN on CUDA, a
@@ -16,6 +17,7 @@ One line per case: median milliseconds over ``--iters`` runs of each.
 Usage:
     python benchmarks/prefill_attention.py --batch 8 32 --new 64 --prefix 2048
     python benchmarks/prefill_attention.py --batch 1 --new 2048 --prefix 0 8192 30720
+    python benchmarks/prefill_attention.py --batch 1 4 --new 16 --prefix 32768 --splits auto 1 8
 """
 
 from __future__ import annotations
@@ -64,8 +66,10 @@ def case(args, b: int, n: int, prefix: int) -> str:
     dense_k, dense_v = keys[:, :, : prefix + n], values[:, :, : prefix + n]
     mx.eval(mask, dense_k, dense_v)
 
+    splits = None
+
     def kernel():
-        return [paged_prefill_cuda(q, view, scale) for _ in layers]
+        return [paged_prefill_cuda(q, view, scale, num_splits=splits) for _ in layers]
 
     def ops():
         outs = []
@@ -81,10 +85,12 @@ def case(args, b: int, n: int, prefix: int) -> str:
         ]
 
     line = f"B={b} new={n} prefix={prefix}:"
-    for bq in args.queries_per_block:
+    for bq, split in itertools.product(args.queries_per_block, args.splits):
         cuda_prefill.QUERIES_PER_BLOCK = bq
         cuda_prefill._launches = cuda_prefill.LaunchCache()
-        line += f" kernel(BQ={bq}) {timed(kernel, args.iters):.2f} ms,"
+        splits = None if split == "auto" else int(split)
+        shown = cuda_prefill.plan_splits(q, view) if splits is None else splits
+        line += f" kernel(BQ={bq} S={split}:{shown}) {timed(kernel, args.iters):.2f} ms,"
     line += f" ops {timed(ops, args.iters):.2f} ms, sdpa {timed(sdpa, args.iters):.2f} ms"
     return line
 
@@ -106,6 +112,9 @@ def main() -> None:
         nargs="+",
         default=[cuda_prefill.QUERIES_PER_BLOCK],
         help="the kernel's queries per thread block (16 per warp)",
+    )
+    ap.add_argument(
+        "--splits", nargs="+", default=["auto"], help="key splits: auto (planned) or a number"
     )
     args = ap.parse_args()
     if not mx.cuda.is_available():

@@ -16,6 +16,7 @@ from mlx_paged.attention.kernels.cuda_prefill import paged_prefill_cuda, prefill
 from mlx_paged.attention.kernels.plan import LaunchCache
 from mlx_paged.attention.kernels.reference import reference_paged_prefill
 from mlx_paged.attention.kernels.synthetic import random_prefill_batch
+from mlx_paged.attention.records import PrefillView
 
 # (offsets, counts, n_new, n_heads, n_kv_heads, head_dim, block_size, window, first_blocks)
 CONFIGS = [
@@ -97,22 +98,83 @@ def test_cuda_prefill_launch_parameters_without_a_gpu(monkeypatch):
         shapes, dtypes = kw["output_shapes"], kw["output_dtypes"]
         return [mx.zeros(s, dtype=d) for s, d in zip(shapes, dtypes, strict=True)]
 
-    monkeypatch.setattr(cuda_prefill, "_kernel_obj", [fake_kernel])
+    monkeypatch.setattr(cuda_prefill, "_kernel_obj", {False: fake_kernel, True: fake_kernel})
     monkeypatch.setattr(cuda_prefill, "_launches", LaunchCache())
     monkeypatch.setattr(cuda_prefill, "_tensor_cores", lambda: True)
     queries, view = batch_of(CONFIGS[2], mx.float16)
-    out = paged_prefill_cuda(queries, view, 0.125)
+    out = paged_prefill_cuda(queries, view, 0.125, num_splits=1)
     assert out.shape == (2, 8, 64, 128) and out.dtype == mx.float16
-    paged_prefill_cuda(queries, view, 0.125)
+    paged_prefill_cuda(queries, view, 0.125, num_splits=1)
     (call,) = calls  # traced once, replayed after
     t = dict(call["template"])
     assert (t["D"], t["HQ"], t["HKV"], t["BS"], t["WINDOW"], t["BQ"]) == (128, 8, 2, 16, 0, 64)
     assert t["T"] == mx.float16
     assert call["grid"] == (128, 8, 2) and call["threadgroup"] == (128, 1, 1)
+    assert call["output_shapes"] == [(2, 8, 64, 128)]
     assert [x.dtype for x in call["inputs"][3:]] == [mx.int32] * 4
     q, v = batch_of(CONFIGS[1], mx.float16)  # 70 queries: two tiles
-    paged_prefill_cuda(q, v, 0.125)
+    paged_prefill_cuda(q, v, 0.125, num_splits=1)
     assert calls[-1]["grid"] == (256, 4, 3)
+    # Forced, 16 blocks split into 4: float32 parts, merged in the launch.
+    out = paged_prefill_cuda(queries, view, 0.125, num_splits=4)
+    assert out.shape == (2, 8, 64, 128) and out.dtype == mx.float16
+    assert calls[-1]["grid"] == (128, 8, 8)
+    assert calls[-1]["output_shapes"] == [(4, 2, 8, 64, 128), (4, 2, 8, 64)]
+    assert calls[-1]["output_dtypes"] == [mx.float32, mx.float32]
+
+
+def test_plan_splits_fills_the_gpu_only_for_few_blocks_over_long_contexts():
+    def splits(B, hq, L, keys, window=None, bs=16):
+        q = mx.zeros((B, hq, L, 64), dtype=mx.float16)
+        tables = mx.zeros((B, -(-keys // bs)), dtype=mx.int32)
+        view = PrefillView(
+            keys=mx.zeros((4, bs, 8, 64), dtype=mx.float16),
+            values=mx.zeros((4, bs, 8, 64), dtype=mx.float16),
+            block_tables=tables,
+            starts=mx.zeros((B,), dtype=mx.int32),
+            offsets=mx.zeros((B,), dtype=mx.int32),
+            lengths=mx.zeros((B,), dtype=mx.int32),
+            window=window,
+        )
+        return cuda_prefill.plan_splits(q, view)
+
+    assert splits(1, 32, 16, 32768) == 16  # a short tail after a long prefix: 512 blocks
+    assert splits(4, 32, 16, 32768) == 4
+    assert splits(1, 32, 16, 16384) == 8  # at least 2,048 keys a split
+    assert splits(1, 32, 16, 16368) == 1  # a table of 1,023 blocks: no split
+    assert splits(1, 2, 16, 1 << 20) == cuda_prefill.MAX_SPLITS
+    assert splits(32, 32, 64, 32768) == 1  # a burst fills the GPU by its queries
+    assert splits(1, 32, 2048, 32768) == 1  # a long prompt's chunk too
+    assert splits(1, 32, 16, 32768, window=4096) == 1  # a window bounds the keys a row sees
+
+
+def test_merge_splits_equals_attention_over_all_keys():
+    """Softmax attention over key chunks, merged by their log2-sum-exp, against all at once;
+    a chunk a row does not see, and a row that sees no key (zeros)."""
+    rng = mx.random.key(4)
+    kq, kk, kv = mx.random.split(rng, 3)
+    L, T, D, S = 5, 40, 16, 4
+    q = mx.random.normal((1, 2, L, D), key=kq)
+    k = mx.random.normal((1, 2, T, D), key=kk)
+    v = mx.random.normal((1, 2, T, D), key=kv)
+    visible = mx.arange(T)[None] < mx.array([40, 33, 7, 12, 0])[:, None]  # (L, T)
+    scores = mx.where(visible, (q @ k.swapaxes(-1, -2)) * 0.25, -mx.inf)
+    parts, lses = [], []
+    for c in range(S):
+        cols = slice(c * 10, (c + 1) * 10)
+        sc = scores[..., cols]
+        top = mx.max(sc, axis=-1, keepdims=True)
+        top = mx.where(mx.isinf(top), 0.0, top)
+        e = mx.exp(sc - top)
+        total = e.sum(axis=-1, keepdims=True)
+        parts.append(mx.where(total > 0, (e @ v[..., cols, :]) / mx.maximum(total, 1e-30), 0.0))
+        lses.append(((top + mx.log(total)) / mx.log(mx.array(2.0)))[..., 0])
+    got = cuda_prefill.merge_splits(mx.stack(parts), mx.stack(lses), mx.float32)
+    p = mx.softmax(scores, axis=-1)
+    want = mx.where(visible.any(axis=-1)[:, None], mx.nan_to_num(p) @ v, 0.0)
+    assert got.shape == (1, 2, L, D)
+    assert mx.allclose(got, want, atol=1e-5).item()
+    assert (got[:, :, 4] == 0).all().item()
 
 
 def test_prefill_self_check_failure_declines_and_warns(caplog, monkeypatch):
@@ -137,12 +199,14 @@ def cuda_only(test):
 @cuda_only
 @pytest.mark.parametrize("config", CONFIGS, ids=ids)
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
-def test_cuda_prefill_kernel_matches_reference(config, dtype):
+@pytest.mark.parametrize("num_splits", [None, 1, 2, 7])
+def test_cuda_prefill_kernel_matches_reference(config, dtype, num_splits):
+    """Planned splits, none, and forced ones (7: more than some calls have key tiles)."""
     queries, view = batch_of(config, dtype, seed=3)
     scale = config[5] ** -0.5
     with mx.stream(mx.cpu):
         want = reference_paged_prefill(queries, view, scale).astype(mx.float32)
-    got = paged_prefill_cuda(queries, view, scale)
+    got = paged_prefill_cuda(queries, view, scale, num_splits=num_splits)
     assert got is not None and got.dtype == dtype
     assert mx.abs(got.astype(mx.float32) - want).max().item() <= dispatch.TOLERANCE[dtype]
 

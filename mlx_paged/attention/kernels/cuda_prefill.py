@@ -11,6 +11,12 @@ registers (flash attention, with ``mma.sync`` m16n8k16 tiles in float16 or
 bfloat16 and float32 accumulators). Queries see the keys ``PrefillView``
 describes: causal from each sequence's offset, right padding, sliding window.
 
+A call of few query tiles over long contexts (a short suffix after a long cached
+prefix, alone or in a small batch) would leave most of the GPU idle while a few
+blocks walk every key. Such a call splits each block's keys over ``num_splits``
+blocks (``plan_splits``); each writes a float32 partial output and its rows'
+log-sum-exp, and the launch merges them in a few fused MLX ops.
+
 It needs sm_80 or later, queries in the pool's dtype (float16 or bfloat16),
 one head dim for K and V that is a multiple of 16 up to 256, and no attention
 sinks; ``prefill_reason`` says why a call is declined. Metal has no such kernel:
@@ -19,6 +25,7 @@ its prefill keeps MLX's attention.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
@@ -34,16 +41,26 @@ if TYPE_CHECKING:
 QUERIES_PER_BLOCK = 64  # 16 per warp
 TENSOR_TYPES = (mx.float16, mx.bfloat16)
 MAX_HEAD_DIM = 256  # two K and V tiles (64, 32 or 16 rows by head dim) stay under 48 KB
+# Split the keys when a call has fewer thread blocks than TARGET_BLOCKS and its rows may
+# see SPLIT_FROM_KEYS keys or more, into at most MAX_SPLITS splits of at least
+# MIN_SPLIT_KEYS keys each.
+TARGET_BLOCKS = 512
+SPLIT_FROM_KEYS = 16384
+MIN_SPLIT_KEYS = 2048
+MAX_SPLITS = 32
 
 _INPUTS = ["queries", "keys", "values", "block_tables", "starts", "offsets", "lengths"]
-_kernel_obj: list[CudaKernel] = []
+_kernel_obj: dict[bool, CudaKernel] = {}
 
 
-def _kernel() -> CudaKernel:
-    if not _kernel_obj:
-        header, body = prefill_source()
-        _kernel_obj.append(CudaKernel("paged_prefill", _INPUTS, ["out"], body, header))
-    return _kernel_obj[0]
+def _kernel(split: bool) -> CudaKernel:
+    if split not in _kernel_obj:
+        header, body = prefill_source(split)
+        name, outputs = (
+            ("paged_prefill_split", ["part", "part_lse"]) if split else ("paged_prefill", ["out"])
+        )
+        _kernel_obj[split] = CudaKernel(name, _INPUTS, outputs, body, header)
+    return _kernel_obj[split]
 
 
 def _tensor_cores() -> bool:
@@ -82,10 +99,42 @@ def prefill_reason(queries: mx.array, view: PrefillView, sinks: mx.array | None)
     return None
 
 
-def _make_launch(queries: mx.array, view: PrefillView, scale: float, sinks: mx.array | None):
+def plan_splits(queries: mx.array, view: PrefillView) -> int:
+    """How many splits each thread block's keys go into: 1 while the call's query tiles
+    alone give ``TARGET_BLOCKS`` blocks, else enough to reach it, each of at least
+    ``MIN_SPLIT_KEYS`` of the longest visible span (the table's width, or the window)."""
+    B, HQ, L, _ = queries.shape
+    blocks = -(-L // QUERIES_PER_BLOCK) * HQ * B
+    span = view.block_tables.shape[1] * view.block_size
+    if view.window:
+        span = min(span, view.window + QUERIES_PER_BLOCK)
+    if blocks >= TARGET_BLOCKS or span < SPLIT_FROM_KEYS:
+        return 1
+    return max(1, min(-(-TARGET_BLOCKS // blocks), span // MIN_SPLIT_KEYS, MAX_SPLITS))
+
+
+def merge_splits(part: mx.array, lse: mx.array, dtype: mx.Dtype) -> mx.array:
+    """The output ``(B, HQ, L, D)`` from ``S`` splits' normalised partial outputs ``part``
+    ``(S, B, HQ, L, D)`` and their rows' log2-sum-exp ``lse`` ``(S, B, HQ, L)`` (``-inf``
+    where a split saw no key); rows no split saw are zeros."""
+    top = lse.max(axis=0)
+    top = mx.where(mx.isinf(top), 0.0, top)
+    w = mx.exp((lse - top) * math.log(2.0))
+    den = mx.maximum(w.sum(axis=0), 1e-30)
+    return ((part * w[..., None]).sum(axis=0) / den[..., None]).astype(dtype)
+
+
+def _make_launch(
+    queries: mx.array,
+    view: PrefillView,
+    scale: float,
+    sinks: mx.array | None,
+    num_splits: int | None,
+):
     if prefill_reason(queries, view, sinks):
         return None
     B, HQ, L, D = queries.shape
+    S = plan_splits(queries, view) if num_splits is None else max(1, min(num_splits, MAX_SPLITS))
     template = [
         ("T", view.keys.dtype),
         ("D", D),
@@ -96,18 +145,24 @@ def _make_launch(queries: mx.array, view: PrefillView, scale: float, sinks: mx.a
         ("SCALE_BITS", float_bits(scale * LOG2E)),
         ("BQ", QUERIES_PER_BLOCK),
     ]
-    kernel_templates.add(("cuda_paged_prefill", *template))
+    kernel_templates.add(("cuda_paged_prefill" + ("_split" if S > 1 else ""), *template))
     tiles = -(-L // QUERIES_PER_BLOCK)
+    grid = (tiles * QUERIES_PER_BLOCK * 2, HQ, B * S)  # 2 threads a query: 4 warps a block
 
     def kernel_call(q, keys, values, tables, starts, offsets, lengths):
-        return _kernel()(
-            inputs=[q, keys, values, tables, starts, offsets, lengths],
-            template=template,
-            grid=(tiles * QUERIES_PER_BLOCK * 2, HQ, B),  # 2 threads a query: 4 warps a block
-            threadgroup=(QUERIES_PER_BLOCK * 2, 1, 1),
-            output_shapes=[(B, HQ, L, D)],
-            output_dtypes=[queries.dtype],
-        )[0]
+        inputs = [q, keys, values, tables, starts, offsets, lengths]
+        common = {"template": template, "grid": grid, "threadgroup": (QUERIES_PER_BLOCK * 2, 1, 1)}
+        if S == 1:
+            return _kernel(False)(
+                inputs=inputs, output_shapes=[(B, HQ, L, D)], output_dtypes=[q.dtype], **common
+            )[0]
+        part, lse = _kernel(True)(
+            inputs=inputs,
+            output_shapes=[(S, B, HQ, L, D), (S, B, HQ, L)],
+            output_dtypes=[mx.float32, mx.float32],
+            **common,
+        )
+        return merge_splits(part, lse, q.dtype)
 
     replay = compiled_launch(kernel_call)
 
@@ -125,9 +180,16 @@ def _int32(x: mx.array) -> mx.array:
     return x if x.dtype == mx.int32 else x.astype(mx.int32)
 
 
-def _key(queries: mx.array, view: PrefillView, scale: float, sinks: mx.array | None) -> tuple:
+def _key(
+    queries: mx.array,
+    view: PrefillView,
+    scale: float,
+    sinks: mx.array | None,
+    num_splits: int | None,
+) -> tuple:
     """What a launch, and whether the kernel takes the call, depend on."""
     return (
+        num_splits,
         queries.shape,
         queries.dtype,
         view.keys.shape,
@@ -142,7 +204,11 @@ def _key(queries: mx.array, view: PrefillView, scale: float, sinks: mx.array | N
 
 
 def paged_prefill_cuda(
-    queries: mx.array, view: PrefillView, scale: float, sinks: mx.array | None = None
+    queries: mx.array,
+    view: PrefillView,
+    scale: float,
+    sinks: mx.array | None = None,
+    num_splits: int | None = None,
 ) -> mx.array | None:
     """Run the kernel; ``None`` if this call's shapes or dtypes are not supported.
 
@@ -150,8 +216,10 @@ def paged_prefill_cuda(
         queries: ``(B, n_heads, L, head_dim)``.
         view: where the batch's K/V lie and where its queries sit.
         scale, sinks: as in ``mx.fast.scaled_dot_product_attention`` (sinks decline).
+        num_splits: force the number of key splits (1: none); ``None``: ``plan_splits``.
     """
     launch = _launches.get(
-        _key(queries, view, scale, sinks), lambda: _make_launch(queries, view, scale, sinks)
+        _key(queries, view, scale, sinks, num_splits),
+        lambda: _make_launch(queries, view, scale, sinks, num_splits),
     )
     return None if launch is None else launch(queries, view)

@@ -11,6 +11,7 @@ declines from then on, so the gather path serves those calls.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -182,8 +183,8 @@ def prefill_self_check(queries: mx.array, view: PrefillView, scale: float) -> fl
     shaped like the call (heads, head dim, dtype, block size, window, scale).
 
     Three sequences: one whose queries cross a 64-query tile and whose keys start a block
-    in, one padded on the right, and one of a single query. Raises whatever compiling or
-    running the kernel raises.
+    in, one padded on the right, and one of a single query; run with the keys whole and in
+    three splits. Raises whatever compiling or running the kernel raises.
     """
     from .synthetic import random_prefill_batch
 
@@ -204,10 +205,13 @@ def prefill_self_check(queries: mx.array, view: PrefillView, scale: float) -> fl
     with mx.stream(mx.cpu):  # GPU float32 matmuls may round through TF32
         want = reference_paged_prefill(q, batch, scale).astype(mx.float32)
         mx.eval(want)
-    got = paged_prefill_cuda(q, batch, scale)
-    if got is None:
-        raise RuntimeError("the kernel declined its own self-check inputs")
-    return mx.abs(got.astype(mx.float32) - want).max().item()
+    errs = []
+    for splits in (1, 3):
+        got = paged_prefill_cuda(q, batch, scale, num_splits=splits)
+        if got is None:
+            raise RuntimeError("the kernel declined its own self-check inputs")
+        errs.append(mx.abs(got.astype(mx.float32) - want).max().item())
+    return float("nan") if any(math.isnan(e) for e in errs) else max(errs)
 
 
 _prefill_verdicts: dict[tuple, bool] = {}

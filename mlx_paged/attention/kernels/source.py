@@ -71,8 +71,9 @@ def merge_source(backend: str) -> tuple[str, str]:
     return pre["header"], pre["indices"] + body["merge_kernel"] + body["merge"]
 
 
-def prefill_source() -> tuple[str, str]:
+def prefill_source(split: bool = False) -> tuple[str, str]:
     """``(header, body)`` of the CUDA paged prefill kernel (``paged_prefill.kernel``: tensor
-    core instructions, so CUDA alone)."""
+    core instructions, so CUDA alone): writing the output, or with ``split`` each key
+    split's partial output and log-sum-exp."""
     pre, body = prelude("cuda"), sections("paged_prefill.kernel")
-    return pre["header"] + body["header"], body["prefill"]
+    return pre["header"] + body["header"], body["prefill"] + body["parts" if split else "out"]
