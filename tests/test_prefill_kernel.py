@@ -219,12 +219,20 @@ def test_cuda_prefill_entry_passes_its_self_check():
 
 @cuda_only
 @pytest.mark.parametrize("family", ["llama", "gemma3_text"])
-def test_engine_prefills_through_the_kernel_are_as_close_to_float32(family, monkeypatch):
+@pytest.mark.parametrize("cached", [48, 16400])
+def test_engine_prefills_through_the_kernel_are_as_close_to_float32(family, cached, monkeypatch):
     """A burst's batched prefill (ragged suffixes after a cached prefix; gemma3's sliding
     windows) in PagedEngine on the GPU, in float16: the first-token logits with the CUDA
     kernel serving every attention layer are at least as close to the same weights' float32
-    logits as those of attention over gathered K/V (which rounds its scores to float16)."""
-    system = list(range(1, 49))  # three blocks
+    logits as those of attention over gathered K/V (which rounds its scores to float16).
+    After 16,400 cached tokens the full-attention layers' keys are split (``plan_splits``)."""
+    system = [1 + j % 100 for j in range(cached)]  # whole blocks
+    planned = []
+    plan = cuda_prefill.plan_splits
+    monkeypatch.setattr(
+        cuda_prefill, "plan_splits", lambda *a: planned.append(plan(*a)) or planned[-1]
+    )
+    monkeypatch.setattr(cuda_prefill, "_launches", LaunchCache())  # every launch planned here
     prompts = [system + [60 + i] * (9 + i) for i in range(4)]  # right padding, one block
 
     def first_logits(dtype: mx.Dtype, kernels: list) -> tuple[mx.array, int]:
@@ -247,6 +255,7 @@ def test_engine_prefills_through_the_kernel_are_as_close_to_float32(family, monk
     kernel = [dispatch.cuda_paged_prefill]
     got, served = first_logits(mx.float16, kernel)
     assert served == len(tiny_model(family).layers)
+    assert (max(planned, default=1) > 1) == (cached > cuda_prefill.SPLIT_FROM_KEYS), planned
     ops, served = first_logits(mx.float16, [])
     truth, _ = first_logits(mx.float32, kernel)  # declined: float32
     routing._ready.clear()
