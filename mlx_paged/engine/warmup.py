@@ -15,8 +15,9 @@ the steps over slots ``0 .. B-1`` too (``engine/compiled.py``). Then one prompt 
 longer than a prefill chunk (prefilled alone, its first chunk ``prefill_step_size``
 wide) and one burst whose suffixes fill a batched forward of about
 ``prefill_batch_tokens``: the shapes of a long prompt's and a large burst's matmuls
-and attention, whose kernels the GPU libraries load at their first use (from disk,
-in a machine's first process). On CUDA it then builds the decode kernel's binaries
+and attention, whose first use a real burst paid otherwise (2.6 s in a just-started
+machine's first server process, BENCHMARKS.md runs 331 and 334). On CUDA it then builds
+the decode kernel's binaries
 for the layouts longer contexts launch (``kernels.prebuild_kernels``: the burst's
 contexts are short). Then it
 rehearses the disk tier's spill and load on one of their blocks (no file is

@@ -43,7 +43,9 @@ TENSOR_TYPES = (mx.float16, mx.bfloat16)
 MAX_HEAD_DIM = 256  # two K and V tiles (64, 32 or 16 rows by head dim) stay under 48 KB
 # Split the keys when a call has fewer thread blocks than TARGET_BLOCKS and its rows may
 # see SPLIT_FROM_KEYS keys or more, into at most MAX_SPLITS splits of at least
-# MIN_SPLIT_KEYS keys each.
+# MIN_SPLIT_KEYS keys each. Measured on an H200 (BENCHMARKS.md, runs 337-339): a lone
+# 16-token suffix after 32k cached tokens took half the time in 16 splits; at 8k and 16k
+# splits were within the spread between processes.
 TARGET_BLOCKS = 512
 SPLIT_FROM_KEYS = 16384
 MIN_SPLIT_KEYS = 2048
@@ -101,8 +103,9 @@ def prefill_reason(queries: mx.array, view: PrefillView, sinks: mx.array | None)
 
 def plan_splits(queries: mx.array, view: PrefillView) -> int:
     """How many splits each thread block's keys go into: 1 while the call's query tiles
-    alone give ``TARGET_BLOCKS`` blocks, else enough to reach it, each of at least
-    ``MIN_SPLIT_KEYS`` of the longest visible span (the table's width, or the window)."""
+    alone give ``TARGET_BLOCKS`` blocks or its longest visible span (the table's width, or
+    the window) is under ``SPLIT_FROM_KEYS``, else enough to reach ``TARGET_BLOCKS``, each
+    of at least ``MIN_SPLIT_KEYS`` of the span."""
     B, HQ, L, _ = queries.shape
     blocks = -(-L // QUERIES_PER_BLOCK) * HQ * B
     span = view.block_tables.shape[1] * view.block_size
