@@ -270,6 +270,7 @@ def test_sharded_generate_answers_a_rerun_from_its_disk_tier(tmp_path, tiny_llam
     def run() -> tuple[str, int]:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout.count("Requests:") == 1, (out.stdout[-2000:], out.stderr[-2000:])
         answers, stats = out.stdout.split("Requests:")
         return answers, int(re.search(r"prefix-hit tokens: (\d+)", stats)[1])
 
