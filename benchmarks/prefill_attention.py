@@ -3,10 +3,13 @@
 Each case lays ``B`` sequences of ``--prefix`` cached tokens plus ``L`` new ones in a
 shuffled pool (float16, ``--heads`` query heads over ``--kv-heads``, head dim
 ``--head-dim``) and times ``--layers`` attention calls evaluated together, as one
-forward's layers would be:
+forward's layers would be: each layer reads a copy of the K/V of its own, and its queries
+are the last layer's output. Without that chain the GPU runs the layers' calls side by side,
+and a call of few thread blocks looks many times faster than it is in a forward.
 
 - ``kernel``: ``paged_prefill_cuda`` reading the blocks in place, its keys in the
-  planned number of splits (``S=auto``) or in each of ``--splits``;
+  planned number of splits (``S=auto``) or in each of ``--splits``, a block's rows over
+  every head of a KV head (``PG=on``) or over one (``--pack-heads off``);
 - ``ops``: the K/V gathered from the blocks, then ``attention_by_ops`` with the
   engine's boolean mask (the CUDA path before the kernel);
 - ``sdpa``: MLX's fused attention on contiguous K/V with ``"causal"`` (cuDNN on CUDA, a
@@ -18,6 +21,7 @@ Usage:
     python benchmarks/prefill_attention.py --batch 8 32 --new 64 --prefix 2048
     python benchmarks/prefill_attention.py --batch 1 --new 2048 --prefix 0 8192 30720
     python benchmarks/prefill_attention.py --batch 1 4 --new 16 --prefix 32768 --splits auto 1 8
+    python benchmarks/prefill_attention.py --batch 4 --new 16 --prefix 32768 --pack-heads on off
 """
 
 from __future__ import annotations
@@ -64,33 +68,40 @@ def case(args, b: int, n: int, prefix: int) -> str:
     mask = ((pos <= query) & (pos < view.lengths[:, None, None]))[:, None]
     keys, values = take_blocks(view.keys, view.values, slots)
     dense_k, dense_v = keys[:, :, : prefix + n], values[:, :, : prefix + n]
-    mx.eval(mask, dense_k, dense_v)
+    views = [view._replace(keys=view.keys + 0, values=view.values + 0) for _ in layers]
+    dense = [(dense_k + 0, dense_v + 0) for _ in layers]
+    mx.eval(mask, views, dense)
 
     splits = None
 
     def kernel():
-        return [paged_prefill_cuda(q, view, scale, num_splits=splits) for _ in layers]
+        outs = [q]
+        for v in views:
+            outs.append(paged_prefill_cuda(outs[-1], v, scale, num_splits=splits))
+        return outs[1:]
 
     def ops():
-        outs = []
-        for _ in layers:
-            k, v = take_blocks(view.keys, view.values, slots)
-            outs.append(attention_by_ops(q, k, v, scale, mask))
-        return outs
+        outs = [q]
+        for each in views:
+            k, v = take_blocks(each.keys, each.values, slots)
+            outs.append(attention_by_ops(outs[-1], k, v, scale, mask))
+        return outs[1:]
 
     def sdpa():
-        return [
-            mx.fast.scaled_dot_product_attention(q, dense_k, dense_v, scale=scale, mask="causal")
-            for _ in layers
-        ]
+        outs = [q]
+        for k, v in dense:
+            attend = mx.fast.scaled_dot_product_attention
+            outs.append(attend(outs[-1], k, v, scale=scale, mask="causal"))
+        return outs[1:]
 
     line = f"B={b} new={n} prefix={prefix}:"
-    for bq, split in itertools.product(args.queries_per_block, args.splits):
-        cuda_prefill.QUERIES_PER_BLOCK = bq
+    for bq, pack, split in itertools.product(args.queries_per_block, args.pack_heads, args.splits):
+        cuda_prefill.QUERIES_PER_BLOCK, cuda_prefill.PACK_HEADS = bq, pack == "on"
         cuda_prefill._launches = cuda_prefill.LaunchCache()
         splits = None if split == "auto" else int(split)
         shown = cuda_prefill.plan_splits(q, view) if splits is None else splits
-        line += f" kernel(BQ={bq} S={split}:{shown}) {timed(kernel, args.iters):.2f} ms,"
+        ms = timed(kernel, args.iters)
+        line += f" kernel(BQ={bq} PG={pack} S={split}:{shown}) {ms:.2f} ms,"
     line += f" ops {timed(ops, args.iters):.2f} ms, sdpa {timed(sdpa, args.iters):.2f} ms"
     return line
 
@@ -112,6 +123,13 @@ def main() -> None:
         nargs="+",
         default=[cuda_prefill.QUERIES_PER_BLOCK],
         help="the kernel's queries per thread block (16 per warp)",
+    )
+    ap.add_argument(
+        "--pack-heads",
+        nargs="+",
+        choices=["on", "off"],
+        default=["on"],
+        help="a block's rows over every query head of a KV head (on) or over one (off)",
     )
     ap.add_argument(
         "--splits", nargs="+", default=["auto"], help="key splits: auto (planned) or a number"

@@ -4,6 +4,9 @@ kernel declines, its launch without a GPU, and (on a CUDA GPU only) the kernel i
 from __future__ import annotations
 
 import logging
+import re
+import shutil
+import subprocess
 
 import mlx.core as mx
 import pytest
@@ -11,7 +14,7 @@ from tiny_models import tiny_model
 
 from mlx_paged import PagedEngine
 from mlx_paged.attention import path_counts, routing
-from mlx_paged.attention.kernels import cuda_prefill, dispatch
+from mlx_paged.attention.kernels import cubin, cuda_prefill, dispatch, source
 from mlx_paged.attention.kernels.cuda_prefill import paged_prefill_cuda, prefill_reason
 from mlx_paged.attention.kernels.plan import LaunchCache
 from mlx_paged.attention.kernels.reference import reference_paged_prefill
@@ -29,6 +32,7 @@ CONFIGS = [
     ([17, 0], [20, 20], 20, 2, 2, 16, 16, 1000, None),  # window wider than the context
     ([40, 3, 77], [33, 20, 33], 33, 8, 2, 256, 16, None, None),  # head dim 256: 16-key tiles
     ([300, 60], [70, 50], 70, 4, 1, 256, 64, 100, [2, 0]),  # head dim 256, window
+    ([4000, 9], [16, 5], 16, 16, 2, 64, 16, None, None),  # short tails, 8 heads a KV head
 ]
 
 
@@ -109,18 +113,24 @@ def test_cuda_prefill_launch_parameters_without_a_gpu(monkeypatch):
     t = dict(call["template"])
     assert (t["D"], t["HQ"], t["HKV"], t["BS"], t["WINDOW"], t["BQ"]) == (128, 8, 2, 16, 0, 64)
     assert t["T"] == mx.float16
-    assert call["grid"] == (128, 8, 2) and call["threadgroup"] == (128, 1, 1)
+    # Each block's 64 rows: 16 queries x the 4 heads of one KV head.
+    assert t["PG"] == 4
+    assert call["grid"] == (512, 2, 2) and call["threadgroup"] == (128, 1, 1)
     assert call["output_shapes"] == [(2, 8, 64, 128)]
     assert [x.dtype for x in call["inputs"][3:]] == [mx.int32] * 4
-    q, v = batch_of(CONFIGS[1], mx.float16)  # 70 queries: two tiles
+    q, v = batch_of(CONFIGS[1], mx.float16)  # 70 queries x 2 heads: three tiles
     paged_prefill_cuda(q, v, 0.125, num_splits=1)
-    assert calls[-1]["grid"] == (256, 4, 3)
+    assert calls[-1]["grid"] == (384, 2, 3)
     # Forced, 16 blocks split into 4: float32 parts, merged in the launch.
     out = paged_prefill_cuda(queries, view, 0.125, num_splits=4)
     assert out.shape == (2, 8, 64, 128) and out.dtype == mx.float16
-    assert calls[-1]["grid"] == (128, 8, 8)
+    assert calls[-1]["grid"] == (512, 2, 8)
     assert calls[-1]["output_shapes"] == [(4, 2, 8, 64, 128), (4, 2, 8, 64)]
     assert calls[-1]["output_dtypes"] == [mx.float32, mx.float32]
+    # One head a block's rows (PACK_HEADS off): a block per query head.
+    monkeypatch.setattr(cuda_prefill, "PACK_HEADS", False)
+    paged_prefill_cuda(queries, view, 0.125, num_splits=1)
+    assert dict(calls[-1]["template"])["PG"] == 1 and calls[-1]["grid"] == (128, 8, 2)
 
 
 def test_plan_splits_fills_the_gpu_only_for_few_blocks_over_long_contexts():
@@ -138,14 +148,18 @@ def test_plan_splits_fills_the_gpu_only_for_few_blocks_over_long_contexts():
         )
         return cuda_prefill.plan_splits(q, view)
 
-    assert splits(1, 32, 16, 32768) == 16  # a short tail after a long prefix: 512 blocks
-    assert splits(4, 32, 16, 32768) == 4
-    assert splits(1, 32, 16, 16384) == 8  # at least 2,048 keys a split
-    assert splits(1, 32, 16, 16368) == 1  # a table of 1,023 blocks: no split
-    assert splits(1, 2, 16, 1 << 20) == cuda_prefill.MAX_SPLITS
+    # A short tail after a long prefix: a block per KV head (16 queries x 4 heads).
+    assert splits(1, 32, 16, 32768) == cuda_prefill.MAX_SPLITS
+    assert splits(4, 32, 16, 32768) == 16  # 32 blocks: 16 splits reach 512
+    assert splits(16, 32, 16, 32768) == 4
+    assert splits(1, 32, 16, 8192) == 8  # at least 1,024 keys a split
+    assert splits(1, 32, 16, 4096) == 4
+    assert splits(1, 32, 16, 4080) == 1  # a table of 255 blocks: no split
+    assert splits(1, 8, 16, 1 << 20) == cuda_prefill.MAX_SPLITS
     assert splits(32, 32, 64, 32768) == 1  # a burst fills the GPU by its queries
     assert splits(1, 32, 2048, 32768) == 1  # a long prompt's chunk too
-    assert splits(1, 32, 16, 32768, window=4096) == 1  # a window bounds the keys a row sees
+    assert splits(1, 32, 16, 32768, window=1024) == 1  # a window bounds the keys a row sees
+    assert splits(1, 32, 16, 32768, window=4096) == 4
 
 
 def test_merge_splits_equals_attention_over_all_keys():
@@ -190,6 +204,31 @@ def test_prefill_self_check_failure_declines_and_warns(caplog, monkeypatch):
     assert len(warnings) == 1 and "differs from the reference by 0.5" in warnings[0].getMessage()
 
 
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+@pytest.mark.parametrize("split", [False, True], ids=["out", "parts"])
+def test_the_cuda_prefill_build_compiles_without_spilling(split, tmp_path):
+    """nvcc builds the prefill kernel at the llama-1B shape, its rows over four heads and
+    over one, and at head dim 128 and 256, with no register spills."""
+    header, body = source.prefill_source(split)
+    names = ["queries", "keys", "values", "block_tables", "starts", "offsets", "lengths"]
+    dtypes = [mx.float16] * 3 + [mx.int32] * 4
+    outs = (["part", "part_lse"], [mx.float32] * 2) if split else (["out"], [mx.float16])
+    for d, pg in [(64, 4), (64, 1), (128, 4), (256, 2)]:
+        template = [("T", mx.float16), ("D", d), ("HQ", 32), ("HKV", 32 // pg), ("BS", 16)]
+        template += [("WINDOW", 0), ("SCALE_BITS", 0x3E000000), ("BQ", 64), ("PG", pg)]
+        code, _ = cubin.render(
+            "k", header, body, names, dtypes, [4, 4, 4, 2, 1, 1, 1], *outs, template
+        )
+        path = tmp_path / f"prefill_{d}_{pg}.cu"
+        path.write_text(code)
+        cmd = ["nvcc", "-arch=sm_90", "-cubin", "--std=c++17", "-Xptxas", "-v", str(path)]
+        done = subprocess.run(
+            cmd + ["-o", str(tmp_path / "k.cubin")], capture_output=True, text=True
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert re.findall(r"(\d+) bytes spill stores", done.stderr) == ["0"], done.stderr[-3000:]
+
+
 def cuda_only(test):
     """Run ``test`` on a CUDA GPU; skip it elsewhere."""
     test = pytest.mark.skipif(not mx.cuda.is_available(), reason="needs a CUDA GPU")(test)
@@ -200,8 +239,11 @@ def cuda_only(test):
 @pytest.mark.parametrize("config", CONFIGS, ids=ids)
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
 @pytest.mark.parametrize("num_splits", [None, 1, 2, 7])
-def test_cuda_prefill_kernel_matches_reference(config, dtype, num_splits):
-    """Planned splits, none, and forced ones (7: more than some calls have key tiles)."""
+@pytest.mark.parametrize("pack", [True, False], ids=["heads-packed", "one-head"])
+def test_cuda_prefill_kernel_matches_reference(config, dtype, num_splits, pack, monkeypatch):
+    """Planned splits, none, and forced ones (7: more than some calls have key tiles); a
+    block's rows over every head of a KV head, and over one."""
+    monkeypatch.setattr(cuda_prefill, "PACK_HEADS", pack)
     queries, view = batch_of(config, dtype, seed=3)
     scale = config[5] ** -0.5
     with mx.stream(mx.cpu):

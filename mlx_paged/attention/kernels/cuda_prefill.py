@@ -4,12 +4,16 @@ A batched prefill forward's attention in plain MLX ops gathers every sequence's
 K/V, materialises a ``(B, heads, L, T)`` score matrix and masks and softmaxes it
 in separate passes; MLX's fused SDPA builds a cuDNN graph for every new shape
 (about 50 ms; BENCHMARKS.md, runs 142 and 312). This kernel builds nothing per
-shape and holds no scores: each thread block takes ``BQ`` queries of one
-(sequence, query head), walks the visible keys in tiles (64, 32 or 16 rows by head
-dim) read through the block table into shared memory, and keeps an online softmax per query in
-registers (flash attention, with ``mma.sync`` m16n8k16 tiles in float16 or
-bfloat16 and float32 accumulators). Queries see the keys ``PrefillView``
-describes: causal from each sequence's offset, right padding, sliding window.
+shape and holds no scores: each thread block takes ``BQ`` rows of one sequence and
+KV head, (query, head) pairs over every query head that shares it (``PACK_HEADS``),
+walks the visible keys in tiles (64, 32 or 16 rows by head dim) read through the
+block table into shared memory once for all those heads, and keeps an online softmax
+per row in registers (flash attention, with ``mma.sync`` m16n8k16 tiles in float16
+or bfloat16 and float32 accumulators). Queries see the keys ``PrefillView``
+describes: causal from each sequence's offset, right padding, sliding window. With
+the heads in one block a 16-token suffix of a model with 4 query heads per KV head
+fills a 64-row tile, where one head a block left three quarters of it padding and
+read every key four times.
 
 A call of few query tiles over long contexts (a short suffix after a long cached
 prefix, alone or in a small batch) would leave most of the GPU idle while a few
@@ -38,17 +42,19 @@ from .source import prefill_source
 if TYPE_CHECKING:
     from ..records import PrefillView
 
-QUERIES_PER_BLOCK = 64  # 16 per warp
+QUERIES_PER_BLOCK = 64  # rows (query, head) a thread block: 16 per warp
+# Whether a block's rows interleave every query head of one KV head (``_heads_per_block``).
+PACK_HEADS = True
 TENSOR_TYPES = (mx.float16, mx.bfloat16)
 MAX_HEAD_DIM = 256  # two K and V tiles (64, 32 or 16 rows by head dim) stay under 48 KB
 # Split the keys when a call has fewer thread blocks than TARGET_BLOCKS and its rows may
 # see SPLIT_FROM_KEYS keys or more, into at most MAX_SPLITS splits of at least
-# MIN_SPLIT_KEYS keys each. Measured on an H200 (BENCHMARKS.md, runs 337-339): a lone
-# 16-token suffix after 32k cached tokens took half the time in 16 splits; at 8k and 16k
-# splits were within the spread between processes.
+# MIN_SPLIT_KEYS keys each. Measured on an H200 with each layer's call waiting on the last
+# (BENCHMARKS.md, runs 343-344): 16 queries after 8k-32k cached keys took a fifth to half
+# the time in 8-32 splits.
 TARGET_BLOCKS = 512
-SPLIT_FROM_KEYS = 16384
-MIN_SPLIT_KEYS = 2048
+SPLIT_FROM_KEYS = 4096
+MIN_SPLIT_KEYS = 1024
 MAX_SPLITS = 32
 
 _INPUTS = ["queries", "keys", "values", "block_tables", "starts", "offsets", "lengths"]
@@ -102,18 +108,30 @@ def prefill_reason(queries: mx.array, view: PrefillView, sinks: mx.array | None)
 
 
 def plan_splits(queries: mx.array, view: PrefillView) -> int:
-    """How many splits each thread block's keys go into: 1 while the call's query tiles
-    alone give ``TARGET_BLOCKS`` blocks or its longest visible span (the table's width, or
-    the window) is under ``SPLIT_FROM_KEYS``, else enough to reach ``TARGET_BLOCKS``, each
-    of at least ``MIN_SPLIT_KEYS`` of the span."""
+    """How many splits each thread block's keys go into: 1 while the call's rows alone
+    give ``TARGET_BLOCKS`` thread blocks or its longest visible span (the table's width,
+    or the window) is under ``SPLIT_FROM_KEYS``, else enough to reach ``TARGET_BLOCKS``,
+    each of at least ``MIN_SPLIT_KEYS`` of the span."""
     B, HQ, L, _ = queries.shape
-    blocks = -(-L // QUERIES_PER_BLOCK) * HQ * B
+    pg = _heads_per_block(queries, view)
+    blocks = _tiles(L, pg) * (HQ // pg) * B
     span = view.block_tables.shape[1] * view.block_size
     if view.window:
         span = min(span, view.window + QUERIES_PER_BLOCK)
     if blocks >= TARGET_BLOCKS or span < SPLIT_FROM_KEYS:
         return 1
     return max(1, min(-(-TARGET_BLOCKS // blocks), span // MIN_SPLIT_KEYS, MAX_SPLITS))
+
+
+def _heads_per_block(queries: mx.array, view: PrefillView) -> int:
+    """Query heads a thread block's rows interleave: all of one KV head's (``PACK_HEADS``), so
+    that they read its K/V tiles once, or 1."""
+    return queries.shape[1] // view.keys.shape[2] if PACK_HEADS else 1
+
+
+def _tiles(L: int, heads: int) -> int:
+    """Thread blocks per head group and sequence: its ``L * heads`` rows in tiles."""
+    return -(-L * heads // QUERIES_PER_BLOCK)
 
 
 def merge_splits(part: mx.array, lse: mx.array, dtype: mx.Dtype) -> mx.array:
@@ -138,6 +156,7 @@ def _make_launch(
         return None
     B, HQ, L, D = queries.shape
     S = plan_splits(queries, view) if num_splits is None else max(1, min(num_splits, MAX_SPLITS))
+    pg = _heads_per_block(queries, view)
     template = [
         ("T", view.keys.dtype),
         ("D", D),
@@ -147,10 +166,11 @@ def _make_launch(
         ("WINDOW", view.window or 0),
         ("SCALE_BITS", float_bits(scale * LOG2E)),
         ("BQ", QUERIES_PER_BLOCK),
+        ("PG", pg),
     ]
     kernel_templates.add(("cuda_paged_prefill" + ("_split" if S > 1 else ""), *template))
-    tiles = -(-L // QUERIES_PER_BLOCK)
-    grid = (tiles * QUERIES_PER_BLOCK * 2, HQ, B * S)  # 2 threads a query: 4 warps a block
+    # 2 threads a row: 4 warps a block.
+    grid = (_tiles(L, pg) * QUERIES_PER_BLOCK * 2, HQ // pg, B * S)
 
     def kernel_call(q, keys, values, tables, starts, offsets, lengths):
         inputs = [q, keys, values, tables, starts, offsets, lengths]
@@ -193,6 +213,7 @@ def _key(
     """What a launch, and whether the kernel takes the call, depend on."""
     return (
         num_splits,
+        PACK_HEADS,
         queries.shape,
         queries.dtype,
         view.keys.shape,
