@@ -7,7 +7,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from mlx_paged.blocks import BlockPool, PrefixIndex
+from mlx_paged.blocks import BlockPool, Cursor, PrefixIndex
 
 BS = 4
 
@@ -213,3 +213,129 @@ class PrefixIndexMachine(RuleBasedStateMachine):
 
 PrefixIndexMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30)
 test_prefix_index_machine = PrefixIndexMachine.TestCase
+
+
+def trie(index: PrefixIndex) -> dict[tuple[int, ...], tuple]:
+    """Every node's tokens from the root, with its blocks."""
+    out, stack = {}, [(index._root, ())]
+    while stack:
+        node, path = stack.pop()
+        for key, child in node.children.items():
+            out[path + key] = tuple(child.blocks)
+            stack.append((child, path + key))
+    return out
+
+
+class CursorMachine(RuleBasedStateMachine):
+    """Two worlds run the same sequences: one inserts through each sequence's cursor
+    (``PrefixMatch.cursor``, moved by every insert), the other walks from the root. Block
+    ids, refcounts and the trie stay the same in both."""
+
+    def __init__(self):
+        super().__init__()
+        self.pools = [BlockPool(12, BS) for _ in range(2)]
+        self.indexes = [PrefixIndex([p], [None]) for p in self.pools]
+        self.live: list[tuple[list[int], list[list[int]], Cursor | None]] = []
+
+    @rule(tokens=TOKENS)
+    def start(self, tokens):
+        tables, cursor = [], None
+        for w, (pool, index) in enumerate(zip(self.pools, self.indexes, strict=True)):
+            m = index.match(tokens[:-1])
+            hit = m.length if m else 0
+            if w == 0:
+                cursor = m.cursor if m else Cursor()
+            table = list(m.blocks[0]) if m else []
+            pool.retain_all(table)
+            need = -(-len(tokens) // BS) - len(table)
+            cow = 1 if hit % BS and pool.is_shared(table[-1]) else 0
+            if need + cow > pool.num_available:
+                pool.release_all(table)
+                tables.append(None)
+                continue
+            if cow:
+                (new,) = pool.allocate(1)
+                pool.release(table[-1])
+                table[-1] = new
+            tables.append(table + pool.allocate(need))
+        assert (tables[0] is None) == (tables[1] is None)
+        if tables[0] is not None:
+            self.live.append((tokens, tables, cursor))
+
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 100), upto=st.integers(0, 14))
+    def written(self, i, upto):
+        """A forward's blocks indexed (``Scheduler.index_written``): full blocks only."""
+        tokens, tables, cursor = self.live[i % len(self.live)]
+        length = min(upto, len(tokens))
+        self.indexes[0].insert(tokens, [(0, tables[0])], length, partial=False, cursor=cursor)
+        self.indexes[1].insert(tokens, [(0, tables[1])], length, partial=False)
+
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 100), partial=st.booleans())
+    def finish(self, i, partial):
+        tokens, tables, cursor = self.live.pop(i % len(self.live))
+        self.indexes[0].insert(tokens, [(0, tables[0])], partial=partial, cursor=cursor)
+        self.indexes[1].insert(tokens, [(0, tables[1])], partial=partial)
+        for pool, table in zip(self.pools, tables, strict=True):
+            pool.release_all(table)
+
+    @rule(n=st.integers(1, 4))
+    def pressure(self, n):
+        for pool in self.pools:
+            ids = pool.allocate(n)
+            if ids is not None:
+                pool.release_all(ids)
+
+    @invariant()
+    def same(self):
+        a, b = self.pools
+        assert a.refcounts == b.refcounts and a.parked == b.parked
+        assert trie(self.indexes[0]) == trie(self.indexes[1])
+        a.check_invariants(tables=[t[0] for _, t, _ in self.live])
+        self.indexes[0].check_invariants()
+
+
+CursorMachine.TestCase.settings = settings(max_examples=80, stateful_step_count=30)
+test_inserts_through_a_cursor_equal_walks_from_the_root = CursorMachine.TestCase
+
+
+def test_a_cursor_resumes_where_its_last_insert_ended_and_restarts_once_its_node_is_gone():
+    pools, index = make(16)
+    tokens = list(range(12))
+    table = write(pools[0], 12)
+    cursor = Cursor()
+    index.insert(tokens, [(0, table)], length=8, partial=False, cursor=cursor)
+    assert cursor.depth == 2 and cursor.node.blocks == [table[1]]
+    # The next insert starts at block 2: a cursor that claims more than the tokens have
+    # is not trusted (it walks from the root).
+    assert index.insert(tokens, [(0, table)], cursor=cursor) == 1
+    assert cursor.depth == 3 and cursor.node.blocks == [table[2]]
+    pools[0].release_all(table)
+    # Evicting block 0 takes the whole path; the cursor's node left the trie.
+    pools[0].allocate(16)
+    assert not cursor.node.alive and index.num_blocks == 0
+    pools[0].release_all(range(16))
+    again = write(pools[0], 12)
+    assert index.insert(tokens, [(0, again)], cursor=cursor) == 3
+    m = index.match(tokens + [99])
+    assert m.length == 12 and m.cursor.depth == 3 and m.cursor.node.blocks == [again[2]]
+
+
+def test_a_cursor_on_another_sequences_evicted_blocks_walks_again_from_the_root():
+    """S and X write the same tokens side by side; X finishes first, so S's forward finds
+    X's blocks indexed and its cursor stands on them. X's blocks are evicted; S's finish
+    parks S's own blocks from the root."""
+    pools, index = make(8)
+    pool, tokens = pools[0], list(range(8))
+    s, x = write(pool, 8), write(pool, 8)
+    cursor = Cursor()
+    finish(pools, index, tokens, [x])
+    index.insert(tokens, [(0, s)], length=8, partial=False, cursor=cursor)
+    assert cursor.depth == 2 and cursor.node.blocks == [x[1]]  # X's node: S's block not parked
+    assert pool.refcounts[s[0]] == pool.refcounts[s[1]] == 1
+    pool.allocate(8 - 4)  # the 4 free blocks, then X's two cached ones
+    pool.allocate(2)
+    assert not cursor.node.alive and index.num_blocks == 0
+    assert index.insert(tokens, [(0, s)], cursor=cursor) == 2
+    assert index.match(tokens + [9]).blocks == [s] and cursor.node.blocks == [s[1]]

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from mlx_paged.blocks import BlockPool, PrefixIndex, StateSlots
-from mlx_paged.blocks.prefix_index import _node_at
+from mlx_paged.blocks.trie import node_at
 from mlx_paged.storage import batch_bucket
 
 BS = 4
@@ -169,7 +169,7 @@ class SnapshotMachine(RuleBasedStateMachine):
         m = self.index.match(tokens)
         if m is not None:
             assert m.snapshot in self.states.ids()
-            assert _node_at(self.index._root, tokens, m.length, BS).snapshot == m.snapshot
+            assert node_at(self.index._root, tokens, m.length, BS).snapshot == m.snapshot
         self.held.append(self.states.take_slot(m.snapshot if m else None))
 
     @precondition(lambda self: self.held)

@@ -7,7 +7,7 @@ from .pool import (
     PoolTooSmallError,
     check_block_size,
 )
-from .prefix_index import PrefixIndex, PrefixMatch
+from .prefix_index import Cursor, PrefixIndex, PrefixMatch
 from .states import StateSlots, StateStats
 from .table import HOLE, BlockTable, BlockTables, LayerKind
 from .tiers import COLD, TieredBlockPool, TierStats, is_cold
@@ -18,6 +18,7 @@ __all__ = [
     "BlockTable",
     "BlockTables",
     "COLD",
+    "Cursor",
     "LayerKind",
     "PagedCacheStats",
     "PoolExhaustedError",

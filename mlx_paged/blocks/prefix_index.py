@@ -28,21 +28,20 @@ Pure Python: no MLX here.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from itertools import chain, islice
 
 from .pool import BlockPool
 from .states import StateSlots
-
-
-@dataclass(eq=False, slots=True)
-class _Node:
-    key: tuple[int, ...]  # this block's tokens; shorter than block_size for a partial tail
-    blocks: list[int | None]  # block id per group
-    parent: _Node | None
-    children: dict[tuple[int, ...], _Node] = field(default_factory=dict)
-    snapshot: int | None = None  # recurrent state at this node's end (``StateSlots`` id)
+from .trie import (
+    Cursor,
+    Node,
+    candidates,
+    first_needed,
+    node_at,
+    node_tokens,
+    walk,
+)
 
 
 @dataclass(frozen=True)
@@ -53,13 +52,15 @@ class PrefixMatch:
     ``firsts[g] ..`` up to the one holding token ``length - 1``. The last block
     may be partially filled or shared: a writer must copy it first.
     ``snapshot`` is the recurrent state at ``length`` (models with recurrent
-    layers only).
+    layers only). ``cursor`` stands at the last full block of the match, for the
+    adopting sequence's ``insert``s.
     """
 
     length: int
     blocks: list[list[int]]
     firsts: list[int]
     snapshot: int | None = None
+    cursor: Cursor = field(default_factory=Cursor)
 
 
 class PrefixIndex:
@@ -88,10 +89,10 @@ class PrefixIndex:
         self.block_size = sizes.pop()
         self.pools = list(pools)
         self.windows = list(windows)
-        self._root = _Node((), [None] * len(pools), None)
-        self._owner: list[dict[int, _Node]] = [{} for _ in pools]
+        self._root = Node((), [None] * len(pools), None)
+        self._owner: list[dict[int, Node]] = [{} for _ in pools]
         self.states = states
-        self._snapshot_owner: dict[int, _Node] = {}
+        self._snapshot_owner: dict[int, Node] = {}
         self.on_spill: Callable[[list[int], list[int | None], int | None], None] | None = None
         if states is not None:
             states.on_evict = self._forget_snapshot
@@ -108,17 +109,19 @@ class PrefixIndex:
 
         Returns ``None`` when nothing is cached. Does not take references: the caller
         retains the blocks it adopts."""
-        path, length = self._walk(tokens)
+        path, length = walk(self._root, tokens, self.block_size)
         bs = self.block_size
         # The longest candidate at which every group holds the blocks a continuation reads.
-        for m, snapshot in _candidates(path, length, bs, self.states is not None and states):
+        for m, snapshot in candidates(path, length, bs, self.states is not None and states):
             if m <= 0:
                 break
             hi = -(-m // bs)
-            firsts = [_first_needed(w, m, bs) for w in self.windows]
+            firsts = [first_needed(w, m, bs) for w in self.windows]
             blocks = [[path[i].blocks[g] for i in range(firsts[g], hi)] for g in range(len(firsts))]
             if all(b is not None for group in blocks for b in group):
-                return PrefixMatch(length=m, blocks=blocks, firsts=firsts, snapshot=snapshot)
+                full = m // bs
+                cursor = Cursor(path[full - 1], full) if full else Cursor()
+                return PrefixMatch(m, blocks, firsts, snapshot, cursor)
         return None
 
     def insert(
@@ -127,6 +130,7 @@ class PrefixIndex:
         tables: Sequence[tuple[int, Sequence[int]]],
         length: int | None = None,
         partial: bool = True,
+        cursor: Cursor | None = None,
     ) -> int:
         """Park a sequence's blocks under the tokens they hold; return blocks newly parked.
 
@@ -136,6 +140,8 @@ class PrefixIndex:
                 block ``first + i``.
             length: Tokens with K/V (default: all of ``tokens``).
             partial: Also park a partially filled last block.
+            cursor: This sequence's ``Cursor`` (its ``PrefixMatch.cursor``): the walk
+                starts there, past blocks the caller holds, and moves it on.
 
         Blocks whose tokens are already indexed are left alone: the caller's
         reference to them stays the caller's.
@@ -147,21 +153,25 @@ class PrefixIndex:
             raise ValueError(f"length {length} is outside 0..{len(tokens)}.")
         bs = self.block_size
         full = length // bs
+        node, skip = self._root, 0
+        if cursor is not None and cursor.node is not None:
+            if cursor.node.alive and cursor.depth <= full:
+                node, skip = cursor.node, cursor.depth
         # The full blocks' tokens, each a tuple made in C: zip takes ``bs`` at a time.
-        keys = list(islice(zip(*[iter(tokens)] * bs, strict=False), full))
+        keys = list(zip(*[iter(tokens[skip * bs : full * bs])] * bs, strict=False))
         if partial and length > full * bs:
             keys.append(tuple(tokens[full * bs : length]))
         spans = [
             (g, first, blocks, self._owner[g], self.pools[g].park)
             for g, (first, blocks) in enumerate(tables)
         ]
-        node, parked, groups = self._root, 0, len(self.pools)
-        for i, key in enumerate(keys):
+        parked, groups = 0, len(self.pools)
+        for i, key in enumerate(keys, skip):
             child = node.children.get(key)
             if child is None:
                 if len(key) < bs and any(k[: len(key)] == key for k in node.children):
                     break  # a longer block already covers this partial tail
-                child = node.children[key] = _Node(key, [None] * groups, node)
+                child = node.children[key] = Node(key, [None] * groups, node)
                 # Partial tails this block extends are redundant now.
                 if len(node.children) > 1:
                     tails = [k for k in node.children if len(k) < len(key) and key[: len(k)] == k]
@@ -178,6 +188,8 @@ class PrefixIndex:
                 owner[b] = child
                 parked += 1
             node = child
+            if cursor is not None and len(key) == bs:
+                cursor.node, cursor.depth = child, i + 1
         self._prune(node)  # a last node that got no block leads nowhere
         return parked
 
@@ -186,7 +198,7 @@ class PrefixIndex:
         ends exactly there or it has one already; return whether it took one."""
         if self.states is None:
             raise ValueError("this index keeps no recurrent states.")
-        node = _node_at(self._root, tokens, length, self.block_size)
+        node = node_at(self._root, tokens, length, self.block_size)
         if node is None or node.snapshot is not None:
             return False
         node.snapshot = take()
@@ -195,7 +207,7 @@ class PrefixIndex:
 
     def full_blocks_matched(self, tokens: Sequence[int]) -> int:
         """Tokens of ``tokens`` whole indexed blocks cover from the start (snapshots aside)."""
-        return self._walk(tokens)[1] // self.block_size * self.block_size
+        return walk(self._root, tokens, self.block_size)[1] // self.block_size * self.block_size
 
     @property
     def snapshots(self) -> list[int]:
@@ -229,32 +241,13 @@ class PrefixIndex:
 
     # ---- internals --------------------------------------------------------
 
-    def _walk(self, tokens: Sequence[int]) -> tuple[list[_Node], int]:
-        """Nodes along the longest match and the tokens matched; the last node may match partly."""
-        bs, node, pos, path = self.block_size, self._root, 0, []
-        for key in zip(*[iter(tokens)] * bs, strict=False):  # each full block's tokens
-            child = node.children.get(key)
-            if child is None:
-                break
-            path.append(child)
-            node, pos = child, pos + bs
-        rest = tuple(tokens[pos : pos + bs])
-        best, best_len = None, 0
-        for key, c in node.children.items():
-            n = _common_prefix(key, rest)
-            if n > best_len:
-                best, best_len = c, n
-        if best is not None:
-            path.append(best)
-        return path, pos + best_len
-
     def _forget_snapshot(self, snapshot: int) -> None:
         """State hook: a snapshot is being evicted."""
         node = self._snapshot_owner.pop(snapshot, None)
         if node is None:
             return
         if self.on_spill and _spillable(node, self.windows, self.block_size):
-            self.on_spill(_tokens(node), list(node.blocks), snapshot)  # the state is still here
+            self.on_spill(node_tokens(node), list(node.blocks), snapshot)  # the state is still here
         node.snapshot = None
         self._prune(node)
 
@@ -266,7 +259,7 @@ class PrefixIndex:
         if self.on_spill is not None and self.windows[group] is None:
             _spill(node, self.windows, self.block_size, self.on_spill)  # and its subtree
         elif self.on_spill is not None and _spillable(node, self.windows, self.block_size):
-            self.on_spill(_tokens(node), list(node.blocks), node.snapshot)  # with the window's
+            self.on_spill(node_tokens(node), list(node.blocks), node.snapshot)  # with the window's
         del self._owner[group][block_id]
         node.blocks[group] = None
         if self.windows[group] is None:
@@ -283,8 +276,9 @@ class PrefixIndex:
                 node.blocks[group] = new
                 owner[new] = node
 
-    def _remove(self, node: _Node) -> None:
+    def _remove(self, node: Node) -> None:
         """Drop a node and its subtree, unparking what they hold."""
+        node.alive = False
         for child in list(node.children.values()):
             self._remove(child)
         for g, b in enumerate(node.blocks):
@@ -301,7 +295,7 @@ class PrefixIndex:
             del parent.children[node.key]
             self._prune(parent)
 
-    def _prune(self, node: _Node) -> None:
+    def _prune(self, node: Node) -> None:
         """Remove a node that holds no block and leads nowhere."""
         if (
             node is not self._root
@@ -323,20 +317,20 @@ def spill_parked(index: PrefixIndex) -> None:
 def path_blocks(index: PrefixIndex, tokens: Sequence[int], n: int) -> list[list[int | None]]:
     """The block per group of each of the first ``n`` full blocks of ``tokens`` the index
     holds (``n`` at most what ``full_blocks_matched`` covers)."""
-    path, _ = index._walk(tokens[: n * index.block_size])
+    path, _ = walk(index._root, tokens[: n * index.block_size], index.block_size)
     assert len(path) >= n, f"the index holds {len(path)} of the {n} blocks asked for"
     return [list(node.blocks) for node in path[:n]]
 
 
 def _spill(
-    node: _Node,
+    node: Node,
     windows: list[int | None],
     bs: int,
     spill: Callable[[list[int], list[int | None], int | None], None],
 ) -> None:
     """Tell ``spill`` of every full block at or under ``node`` that every full-attention
     group holds, parents first, with the snapshot ending there."""
-    stack = [(node, _tokens(node))]
+    stack = [(node, node_tokens(node))]
     while stack:
         n, toks = stack.pop()
         if _spillable(n, windows, bs):
@@ -344,56 +338,7 @@ def _spill(
         stack += [(c, toks + list(c.key)) for c in n.children.values() if len(c.key) == bs]
 
 
-def _spillable(node: _Node, windows: list[int | None], bs: int) -> bool:
+def _spillable(node: Node, windows: list[int | None], bs: int) -> bool:
     """Whether ``node`` is a full block that every full-attention group holds."""
     held = (b is not None for b, w in zip(node.blocks, windows, strict=True) if w is None)
     return len(node.key) == bs and all(held)
-
-
-def _candidates(
-    path: list[_Node], length: int, bs: int, states: bool
-) -> Iterator[tuple[int, int | None]]:
-    """``(length, snapshot)`` a match may end at, longest first: the whole ``length``, then
-    shorter block-aligned lengths (lazily: a long prompt has thousands, and the first
-    usually holds); with ``states``, only where a node of ``path`` ends with a snapshot."""
-    if not states:
-        yield from ((m, None) for m in chain([length], range((length - 1) // bs * bs, 0, -bs)))
-        return
-    ends = [(i * bs + len(node.key), node) for i, node in enumerate(path)]
-    for m, node in reversed(ends):
-        if m <= length and node.snapshot is not None:
-            yield m, node.snapshot
-
-
-def _first_needed(window: int | None, length: int, bs: int) -> int:
-    """First logical block a continuation after ``length`` tokens reads in a group with
-    ``window``."""
-    return 0 if window is None else max(0, length - window + 1) // bs
-
-
-def _tokens(node: _Node) -> list[int]:
-    """The tokens from the root through ``node``."""
-    tokens: list[int] = []
-    while node.parent is not None:
-        tokens[:0] = node.key
-        node = node.parent
-    return tokens
-
-
-def _node_at(root: _Node, tokens: Sequence[int], length: int, bs: int) -> _Node | None:
-    """The node under ``root`` whose tokens end exactly at ``length``, or ``None``."""
-    node = root
-    for lo in range(0, length, bs):
-        node = node.children.get(tuple(tokens[lo : min(lo + bs, length)]))
-        if node is None:
-            return None
-    return node if node is not root else None
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from ..blocks import BlockTable, LayerKind, PagedCacheStats
+from ..blocks import BlockTable, Cursor, LayerKind, PagedCacheStats
 
 #: Maps log-probs ``(1, vocab)`` to a token ``(1,)``, as mlx-lm's samplers do.
 Sampler = Callable[[Any], Any]
@@ -104,6 +104,7 @@ class Request:
     mask_error: str | None = None
     generated: list[int] = field(default_factory=list)
     tables: dict[LayerKind, BlockTable] | None = None
+    cursor: Cursor = field(default_factory=Cursor)  # where its blocks stand in the prefix index
     slot: int | None = None
     # Recurrent state: where its prefill stops for snapshots, and whether it shares cached
     # blocks beyond the snapshot it adopted (it snapshots their end for requests behind it).

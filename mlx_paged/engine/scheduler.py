@@ -32,6 +32,7 @@ from ..blocks import (
     BlockPool,
     BlockTable,
     BlockTables,
+    Cursor,
     LayerKind,
     PrefixIndex,
     PrefixMatch,
@@ -181,7 +182,7 @@ class Scheduler:
 
         Sliding-window blocks indexed now stay cached after the window passes them.
         """
-        self.index.insert(req.tokens, _spans(req, self.kinds), length=req.written, partial=False)
+        _park(self.index, req, self.kinds, partial=False)
         if self.recurrent:
             self.recurrent.wrote(req)
 
@@ -286,6 +287,7 @@ class Scheduler:
                 self.groups[kind].release(table)
             return False
         req.tables = tables
+        req.cursor = match.cursor if match else Cursor()
         if self.recurrent:
             self.recurrent.attach(req, match, target)
         self.counters["prefix_hit_tokens"] += hit
@@ -308,19 +310,23 @@ class Scheduler:
     def _detach(self, req: Request) -> None:
         """Park a sequence's blocks (and its recurrent state) in the prefix index; drop its
         tables and state slot."""
-        # Not a token an overlapped step ran and the host then refused (``engine/decode.py``).
-        self.index.insert(req.tokens, _spans(req, self.kinds), min(req.written, len(req.tokens)))
+        _park(self.index, req, self.kinds, partial=True)
         if self.recurrent:
             self.recurrent.detach(req)
         for kind, table in req.tables.items():
             self.groups[kind].release(table)
-        req.tables = None
+        req.tables, req.cursor = None, Cursor()  # nor a node of the trie
         self.running.remove(req)
 
 
-def _spans(req: Request, kinds: list[LayerKind]) -> list[tuple[int, list[int]]]:
-    """Per group, where ``req``'s table starts and its blocks."""
-    return [(req.tables[k].first, req.tables[k].blocks) for k in kinds]
+def _park(index: PrefixIndex, req: Request, kinds: list[LayerKind], partial: bool) -> None:
+    """Index ``req``'s written blocks (with ``partial``, its partly filled last one), from
+    its cursor on."""
+    tokens = req.tokens
+    # Not a token an overlapped step ran and the host then refused (``engine/decode.py``).
+    length = min(req.written, len(tokens))
+    spans = [(req.tables[k].first, req.tables[k].blocks) for k in kinds]
+    index.insert(tokens, spans, length, partial, req.cursor)
 
 
 def _note_peak(counters: dict[str, int], groups: dict[LayerKind, BlockTables]) -> None:

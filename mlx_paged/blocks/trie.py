@@ -1,0 +1,104 @@
+"""The prefix index's trie: its nodes, a sequence's place in it, and walks over it.
+
+Pure Python: no MLX here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from itertools import chain
+
+
+@dataclass(eq=False, slots=True)
+class Node:
+    """One block of tokens in the trie: a full block, or a sequence's partial tail."""
+
+    key: tuple[int, ...]  # this block's tokens; shorter than block_size for a partial tail
+    blocks: list[int | None]  # block id per group
+    parent: Node | None
+    children: dict[tuple[int, ...], Node] = field(default_factory=dict)
+    snapshot: int | None = None  # recurrent state at this node's end (``StateSlots`` id)
+    alive: bool = True  # in the trie (``_remove`` clears it)
+
+
+@dataclass(eq=False, slots=True)
+class Cursor:
+    """Where one sequence's full blocks were last found or indexed: the node of its
+    ``depth``-th full block (``None``: the root). ``insert`` resumes there, so a long
+    prompt's blocks are walked once, not at every forward; a cursor whose node has left
+    the trie starts over from the root."""
+
+    node: Node | None = None
+    depth: int = 0
+
+
+def candidates(
+    path: list[Node], length: int, bs: int, states: bool
+) -> Iterator[tuple[int, int | None]]:
+    """``(length, snapshot)`` a match may end at, longest first: the whole ``length``, then
+    shorter block-aligned lengths (lazily: a long prompt has thousands, and the first
+    usually holds); with ``states``, only where a node of ``path`` ends with a snapshot."""
+    if not states:
+        yield from ((m, None) for m in chain([length], range((length - 1) // bs * bs, 0, -bs)))
+        return
+    ends = [(i * bs + len(node.key), node) for i, node in enumerate(path)]
+    for m, node in reversed(ends):
+        if m <= length and node.snapshot is not None:
+            yield m, node.snapshot
+
+
+def first_needed(window: int | None, length: int, bs: int) -> int:
+    """First logical block a continuation after ``length`` tokens reads in a group with
+    ``window``."""
+    return 0 if window is None else max(0, length - window + 1) // bs
+
+
+def node_tokens(node: Node) -> list[int]:
+    """The tokens from the root through ``node``."""
+    tokens: list[int] = []
+    while node.parent is not None:
+        tokens[:0] = node.key
+        node = node.parent
+    return tokens
+
+
+def node_at(root: Node, tokens: Sequence[int], length: int, bs: int) -> Node | None:
+    """The node under ``root`` whose tokens end exactly at ``length``, or ``None``."""
+    node = root
+    for lo in range(0, length, bs):
+        node = node.children.get(tuple(tokens[lo : min(lo + bs, length)]))
+        if node is None:
+            return None
+    return node if node is not root else None
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def walk(root: Node, tokens: Sequence[int], bs: int) -> tuple[list[Node], int]:
+    """Nodes along the longest match of ``tokens`` under ``root`` and the tokens matched;
+    the last node may match partly."""
+    node, pos, path = root, 0, []
+    for key in zip(*[iter(tokens)] * bs, strict=False):  # each full block's tokens
+        child = node.children.get(key)
+        if child is None:
+            break
+        path.append(child)
+        node, pos = child, pos + bs
+    rest = tuple(tokens[pos : pos + bs])
+    best, best_len = None, 0
+    for key, c in node.children.items():
+        n = common_prefix(key, rest)
+        if n > best_len:
+            best, best_len = c, n
+    if best is not None:
+        path.append(best)
+    return path, pos + best_len
