@@ -159,13 +159,16 @@ class BlockPool:
     def retain_all(self, block_ids: Iterable[int]) -> None:
         """``retain`` each of several blocks (an adoption of a long prefix takes thousands:
         the checks are inline, and only a failing one goes through ``_check_held``)."""
-        refcounts, cached = self.refcounts, self._cached
-        for b in block_ids:
-            if not 0 <= b < self.capacity or refcounts[b] == 0:
-                self._check_held(b, _RETAIN_FREE)
-            cached.pop(b, None)
-            refcounts[b] += 1
-            self.shares += 1
+        refcounts, cached, capacity, n = self.refcounts, self._cached, self.capacity, 0
+        try:
+            for b in block_ids:
+                if not 0 <= b < capacity or refcounts[b] == 0:
+                    self._check_held(b, _RETAIN_FREE)
+                cached.pop(b, None)
+                refcounts[b] += 1
+                n += 1
+        finally:
+            self.shares += n
 
     def release(self, block_id: int) -> None:
         """Drop a holder; a block nobody holds goes back to the free list."""
@@ -177,12 +180,16 @@ class BlockPool:
 
     def release_all(self, block_ids: Iterable[int]) -> None:
         """Release several blocks, last first, so a table's head stays cached longest."""
-        refcounts, cached = self.refcounts, self._cached
+        refcounts, cached, capacity = self.refcounts, self._cached, self.capacity
+        free, parked = self._free, self.parked
         for b in reversed(list(block_ids)):
-            if not 0 <= b < self.capacity or refcounts[b] == 0 or b in cached:
+            if not 0 <= b < capacity or refcounts[b] == 0 or b in cached:
                 self._check_held(b, _RELEASE_FREE, release=True)
-            refcounts[b] -= 1
-            self._settle(b)
+            rc = refcounts[b] = refcounts[b] - 1
+            if rc == 0:  # as _settle, inline: thousands a long prefix
+                free.append(b)
+            elif rc == 1 and b in parked:
+                cached[b] = None
 
     def park(self, block_id: int) -> None:
         """Let the prefix index hold a block (one reference), keeping it cached after use."""
