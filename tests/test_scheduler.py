@@ -291,3 +291,16 @@ def test_requests_of_several_steps_share_forwards_padded_step_by_step():
     # Each forward of a batch stays within the budget, padding included.
     works = batched_prefills(list(zip(reqs, steps, strict=True)), 20)
     assert [[r.uid for r in w.requests] for w in works] == [[0, 3], [1], [2], [4]]
+
+
+@given(
+    prompt=st.lists(st.integers(0, 9), min_size=1, max_size=12),
+    generated=st.lists(st.integers(0, 9), max_size=6),
+    lo=st.integers(0, 20),
+    n=st.integers(0, 20),
+)
+def test_tokens_between_is_a_slice_of_the_tokens(prompt, generated, lo, n):
+    req = request(0, prompt)
+    req.generated = list(generated)
+    assert req.tokens_between(lo, lo + n) == req.tokens[lo : lo + n]
+    assert req.kv_target == len(req.tokens) - (1 if generated else 0)

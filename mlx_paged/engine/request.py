@@ -120,6 +120,15 @@ class Request:
     def tokens(self) -> list[int]:
         return self.prompt + self.generated
 
+    def tokens_between(self, lo: int, hi: int) -> list[int]:
+        """``tokens[lo:hi]`` (``0 <= lo``), without building the whole list first."""
+        p = len(self.prompt)
+        if hi <= p:
+            return self.prompt[lo:hi]
+        if lo >= p:
+            return self.generated[lo - p : hi - p]
+        return self.prompt[lo:] + self.generated[: hi - p]
+
     @property
     def last_token(self) -> int:
         return self.generated[-1] if self.generated else self.prompt[-1]
@@ -128,7 +137,8 @@ class Request:
     def kv_target(self) -> int:
         """Tokens that need K/V before decoding: all of a new prompt, all but the last
         token of a resumed request (the decode step feeds that one)."""
-        return len(self.tokens) - 1 if self.generated else len(self.tokens)
+        n = len(self.prompt) + len(self.generated)
+        return n - 1 if self.generated else n
 
     @property
     def written(self) -> int:

@@ -68,7 +68,7 @@ class ModelRunner:
         start = req.written
         caches = self.layout.bind(self.pools, req.tables, PagedKVCache)
         with self._head_at(logits and n > 1):
-            out = self.model(mx.array(req.tokens[start : start + n])[None], cache=caches)
+            out = self.model(mx.array(req.tokens_between(start, start + n))[None], cache=caches)
         last = out[:, -1, :] if logits else None
         mx.eval(last if logits else [], [c.state for c in caches])
         return last
@@ -100,7 +100,7 @@ class ModelRunner:
     ) -> mx.array | None:
         counts = counts or (n,) * len(reqs)
         pairs = zip(reqs, counts, strict=True)
-        inputs = [r.tokens[r.written : r.written + c] + [0] * (n - c) for r, c in pairs]
+        inputs = [r.tokens_between(r.written, r.written + c) + [0] * (n - c) for r, c in pairs]
         out, caches = self._batched(reqs, inputs, counts, logits)
         states = self.states.evaluated() if self.states is not None else []
         evaluate = mx.eval if wait else mx.async_eval
