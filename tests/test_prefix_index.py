@@ -231,73 +231,87 @@ class CursorMachine(RuleBasedStateMachine):
     (``PrefixMatch.cursor``, moved by every insert), the other walks from the root. Block
     ids, refcounts and the trie stay the same in both."""
 
+    windows: tuple = (None,)
+
     def __init__(self):
         super().__init__()
-        self.pools = [BlockPool(12, BS) for _ in range(2)]
-        self.indexes = [PrefixIndex([p], [None]) for p in self.pools]
-        self.live: list[tuple[list[int], list[list[int]], Cursor | None]] = []
+        self.pools = [[BlockPool(12, BS) for _ in self.windows] for _ in range(2)]
+        self.indexes = [PrefixIndex(pools, list(self.windows)) for pools in self.pools]
+        self.live: list[tuple[list[int], list, Cursor]] = []  # (tokens, spans per world, cursor)
 
-    @rule(tokens=TOKENS)
-    def start(self, tokens):
-        tables, cursor = [], None
-        for w, (pool, index) in enumerate(zip(self.pools, self.indexes, strict=True)):
-            m = index.match(tokens[:-1])
-            hit = m.length if m else 0
-            if w == 0:
-                cursor = m.cursor if m else Cursor()
-            table = list(m.blocks[0]) if m else []
+    def _adopt(self, pools, m, tokens):
+        """Spans ``(first, table)`` per group for ``tokens`` after match ``m``, or None."""
+        spans, hit = [], m.length if m else 0
+        for g, pool in enumerate(pools):
+            first, table = (m.firsts[g], list(m.blocks[g])) if m else (0, [])
             pool.retain_all(table)
-            need = -(-len(tokens) // BS) - len(table)
-            cow = 1 if hit % BS and pool.is_shared(table[-1]) else 0
+            need = -(-len(tokens) // BS) - first - len(table)
+            cow = 1 if hit % BS and table and pool.is_shared(table[-1]) else 0
             if need + cow > pool.num_available:
                 pool.release_all(table)
-                tables.append(None)
-                continue
+                for (_, t), p in zip(spans, pools, strict=False):
+                    p.release_all(t)
+                return None
             if cow:
                 (new,) = pool.allocate(1)
                 pool.release(table[-1])
                 table[-1] = new
-            tables.append(table + pool.allocate(need))
-        assert (tables[0] is None) == (tables[1] is None)
-        if tables[0] is not None:
-            self.live.append((tokens, tables, cursor))
+            spans.append((first, table + pool.allocate(need)))
+        return spans
+
+    @rule(tokens=TOKENS)
+    def start(self, tokens):
+        matches = [index.match(tokens[:-1]) for index in self.indexes]
+        spans = [self._adopt(p, m, tokens) for p, m in zip(self.pools, matches, strict=True)]
+        assert (spans[0] is None) == (spans[1] is None)
+        if spans[0] is not None:
+            self.live.append((tokens, spans, matches[0].cursor if matches[0] else Cursor()))
 
     @precondition(lambda self: self.live)
     @rule(i=st.integers(0, 100), upto=st.integers(0, 14))
     def written(self, i, upto):
         """A forward's blocks indexed (``Scheduler.index_written``): full blocks only."""
-        tokens, tables, cursor = self.live[i % len(self.live)]
+        tokens, spans, cursor = self.live[i % len(self.live)]
         length = min(upto, len(tokens))
-        self.indexes[0].insert(tokens, [(0, tables[0])], length, partial=False, cursor=cursor)
-        self.indexes[1].insert(tokens, [(0, tables[1])], length, partial=False)
+        self.indexes[0].insert(tokens, spans[0], length, partial=False, cursor=cursor)
+        self.indexes[1].insert(tokens, spans[1], length, partial=False)
 
     @precondition(lambda self: self.live)
     @rule(i=st.integers(0, 100), partial=st.booleans())
     def finish(self, i, partial):
-        tokens, tables, cursor = self.live.pop(i % len(self.live))
-        self.indexes[0].insert(tokens, [(0, tables[0])], partial=partial, cursor=cursor)
-        self.indexes[1].insert(tokens, [(0, tables[1])], partial=partial)
-        for pool, table in zip(self.pools, tables, strict=True):
-            pool.release_all(table)
+        tokens, spans, cursor = self.live.pop(i % len(self.live))
+        self.indexes[0].insert(tokens, spans[0], partial=partial, cursor=cursor)
+        self.indexes[1].insert(tokens, spans[1], partial=partial)
+        for pools, world in zip(self.pools, spans, strict=True):
+            for pool, (_, table) in zip(pools, world, strict=True):
+                pool.release_all(table)
 
-    @rule(n=st.integers(1, 4))
-    def pressure(self, n):
-        for pool in self.pools:
+    @rule(n=st.integers(1, 4), g=st.integers(0, 3))
+    def pressure(self, n, g):
+        for pools in self.pools:
+            pool = pools[g % len(pools)]
             ids = pool.allocate(n)
             if ids is not None:
                 pool.release_all(ids)
 
     @invariant()
     def same(self):
-        a, b = self.pools
-        assert a.refcounts == b.refcounts and a.parked == b.parked
+        for a, b in zip(*self.pools, strict=True):
+            assert a.refcounts == b.refcounts and a.parked == b.parked
         assert trie(self.indexes[0]) == trie(self.indexes[1])
-        a.check_invariants(tables=[t[0] for _, t, _ in self.live])
         self.indexes[0].check_invariants()
 
 
+class WindowCursorMachine(CursorMachine):
+    """The same with a sliding-window group beside the full one."""
+
+    windows = (None, 6)
+
+
 CursorMachine.TestCase.settings = settings(max_examples=80, stateful_step_count=30)
+WindowCursorMachine.TestCase.settings = settings(max_examples=80, stateful_step_count=30)
 test_inserts_through_a_cursor_equal_walks_from_the_root = CursorMachine.TestCase
+test_with_a_window_group_too = WindowCursorMachine.TestCase
 
 
 def test_a_cursor_resumes_where_its_last_insert_ended_and_restarts_once_its_node_is_gone():
@@ -339,3 +353,20 @@ def test_a_cursor_on_another_sequences_evicted_blocks_walks_again_from_the_root(
     assert not cursor.node.alive and index.num_blocks == 0
     assert index.insert(tokens, [(0, s)], cursor=cursor) == 2
     assert index.match(tokens + [9]).blocks == [s] and cursor.node.blocks == [s[1]]
+
+
+def test_a_cursor_past_a_forgotten_window_block_walks_again_from_the_root():
+    """X's blocks are indexed first, so S's forward leaves S's own blocks unparked and its
+    cursor on X's nodes. X's window blocks are evicted while its full blocks stay: S's
+    finish parks S's window blocks in the holes, as a walk from the root would."""
+    pools, index = make(8, windows=(None, 100))
+    tokens = list(range(8))
+    s, x = [write(p, 8) for p in pools], [write(p, 8) for p in pools]
+    finish(pools, index, tokens, x)
+    cursor = Cursor()
+    index.insert(tokens, [(0, t) for t in s], length=8, partial=False, cursor=cursor)
+    assert cursor.depth == 2 and cursor.node.blocks == [x[0][1], x[1][1]]
+    pools[1].release_all(pools[1].allocate(6))  # 4 free, then X's two window blocks
+    assert cursor.node.alive and cursor.node.blocks == [x[0][1], None]
+    assert index.insert(tokens, [(0, t) for t in s], cursor=cursor) == 2
+    assert trie(index) == {(0, 1, 2, 3): (x[0][0], s[1][0]), tuple(tokens): (x[0][1], s[1][1])}

@@ -93,6 +93,7 @@ class PrefixIndex:
         self._owner: list[dict[int, Node]] = [{} for _ in pools]
         self.states = states
         self._snapshot_owner: dict[int, Node] = {}
+        self._holes = 0  # sliding-window blocks forgotten by nodes that stay (``Cursor``)
         self.on_spill: Callable[[list[int], list[int | None], int | None], None] | None = None
         if states is not None:
             states.on_evict = self._forget_snapshot
@@ -120,7 +121,7 @@ class PrefixIndex:
             blocks = [[path[i].blocks[g] for i in range(firsts[g], hi)] for g in range(len(firsts))]
             if all(b is not None for group in blocks for b in group):
                 full = m // bs
-                cursor = Cursor(path[full - 1], full) if full else Cursor()
+                cursor = Cursor(path[full - 1], full, self._holes) if full else Cursor()
                 return PrefixMatch(m, blocks, firsts, snapshot, cursor)
         return None
 
@@ -155,7 +156,7 @@ class PrefixIndex:
         full = length // bs
         node, skip = self._root, 0
         if cursor is not None and cursor.node is not None:
-            if cursor.node.alive and cursor.depth <= full:
+            if cursor.node.alive and cursor.holes == self._holes and cursor.depth <= full:
                 node, skip = cursor.node, cursor.depth
         # The full blocks' tokens, each a tuple made in C: zip takes ``bs`` at a time.
         keys = list(zip(*[iter(tokens[skip * bs : full * bs])] * bs, strict=False))
@@ -189,7 +190,7 @@ class PrefixIndex:
                 parked += 1
             node = child
             if cursor is not None and len(key) == bs:
-                cursor.node, cursor.depth = child, i + 1
+                cursor.node, cursor.depth, cursor.holes = child, i + 1, self._holes
         self._prune(node)  # a last node that got no block leads nowhere
         return parked
 
@@ -265,6 +266,7 @@ class PrefixIndex:
         if self.windows[group] is None:
             self._remove(node)
         else:
+            self._holes += 1
             self._prune(node)
 
     def _rename(self, group: int, moved: dict[int, int]) -> None:

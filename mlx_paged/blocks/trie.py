@@ -26,11 +26,14 @@ class Node:
 class Cursor:
     """Where one sequence's full blocks were last found or indexed: the node of its
     ``depth``-th full block (``None``: the root). ``insert`` resumes there, so a long
-    prompt's blocks are walked once, not at every forward; a cursor whose node has left
-    the trie starts over from the root."""
+    prompt's blocks are walked once, not at every forward. It starts over from the root
+    where that would park a block the resumed walk would not: when the node has left the
+    trie, or when a node kept a hole for a sliding-window block the index forgot since
+    (``holes``: the index's count of those then)."""
 
     node: Node | None = None
     depth: int = 0
+    holes: int = 0
 
 
 def candidates(
