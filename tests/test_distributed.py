@@ -11,9 +11,11 @@ import importlib.util
 import json
 import os
 import pickle
+import random
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -34,11 +36,35 @@ def launcher() -> str:
     return launch
 
 
+def ring(n: int = 2) -> list[str]:
+    """``mlx.launch`` for ``n`` local ranks on ring ports no other job here listens on.
+
+    The ring backend listens with ``SO_REUSEPORT``: two jobs on mlx.launch's default
+    ports (pytest-xdist runs tests side by side) both bind, and the kernel may hand one
+    job's connection to the other's rank."""
+    return [launcher(), "-n", str(n), "--backend", "ring", "--starting-port", str(free_ports(n))]
+
+
+def free_ports(n: int) -> int:
+    """The first of ``n`` consecutive local ports that nothing is bound to now."""
+    rng = random.Random()
+    for _ in range(100):
+        base = rng.randrange(20000, 60000 - n)
+        with contextlib.ExitStack() as held:
+            try:
+                for port in range(base, base + n):
+                    sock = held.enter_context(socket.socket())
+                    sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return base
+    raise RuntimeError(f"no {n} free consecutive ports found")
+
+
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    launch = launcher()
     out = tmp_path_factory.mktemp("ranks")
-    cmd = [launch, "-n", "2", "--backend", "ring", "--", sys.executable, str(SCRIPT), str(out)]
+    cmd = [*ring(2), "--", sys.executable, str(SCRIPT), str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     files = [out / f"rank{r}.json" for r in range(2)]
     assert all(f.exists() for f in files), done.stdout[-3000:] + done.stderr[-3000:]
@@ -138,7 +164,7 @@ def tiny_llama(tmp_path_factory) -> Path:
 def start(root: Path, model: Path, name: str, ranks: int, *flags: str):
     from test_server import start_server
 
-    launch = (launcher(), "-n", str(ranks), "--backend", "ring", "--") if ranks > 1 else ()
+    launch = (*ring(ranks), "--") if ranks > 1 else ()
     flags = ("--model", str(model), "--log-level", "warning", "--shutdown-timeout", "5", *flags)
     return start_server(root, name, *flags, launch=launch)
 
@@ -247,7 +273,7 @@ def test_generate_prompts_file_sharded_prints_one_process_answers(tmp_path, tiny
     prompts.write_text("Hello there\nWhat is two plus two?\n")
     cmd = [sys.executable, "-m", "mlx_paged.generate", "--model", str(tiny_llama)]
     cmd += ["--prompts-file", str(prompts), "--max-tokens", "8", "--model-dtype", "float32"]
-    launch = [launcher(), "-n", "2", "--backend", "ring", "--"]
+    launch = [*ring(2), "--"]
 
     def answers(argv: list[str]) -> str:
         out = subprocess.run(argv, capture_output=True, text=True, timeout=300)
@@ -263,7 +289,7 @@ def test_generate_prompts_file_sharded_prints_one_process_answers(tmp_path, tiny
 def test_sharded_generate_answers_a_rerun_from_its_disk_tier(tmp_path, tiny_llama):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text(SYSTEM + "Hello there\n")
-    cmd = [launcher(), "-n", "2", "--backend", "ring", "--", sys.executable]
+    cmd = [*ring(2), "--", sys.executable]
     cmd += ["-m", "mlx_paged.generate", "--model", str(tiny_llama), "--prompts-file", str(prompts)]
     cmd += ["--max-tokens", "8", "--model-dtype", "float32", "--kv-disk-dir", str(tmp_path / "kv")]
 
