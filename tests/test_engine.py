@@ -650,7 +650,9 @@ def test_token_ids_of_any_int_type_are_kept_as_a_list_of_plain_ints(make):
     assert req.prompt is not given  # the engine's own copy
 
 
-@pytest.mark.parametrize("bad", [[1, VOCAB], [-1, 2], [1.5], ["7"], [True], [2**40]])
+@pytest.mark.parametrize(
+    "bad", [[1, VOCAB], [-1, 2], [1.5], ["7"], [True], [2**40], [3, 2**64], [2, 3.0, 4]]
+)
 def test_token_ids_outside_the_vocabulary_are_refused(bad):
     engine = PagedEngine(model_of("llama"), block_size=BS)
     with pytest.raises(ValueError, match="token 0|token 1"):

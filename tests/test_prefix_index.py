@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from mlx_paged.blocks import BlockPool, Cursor, PrefixIndex
+from mlx_paged.blocks.trie import RecentWalk
 
 BS = 4
 
@@ -227,8 +228,9 @@ def trie(index: PrefixIndex) -> dict[tuple[int, ...], tuple]:
 
 
 class CursorMachine(RuleBasedStateMachine):
-    """Two worlds run the same sequences: one inserts through each sequence's cursor
-    (``PrefixMatch.cursor``, moved by every insert), the other walks from the root. Block
+    """Two worlds run the same sequences: one matches on from its last match's walk
+    (``RecentWalk``) and inserts through each sequence's cursor (``PrefixMatch.cursor``,
+    moved by every insert), the other walks from the root every time. Matches, block
     ids, refcounts and the trie stay the same in both."""
 
     windows: tuple = (None,)
@@ -261,7 +263,10 @@ class CursorMachine(RuleBasedStateMachine):
 
     @rule(tokens=TOKENS)
     def start(self, tokens):
+        self.indexes[1]._recent = RecentWalk()  # the reference walks from the root
         matches = [index.match(tokens[:-1]) for index in self.indexes]
+        found = [m and (m.length, m.blocks, m.firsts, m.cursor.depth) for m in matches]
+        assert found[0] == found[1]
         spans = [self._adopt(p, m, tokens) for p, m in zip(self.pools, matches, strict=True)]
         assert (spans[0] is None) == (spans[1] is None)
         if spans[0] is not None:
@@ -370,3 +375,24 @@ def test_a_cursor_past_a_forgotten_window_block_walks_again_from_the_root():
     assert cursor.node.alive and cursor.node.blocks == [x[0][1], None]
     assert index.insert(tokens, [(0, t) for t in s], cursor=cursor) == 2
     assert trie(index) == {(0, 1, 2, 3): (x[0][0], s[1][0]), tuple(tokens): (x[0][1], s[1][1])}
+
+
+def test_a_match_walks_on_from_the_last_ones_blocks_while_they_stay():
+    pools, index = make(num_blocks=8)
+    tokens = list(range(12))
+    finish(pools, index, tokens, [write(pools[0], 12)])  # blocks 0, 1, 2
+    assert index.match(tokens[:8] + [50, 51]).blocks == [[0, 1]]
+    recent = index._recent
+    assert recent.tokens == tokens[:8] and [n.blocks for n in recent.path] == [[0], [1]]
+    assert index.match(tokens + [7]).blocks == [[0, 1, 2]]  # on from block 1's node
+    assert [n.blocks for n in recent.path] == [[0], [1], [2]]
+    # Eviction takes the last node (block 2), and the same tokens come back in block 3: a
+    # walk on from the dead node would miss it.
+    held = pools[0].allocate(6)
+    assert not recent.path[-1].alive
+    pools[0].release_all(held)
+    table = pools[0].allocate(3)
+    finish(pools, index, tokens, [table])  # parks only table[2]: 0 and 1 hold the rest
+    assert index.match(tokens + [7]).blocks == [[0, 1, table[2]]]
+    assert [pools[0].refcounts[b] for b in (0, 1, table[2])] == [1, 1, 1]
+    assert index.match([9] + tokens) is None and recent.tokens == [] and recent.path == []

@@ -36,6 +36,7 @@ from .states import StateSlots
 from .trie import (
     Cursor,
     Node,
+    RecentWalk,
     candidates,
     first_needed,
     node_at,
@@ -94,6 +95,7 @@ class PrefixIndex:
         self.states = states
         self._snapshot_owner: dict[int, Node] = {}
         self._holes = 0  # sliding-window blocks forgotten by nodes that stay (``Cursor``)
+        self._recent = RecentWalk()  # the last match's walk, which the next may resume
         self.on_spill: Callable[[list[int], list[int | None], int | None], None] | None = None
         if states is not None:
             states.on_evict = self._forget_snapshot
@@ -110,7 +112,7 @@ class PrefixIndex:
 
         Returns ``None`` when nothing is cached. Does not take references: the caller
         retains the blocks it adopts."""
-        path, length = walk(self._root, tokens, self.block_size)
+        path, length = self._recent.walk(self._root, tokens, self.block_size)
         bs = self.block_size
         # The longest candidate at which every group holds the blocks a continuation reads.
         for m, snapshot in candidates(path, length, bs, self.states is not None and states):

@@ -86,11 +86,16 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-def walk(root: Node, tokens: Sequence[int], bs: int) -> tuple[list[Node], int]:
+def walk(
+    root: Node, tokens: Sequence[int], bs: int, known: Sequence[Node] = ()
+) -> tuple[list[Node], int]:
     """Nodes along the longest match of ``tokens`` under ``root`` and the tokens matched;
-    the last node may match partly."""
-    node, pos, path = root, 0, []
-    for key in zip(*[iter(tokens)] * bs, strict=False):  # each full block's tokens
+    the last node may match partly. ``known``: the nodes of ``tokens``' first full blocks,
+    found before (the walk goes on from the last of them)."""
+    path = list(known)
+    node, pos = (path[-1], len(path) * bs) if path else (root, 0)
+    rest = iter(tokens[pos:] if pos else tokens)
+    for key in zip(*[rest] * bs, strict=False):  # each full block's tokens
         child = node.children.get(key)
         if child is None:
             break
@@ -105,3 +110,27 @@ def walk(root: Node, tokens: Sequence[int], bs: int) -> tuple[list[Node], int]:
     if best is not None:
         path.append(best)
     return path, pos + best_len
+
+
+@dataclass(slots=True)
+class RecentWalk:
+    """The last match's walk: its sequence's full blocks' tokens and their nodes.
+
+    A burst's prompts share a long prefix. Comparing a prompt with the last one is one
+    list comparison in C, where a walk costs Python per block (2,048 of them for a
+    32k-token prompt), so a prompt that begins with the last one's full blocks walks
+    on from their last node. That node still in the trie means every node before it is
+    (a node leaves with its subtree).
+    """
+
+    tokens: list[int] = field(default_factory=list)
+    path: list[Node] = field(default_factory=list)
+
+    def walk(self, root: Node, tokens: Sequence[int], bs: int) -> tuple[list[Node], int]:
+        """``walk(root, tokens, bs)``, resumed where the last one's full blocks allow."""
+        n = len(self.tokens)
+        known = self.path if n and self.path[-1].alive and tokens[:n] == self.tokens else ()
+        path, length = walk(root, tokens, bs, known)
+        full = length // bs
+        self.tokens, self.path = list(tokens[: full * bs]), path[:full]
+        return path, length
