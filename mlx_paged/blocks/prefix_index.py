@@ -120,8 +120,8 @@ class PrefixIndex:
                 break
             hi = -(-m // bs)
             firsts = [first_needed(w, m, bs) for w in self.windows]
-            blocks = [[path[i].blocks[g] for i in range(firsts[g], hi)] for g in range(len(firsts))]
-            if all(b is not None for group in blocks for b in group):
+            blocks = [[n.blocks[g] for n in path[first:hi]] for g, first in enumerate(firsts)]
+            if all(None not in group for group in blocks):
                 full = m // bs
                 cursor = Cursor(path[full - 1], full, self._holes) if full else Cursor()
                 return PrefixMatch(m, blocks, firsts, snapshot, cursor)

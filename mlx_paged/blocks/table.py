@@ -314,7 +314,7 @@ class BlockTables:
 
 def _release_held(pool: BlockPool, blocks: list[int]) -> None:
     """Release the blocks of a table slice, skipping holes."""
-    pool.release_all(b for b in blocks if b != HOLE)
+    pool.release_all([b for b in blocks if b != HOLE] if HOLE in blocks else blocks)
 
 
 def _release_quietly(pool: BlockPool, blocks: list[int]) -> None:

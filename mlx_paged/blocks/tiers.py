@@ -219,5 +219,7 @@ class TieredBlockPool(BlockPool):
 def _by_tier(block_ids: Iterable[int]) -> tuple[list[int], list[int]]:
     """Hot ids, and cold ones as their slots in the cold storage, each in their order."""
     ids = list(block_ids)
+    if not ids or max(ids) < COLD:  # in C: a long prefix's thousands of hot ids
+        return ids, []
     cold = [b - COLD for b in ids if b >= COLD]
     return ([b for b in ids if b < COLD] if cold else ids), cold
