@@ -8,12 +8,16 @@ before them (``pinned_tables``); ``parked`` lists what ``spill_cached`` writes.
 A load's files are read in runs ahead of the pool writes (``read_ahead``, in
 ``storage/disk_runs.py``); ``stage`` starts a run's copy into MLX on a stream of
 its own, and ``Writes`` keeps one run's pool writes in flight beside the next copy.
+On CUDA ``MappedLoads`` maps a run's files instead of reading them
+(``storage/mapped.py``), and gives each run back once its copy is done.
 """
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future
 
 import mlx.core as mx
 import numpy as np
@@ -30,8 +34,11 @@ from ..storage.disk_entries import (
     pool_arrays,
     run_blocks,
 )
+from ..storage.disk_files import Background
 from ..storage.disk_format import Run
 from ..storage.disk_runs import leading
+from ..storage.mapped import MappedRegion
+from ..storage.pinned import Staging
 from .distributed import Ranks
 
 
@@ -178,3 +185,52 @@ class Writes:
         mx.eval(ok, [a for p in self.pools for a in pool_arrays(p)])
         self.seconds["load_eval"] += time.perf_counter() - start
         return entries, leading(ok, entries)
+
+
+class MappedLoads:
+    """A load's runs mapped from their files (``DiskStore.map_run``) where that runs: on
+    CUDA with pinned copies (``on=None``), or wherever ``mmap`` runs (``on=True``, where
+    the rows go through ``mx.array``: the CPU tests). A run that cannot be mapped or
+    registered is read into staging instead, and so are later ones."""
+
+    def __init__(self, store: DiskStore, staging: Staging, on: bool | None):
+        self.store, self.staging, self.on = store, staging, on
+        self._release = Background("mlx_paged-disk-unmap", lambda: True)
+
+    def read(
+        self, keys: list[str], staged: Callable[[], Run | None], after: Future | None
+    ) -> Run | None:
+        """``map_run`` of ``keys`` (on a reader thread), or ``staged()`` where it fails."""
+        if self.on:
+            copy = self.staging.copy_from if self.staging.pinned else None
+            try:
+                return self.store.map_run(keys, self._region, copy, after)
+            except OSError as e:
+                self.on = False
+                logging.getLogger("mlx_paged.disk").info(
+                    "mlx_paged: disk-tier loads read their files into staging: %s", e
+                )
+        return staged()
+
+    def decide(self) -> bool:
+        """Whether runs are mapped: decided at the first load, on the thread of MLX calls."""
+        if self.on is None:
+            self.on = self.staging.ready()
+        return bool(self.on)
+
+    def release(self, runs: Iterable[Run | None]) -> None:
+        """Give back runs whose copies are done, on a thread of its own (unregistering takes
+        about a millisecond per 128 MB)."""
+        for run in runs:
+            if run is not None:
+                self._release.put(run.release)
+
+    def _region(self, ranges: list[tuple[int, int, int]]) -> MappedRegion:
+        region = MappedRegion(ranges)
+        if self.staging.pinned:
+            try:
+                region.pin(self.staging.register, self.staging.unregister)
+            except OSError:
+                region.release()
+                raise
+        return region
