@@ -640,7 +640,6 @@ def test_a_mapped_restart_answers_from_disk_and_gives_every_region_back(
     assert got[0] == expected[0]
     assert np.allclose(got[1], expected[1], atol=1e-6, rtol=0)
     assert len(made) == -(-5 // batch)  # a region a run
-    second.disk._mapping._release.join()
     assert all(region.base is None for region in made)  # unmapped once copied
 
 
@@ -659,7 +658,6 @@ def test_a_damaged_entry_of_a_mapped_load_is_recomputed_and_deleted(
     assert second.scheduler.index.full_blocks_matched(a) == 5 * BS  # 2 loaded, 3 recomputed
     stats = second.stats()
     assert stats.live_blocks == 0 and stats.cached_blocks == 6, stats
-    second.disk._mapping._release.join()
     assert made and all(region.base is None for region in made)
 
 
@@ -675,4 +673,6 @@ def test_on_cuda_a_restart_maps_its_files_and_answers_as_before(tmp_path):
     got = run(second, a)
     assert second.disk._mapping.on is True and second.disk.staging.pinned  # mapped, pinned
     assert second.stats().disk_hit_tokens == 40 and got[0] == expected[0]
-    assert np.allclose(got[1], expected[1], atol=1e-6, rtol=0)
+    # The first engine's last logits came from a whole prompt's forward, these from one
+    # token's over the loaded blocks: other kernels on the GPU.
+    assert np.allclose(got[1], expected[1], atol=1e-4, rtol=0), (got[1], expected[1])

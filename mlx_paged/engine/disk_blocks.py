@@ -15,6 +15,7 @@ On CUDA ``MappedLoads`` maps a run's files instead of reading them
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
@@ -34,7 +35,6 @@ from ..storage.disk_entries import (
     pool_arrays,
     run_blocks,
 )
-from ..storage.disk_files import Background
 from ..storage.disk_format import Run
 from ..storage.disk_runs import leading
 from ..storage.mapped import MappedRegion
@@ -191,11 +191,16 @@ class MappedLoads:
     """A load's runs mapped from their files (``DiskStore.map_run``) where that runs: on
     CUDA with pinned copies (``on=None``), or wherever ``mmap`` runs (``on=True``, where
     the rows go through ``mx.array``: the CPU tests). A run that cannot be mapped or
-    registered is read into staging instead, and so are later ones."""
+    registered is read into staging instead, and so are later ones.
+
+    Registrations take one at a time (two at once ran slower, BENCHMARKS.md run 353), and
+    runs are given back together once the load is done (``settle``): unregistering while
+    the load's copies and writes go on stalls them."""
 
     def __init__(self, store: DiskStore, staging: Staging, on: bool | None):
         self.store, self.staging, self.on = store, staging, on
-        self._release = Background("mlx_paged-disk-unmap", lambda: True)
+        self._lock = threading.Lock()
+        self._done: list[Run] = []
 
     def read(
         self, keys: list[str], staged: Callable[[], Run | None], after: Future | None
@@ -219,17 +224,23 @@ class MappedLoads:
         return bool(self.on)
 
     def release(self, runs: Iterable[Run | None]) -> None:
-        """Give back runs whose copies are done, on a thread of its own (unregistering takes
-        about a millisecond per 128 MB)."""
-        for run in runs:
-            if run is not None:
-                self._release.put(run.release)
+        """Runs whose copies are done, given back at the next ``settle``."""
+        with self._lock:
+            self._done += [run for run in runs if run is not None]
+
+    def settle(self) -> None:
+        """Give back every run ``release`` took (unmapping about 1 GB takes some 8 ms)."""
+        with self._lock:
+            done, self._done = self._done, []
+        for run in done:
+            run.release()
 
     def _region(self, ranges: list[tuple[int, int, int]]) -> MappedRegion:
         region = MappedRegion(ranges)
         if self.staging.pinned:
             try:
-                region.pin(self.staging.register, self.staging.unregister)
+                with self._lock:
+                    region.pin(self.staging.register, self.staging.unregister)
             except OSError:
                 region.release()
                 raise

@@ -288,7 +288,8 @@ class DiskTier:
         start = end = have * bs
         tables = pinned_tables(groups, path_blocks(index, tokens, have), have)
         writes, copy = Writes(self.pools, self.seconds), (self.staging.to_mlx, self._copies)
-        runs, copying = self._runs(keys), []  # copying: runs whose copies may be running
+        reads = runs = self._runs(keys)
+        copying = []  # runs whose copies may be running
         for i in count():
             run, ragged = agreed_run(self.ranks, next(runs, None))
             if ragged:  # the ranks' runs part here: the load ends after this one
@@ -329,6 +330,8 @@ class DiskTier:
         if isinstance(copying[0], MappedRun):  # a load that stopped early, its copy running
             mx.synchronize(self._copies)
             self._mapping.release(copying)
+        reads.close()  # the reads ahead of a load that stopped early end, and are released
+        self._mapping.settle()
         if end > start:
             for table in tables.values():
                 table.lengths[:] = [end] * len(table.lengths)
@@ -350,6 +353,7 @@ class DiskTier:
             first = ahead[1:]
         elif ahead is not None:  # a stale read: done with its buffer before it is reused
             self._mapping.release([ahead[2].result()])
+            self._mapping.settle()
         drop = self._mapping.release
         return read_ahead(
             keys, first, self._most, self._read, READS_AHEAD, self.seconds, lambda r: drop([r])
