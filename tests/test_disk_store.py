@@ -470,29 +470,3 @@ def test_files_and_packs_stay_under_the_cap_least_recently_used_file_first(tmp_p
         assert on_disk == store.bytes <= store.max_bytes
         singles = {ks[0] for n, ks in files if n.startswith("s")}
         assert sorted(store.keys) == sorted(singles | set(packed))
-
-
-def test_a_mapped_region_holds_each_range_at_its_start_and_unmaps(tmp_path):
-    from mlx_paged.storage.mapped import PAGE, MappedRegion
-
-    rng = np.random.default_rng(0)
-    blobs = [rng.integers(0, 256, n, dtype=np.uint8) for n in (3 * PAGE + 40, 5000)]
-    fds = []
-    for i, blob in enumerate(blobs):
-        (tmp_path / f"f{i}").write_bytes(blob.tobytes())
-        fds.append(os.open(tmp_path / f"f{i}", os.O_RDONLY))
-    # Ranges that start and end off page boundaries: 3 rows of 1,000 bytes from byte
-    # PAGE + 3,000 of the first file (over two pages), 2 of 2,000 from byte 8 of the second.
-    region = MappedRegion([(fds[0], PAGE + 3000, 3000), (fds[1], 8, 4000)])
-    try:
-        assert region.size == 3 * PAGE  # the pages the two ranges touch
-        a, b = region.rows(0, 3, 1000), region.rows(1, 2, 2000)
-        assert np.array_equal(a.reshape(-1), blobs[0][PAGE + 3000 : PAGE + 6000])
-        assert np.array_equal(b.reshape(-1), blobs[1][8:4008])
-        assert not a.flags.writeable and a.ctypes.data % 8 == 0
-    finally:
-        region.release()
-        for fd in fds:
-            os.close(fd)
-    assert region.base is None
-    region.release()  # once only

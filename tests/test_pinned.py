@@ -99,33 +99,3 @@ def test_on_cuda_a_pinned_copy_equals_the_host_bytes():
         assert got.shape == (rows, size) and np.array_equal(np.array(got), data)
     loose = np.ones((2, 64), dtype=np.uint8)  # not a staging buffer: plain mx.array
     assert np.array_equal(np.array(staging.to_mlx(loose)), loose)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not mx.cuda.is_available(), reason="needs a CUDA GPU")
-def test_on_cuda_a_registered_file_mapping_copies_in_8_byte_words(tmp_path):
-    import os
-
-    from mlx_paged.storage.mapped import MappedRegion
-
-    blob = np.random.default_rng(1).integers(0, 256, 3 * PAGE + 808, dtype=np.uint8)
-    (tmp_path / "f").write_bytes(blob.tobytes())
-    fd = os.open(tmp_path / "f", os.O_RDONLY)
-    staging = Staging()
-    assert staging.ready(), "the pinned copies failed their check on this GPU"
-    # Two ranges of one file, the first 8 bytes past a 16-byte boundary.
-    region = MappedRegion([(fd, 8, 2 * PAGE), (fd, 2 * PAGE + 16, PAGE + 792)])
-    try:
-        region.pin(staging.register, staging.unregister)
-        got = [
-            np.array(staging.copy_from(region.starts[i], n))
-            for i, n in enumerate([2 * PAGE, PAGE + 792])
-        ]
-        mx.synchronize()
-        assert np.array_equal(got[0], blob[8 : 8 + 2 * PAGE])
-        assert np.array_equal(got[1], blob[2 * PAGE + 16 :])
-        with pytest.raises(ValueError, match="8-byte"):
-            staging.copy_from(region.starts[0] + 4, 64)
-    finally:
-        region.release()
-        os.close(fd)

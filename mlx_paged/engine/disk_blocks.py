@@ -8,17 +8,12 @@ before them (``pinned_tables``); ``parked`` lists what ``spill_cached`` writes.
 A load's files are read in runs ahead of the pool writes (``read_ahead``, in
 ``storage/disk_runs.py``); ``stage`` starts a run's copy into MLX on a stream of
 its own, and ``Writes`` keeps one run's pool writes in flight beside the next copy.
-On CUDA ``MappedLoads`` maps a run's files instead of reading them
-(``storage/mapped.py``), and gives each run back once its copy is done.
 """
 
 from __future__ import annotations
 
-import logging
-import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Future
+from collections.abc import Callable, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -37,8 +32,6 @@ from ..storage.disk_entries import (
 )
 from ..storage.disk_format import Run
 from ..storage.disk_runs import leading
-from ..storage.mapped import MappedRegion
-from ..storage.pinned import Staging
 from .distributed import Ranks
 
 
@@ -185,63 +178,3 @@ class Writes:
         mx.eval(ok, [a for p in self.pools for a in pool_arrays(p)])
         self.seconds["load_eval"] += time.perf_counter() - start
         return entries, leading(ok, entries)
-
-
-class MappedLoads:
-    """A load's runs mapped from their files (``DiskStore.map_run``) where that runs: on
-    CUDA with pinned copies (``on=None``), or wherever ``mmap`` runs (``on=True``, where
-    the rows go through ``mx.array``: the CPU tests). A run that cannot be mapped or
-    registered is read into staging instead, and so are later ones.
-
-    Registrations take one at a time (two at once ran slower, BENCHMARKS.md run 353), and
-    runs are given back together once the load is done (``settle``): unregistering while
-    the load's copies and writes go on stalls them."""
-
-    def __init__(self, store: DiskStore, staging: Staging, on: bool | None):
-        self.store, self.staging, self.on = store, staging, on
-        self._lock = threading.Lock()
-        self._done: list[Run] = []
-
-    def read(
-        self, keys: list[str], staged: Callable[[], Run | None], after: Future | None
-    ) -> Run | None:
-        """``map_run`` of ``keys`` (on a reader thread), or ``staged()`` where it fails."""
-        if self.on:
-            copy = self.staging.copy_from if self.staging.pinned else None
-            try:
-                return self.store.map_run(keys, self._region, copy, after)
-            except OSError as e:
-                self.on = False
-                logging.getLogger("mlx_paged.disk").info(
-                    "mlx_paged: disk-tier loads read their files into staging: %s", e
-                )
-        return staged()
-
-    def decide(self) -> bool:
-        """Whether runs are mapped: decided at the first load, on the thread of MLX calls."""
-        if self.on is None:
-            self.on = self.staging.ready()
-        return bool(self.on)
-
-    def release(self, runs: Iterable[Run | None]) -> None:
-        """Runs whose copies are done, given back at the next ``settle``."""
-        with self._lock:
-            self._done += [run for run in runs if run is not None]
-
-    def settle(self) -> None:
-        """Give back every run ``release`` took (unmapping about 1 GB takes some 8 ms)."""
-        with self._lock:
-            done, self._done = self._done, []
-        for run in done:
-            run.release()
-
-    def _region(self, ranges: list[tuple[int, int, int]]) -> MappedRegion:
-        region = MappedRegion(ranges)
-        if self.staging.pinned:
-            try:
-                with self._lock:
-                    region.pin(self.staging.register, self.staging.unregister)
-            except OSError:
-                region.release()
-                raise
-        return region

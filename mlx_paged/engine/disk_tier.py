@@ -72,11 +72,9 @@ from ..storage.disk_entries import (
 from ..storage.disk_files import start_threads
 from ..storage.disk_format import Run
 from ..storage.disk_runs import read_ahead
-from ..storage.mapped import MappedRun
 from ..storage.pinned import Staging
 from .disk_blocks import (
     KeyChain,
-    MappedLoads,
     Writes,
     agreed_run,
     load_snapshot,
@@ -109,10 +107,6 @@ STEP_BYTES = 288 << 20
 #: threads with numpy (``False``). ``None``: in MLX on a GPU; on the threads elsewhere,
 #: where MLX's CPU ops sum several times slower than numpy over threads.
 CHECK_IN_MLX: bool | None = None
-#: Whether a load maps its files instead of reading them into staging (``MappedLoads``):
-#: ``None``, where copies run pinned (CUDA) and the engine is not sharded; ``True`` also
-#: elsewhere (the rows then go through ``mx.array``); ``False``, never.
-MAPPED_LOADS: bool | None = None
 
 
 class DiskTier:
@@ -150,8 +144,6 @@ class DiskTier:
         self.step_blocks = STEP_BLOCKS  # most blocks a step loads while others run,
         self.step_bytes = STEP_BYTES  # ... and most bytes of them
         self.staging = Staging(READS_AHEAD + 1)  # the host buffers runs are read into
-        mapped = MAPPED_LOADS if self.ranks.group is None else False
-        self._mapping = MappedLoads(store, self.staging, mapped)
         scheduler.index.on_spill = self.spill
         scheduler.disk = self
 
@@ -288,8 +280,7 @@ class DiskTier:
         start = end = have * bs
         tables = pinned_tables(groups, path_blocks(index, tokens, have), have)
         writes, copy = Writes(self.pools, self.seconds), (self.staging.to_mlx, self._copies)
-        reads = runs = self._runs(keys)
-        copying = []  # runs whose copies may be running
+        runs = self._runs(keys)
         for i in count():
             run, ragged = agreed_run(self.ranks, next(runs, None))
             if ragged:  # the ranks' runs part here: the load ends after this one
@@ -299,8 +290,6 @@ class DiskTier:
             # from a bad entry on are given back below, never indexed.
             staged = run and stage(run, self.pools, self.windows, *copy, self.seconds)
             n, own = writes.wait()
-            self._mapping.release(copying)  # the writes waited for read their copies
-            copying = [run]
             # A bad entry on any rank ends every rank's load (alone: as their own).
             good, staged_all = self.ranks.least(own, staged is not None)
             self.store.hit(good)
@@ -327,11 +316,6 @@ class DiskTier:
                 if cold[g] is not None:
                     write_blocks(self.pools[g], g, ids[g], arrays, cold[g])
             writes.start(len(run), ok)
-        if isinstance(copying[0], MappedRun):  # a load that stopped early, its copy running
-            mx.synchronize(self._copies)
-            self._mapping.release(copying)
-        reads.close()  # the reads ahead of a load that stopped early end, and are released
-        self._mapping.settle()
         if end > start:
             for table in tables.values():
                 table.lengths[:] = [end] * len(table.lengths)
@@ -351,13 +335,9 @@ class DiskTier:
         first, ahead, self._ahead = None, self._ahead, None
         if ahead is not None and ahead[0] == keys[0] and ahead[1] <= len(keys):
             first = ahead[1:]
-        elif ahead is not None:  # a stale read: done with its buffer before it is reused
-            self._mapping.release([ahead[2].result()])
-            self._mapping.settle()
-        drop = self._mapping.release
-        return read_ahead(
-            keys, first, self._most, self._read, READS_AHEAD, self.seconds, lambda r: drop([r])
-        )
+        elif ahead is not None:
+            ahead[2].result()  # a stale read: done with its buffer before it is reused
+        return read_ahead(keys, first, self._most, self._read, READS_AHEAD, self.seconds)
 
     @cached_property
     def _copies(self) -> mx.Stream:
@@ -377,8 +357,5 @@ class DiskTier:
         """``read_run(keys)`` into buffer ``i``; a bad file waits for the last read to drop."""
         in_mlx = mx.default_device() == mx.gpu if CHECK_IN_MLX is None else CHECK_IN_MLX
         last, out = self._last_read, partial(self.staging.buffer, i)
-        read = partial(self.store.read_run, keys, out, not in_mlx, last)
-        if self._mapping.decide():  # or the files mapped (the payloads checked in MLX)
-            read = partial(self._mapping.read, keys, read, last)
-        self._last_read = self._reader.submit(read)
+        self._last_read = self._reader.submit(self.store.read_run, keys, out, not in_mlx, last)
         return self._last_read

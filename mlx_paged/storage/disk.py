@@ -43,7 +43,6 @@ from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -52,9 +51,7 @@ from .disk_files import (
     PACK_SUFFIX,
     Background,
     OpenFiles,
-    check_errors,
     group_packs,
-    head_width,
     plan_reads,
     read_segments,
     scan_files,
@@ -65,10 +62,6 @@ from .disk_files import (
 )
 from .disk_format import FORMAT_VERSION, Run, encode
 from .disk_index import DiskIndex
-from .mapped import MappedRegion, MappedRun
-
-if TYPE_CHECKING:
-    import mlx.core as mx
 
 __all__ = ["FORMAT_VERSION", "DiskStore", "Run", "encode"]
 
@@ -222,61 +215,6 @@ class DiskStore:
             parts = self._readers.map(read, tasks, [data] * len(tasks))
             errors = [e for part in parts for e in part]
         n, specs, payload, bad = valid_rows(data, keys, errors, self.fingerprint)
-        if not self._settle(rows, n, bad, after, start):
-            return None
-        return Run(data[:n], specs, payload, checked=payloads)
-
-    def map_run(
-        self,
-        keys: Sequence[str],
-        region: Callable[[list[tuple[int, int, int]]], MappedRegion],
-        copy: Callable[[int, int], mx.array] | None = None,
-        after: Future | None = None,
-    ) -> MappedRun | None:
-        """``read_run`` of ``keys``, the payloads left unchecked, with the files mapped
-        instead of read: ``region(ranges)`` maps each pack's ``(descriptor, offset,
-        bytes)`` range of the run (``storage/mapped.py``); the host checks the entries'
-        headers there. ``copy`` is ``MappedRun``'s. The caller ``release``s the run once
-        its copy is done.
-
-        Raises:
-            OSError: if ``region`` could not map or register the files.
-        """
-        with self._lock:
-            rows, size = self._index.run_rows(keys) if self.enabled else ([], 0)
-        if not rows:
-            self._count("misses", 1)
-            return None
-        start = time.perf_counter()
-        ranges, counts, early = [], [], None
-        for name, index, total, _, count in plan_reads(rows, 1)[0]:
-            try:
-                file = self._files.get(name)
-            except OSError as e:
-                early = e
-                break
-            if file.size != total:
-                early = ValueError(f"truncated or rewritten ({file.size} bytes, {total} indexed)")
-                break
-            ranges.append((file.fd, (index or 0) * size, count * size))
-            counts.append(count)
-        mapped = region(ranges) if ranges else None
-        views = [mapped.rows(i, c, size) for i, c in enumerate(counts)] if mapped else []
-        errors = [e for v in views for e in check_errors(v)] + ([early] if early else [])
-        first = views[0][0] if views else None
-        heads = np.concatenate([v[:, : head_width(first)] for v in views]) if views else None
-        n, specs, payload, bad = valid_rows(heads, keys, errors, self.fingerprint, first)
-        if not self._settle(rows, n, bad, after, start):
-            if mapped is not None:
-                mapped.release()
-            return None
-        return MappedRun(mapped, counts, size, specs, payload, copy).trim(n)
-
-    def _settle(
-        self, rows: list, n: int, bad: Exception | None, after: Future | None, start: float
-    ) -> bool:
-        """After a run's read: drop the file of the bad entry after ``n`` good ones (once
-        ``after`` is done), mark the files used and add the time; whether ``n > 0``."""
         if bad is not None:
             futures.wait([after] if after is not None else [])
             name, gone = rows[n][0], isinstance(bad, FileNotFoundError)  # another process's
@@ -286,7 +224,7 @@ class DiskStore:
                 self._drop_locked(name, delete=not gone)
         if n == 0:
             self._count("misses", 1)
-            return False
+            return None
         used = list(dict.fromkeys(name for name, _, _ in rows[:n]))
         with self._lock:
             for name in used:
@@ -296,7 +234,7 @@ class DiskStore:
         self._later.put(partial(touch, self.path, used))
         with self._lock:  # reads of several runs may overlap
             self.seconds["read"] += time.perf_counter() - start
-        return True
+        return Run(data[:n], specs, payload, checked=payloads)
 
     def close_files(self) -> None:
         """Close the descriptors reads keep open (``OpenFiles``), e.g. after a load, on the

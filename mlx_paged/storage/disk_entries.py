@@ -180,7 +180,7 @@ def run_blocks(
     ):
         return None
     with mx.stream(stream) if stream is not None else nullcontext():
-        data = run.to_device(to_mlx)  # (n, file bytes) uint8: the one copy into MLX
+        data = to_mlx(run.data)  # (n, file bytes) uint8: the one copy into MLX
         ok = None if run.checked else payload_ok(data, run)
     views: dict[mx.Dtype, mx.array] = {}  # the rows as each dtype (no copy)
     out = {}

@@ -22,7 +22,6 @@ from pathlib import Path
 import numpy as np
 
 from .disk_format import (
-    PREFIX,
     ArraySpec,
     check,
     check_rows,
@@ -88,21 +87,17 @@ def read_segments(
 
 
 def valid_rows(
-    data: np.ndarray | None,
-    keys: Sequence[str],
-    errors: list[Exception | None],
-    fingerprint: str,
-    first: np.ndarray | None = None,
+    data: np.ndarray, keys: Sequence[str], errors: list[Exception | None], fingerprint: str
 ) -> tuple[int, list[ArraySpec] | None, int, Exception | None]:
     """How many rows of ``data`` (read for ``keys``, with their read ``errors``) are valid
     from the first on: no error, and the first one's header, ``keys``' key in each; the
     first row's array specs and payload start; and the error of the row after them, if
-    any. ``first``: the first row whole, where ``data`` holds only each row's head."""
+    any."""
     m = min(len(keys), len(errors))
     if not m or errors[0] is not None:
         return 0, None, 0, errors[0] if m else None
     try:
-        specs, payload = parse(data[0] if first is None else first, fingerprint)
+        specs, payload = parse(data[0], fingerprint)
     except ValueError as e:
         return 0, None, 0, e
     same = same_headers(data[:m], keys[:m], payload)
@@ -113,20 +108,6 @@ def valid_rows(
         if error is not None:
             return n, specs, payload, error
     return m, specs, payload, None
-
-
-def check_errors(rows: np.ndarray) -> list[Exception | None]:
-    """``check_rows`` of entries whose payload sums the caller checks, as errors."""
-    return [None if w is None else ValueError(f"an entry: {w}") for w in check_rows(rows, False)]
-
-
-def head_width(row: np.ndarray) -> int:
-    """Bytes of an entry's head (prefix, key and header) as ``row``'s prefix says, within
-    the row: a row's part that ``valid_rows`` compares."""
-    if row.size < PREFIX.size:
-        return row.size
-    _, _, key_len, header_len = PREFIX.unpack_from(row)
-    return max(PREFIX.size, min(row.size, PREFIX.size + key_len + header_len))
 
 
 def read_pack(

@@ -26,10 +26,9 @@ from __future__ import annotations
 import json
 import struct
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
 
 import numpy as np
 
@@ -88,13 +87,6 @@ class Run:
         """Each entry's payload word sum, as written: ``(entries,)`` uint32."""
         at = self.data.shape[1] - TRAILER.size + 4
         return np.ascontiguousarray(self.data[:, at : at + 4]).view("<u4")[:, 0]
-
-    def to_device(self, to_mlx: Callable[[np.ndarray], Any]) -> Any:
-        """The rows in MLX, ``(entries, file bytes)`` uint8: ``to_mlx(data)``."""
-        return to_mlx(self.data)
-
-    def release(self) -> None:
-        """Nothing to give back (a ``MappedRun`` unmaps its files)."""
 
     def arrays(self, i: int) -> dict[str, np.ndarray]:
         """Entry ``i``'s arrays (copies)."""

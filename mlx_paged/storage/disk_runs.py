@@ -30,13 +30,11 @@ def read_ahead(
     read: Callable[[list[str], int], Future],
     depth: int,
     seconds: dict[str, float],
-    drop: Callable[[Run | None], None] = lambda run: None,
 ) -> Iterator[Run]:
     """The entries of ``keys`` in runs of up to ``batch(key)`` entries, each ``read``
     (``read(keys, i)`` into staging buffer ``i``) up to ``depth`` runs ahead of the one
     the caller writes; stops at the first missing or bad file. ``first``: (entries, read)
-    of a first run already asked for, in buffer 0. Adds the waits to ``seconds["load_wait"]``.
-    ``drop`` hears of each run read and not yielded (its read is done)."""
+    of a first run already asked for, in buffer 0. Adds the waits to ``seconds["load_wait"]``."""
     ahead: deque[tuple[int, int, Future]] = deque()  # (first entry, entries, read)
     if first is not None:
         ahead.append((0, *first))
@@ -59,9 +57,9 @@ def read_ahead(
             pos += len(run)
             if len(run) < n:  # a short run (bad file, another layout): reads after it are off
                 for _, _, later in ahead:
-                    drop(later.result())
+                    later.result()
                 ahead.clear()
             yield run
     finally:  # a load that stops early: its reads are done with their buffers before reuse
         for _, _, later in ahead:
-            drop(later.result())
+            later.result()

@@ -42,20 +42,6 @@ _SOURCE = """
 """
 
 
-# Eight bytes a load: a mapped file's entries start on 8-byte boundaries (the format's
-# rows are a multiple of 8 bytes long, not of 16), and the copy must not read past them.
-_SOURCE8 = """
-    const uint2* src = reinterpret_cast<const uint2*>(address[0]);
-    uint2* dst = reinterpret_cast<uint2*>(out);
-    const long n = count[0];
-    const long stride = (long)gridDim.x * blockDim.x;
-    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
-        dst[i] = src[i];
-    }
-"""
-_READ_ONLY = 0x08  # CU_MEMHOSTREGISTER_READ_ONLY: a file's read-only mapping
-
-
 class _Driver:
     """The CUDA driver calls that pin host memory, made in MLX's (primary) context."""
 
@@ -70,22 +56,15 @@ class _Driver:
         )
 
     def register(self, buf: np.ndarray) -> None:
-        self.register_range(buf.ctypes.data, buf.nbytes)
-
-    def unregister(self, buf: np.ndarray) -> None:
-        self.unregister_range(buf.ctypes.data)
-
-    def register_range(self, address: int, nbytes: int, read_only: bool = False) -> None:
-        flags = _REGISTER_FLAGS | (_READ_ONLY if read_only else 0)
         self._in_context(
             "cuMemHostRegister_v2",
-            ctypes.c_void_p(address),
-            ctypes.c_size_t(nbytes),
-            ctypes.c_uint(flags),
+            ctypes.c_void_p(buf.ctypes.data),
+            ctypes.c_size_t(buf.nbytes),
+            ctypes.c_uint(_REGISTER_FLAGS),
         )
 
-    def unregister_range(self, address: int) -> None:
-        self._in_context("cuMemHostUnregister", ctypes.c_void_p(address))
+    def unregister(self, buf: np.ndarray) -> None:
+        self._in_context("cuMemHostUnregister", ctypes.c_void_p(buf.ctypes.data))
 
     def _in_context(self, name: str, *args: object) -> None:
         self._check(self.lib.cuCtxPushCurrent_v2(self.context), "cuCtxPushCurrent")
@@ -135,7 +114,7 @@ class Staging:
 
     def __init__(self, count: int = 2) -> None:
         self._buffers: list[np.ndarray | None] = [None] * count
-        self._kernel = self._kernel8 = None
+        self._kernel = None
         self.pinned: bool | None = None  # None: not tried yet
         self._pins = _Pins()  # the buffers pinned now
         # Unpinned when this staging goes (at exit the process's mappings go with it).
@@ -184,39 +163,6 @@ class Staging:
             return mx.array(data)  # also a buffer a reader thread made while pinning began
         return self._copy(data.ctypes.data, data.size).reshape(data.shape)
 
-    def ready(self) -> bool:
-        """Whether copies run pinned here (tried, and checked, at the first call: make it
-        on the thread of MLX calls)."""
-        return self._ready()
-
-    def register(self, address: int, nbytes: int) -> None:
-        """Register read-only host memory (a file's mapping) for ``copy_from``.
-
-        Raises:
-            OSError: where copies do not run pinned, or the driver refuses.
-        """
-        if not self._ready():
-            raise OSError("pinned copies do not run here")
-        self._pins.driver.register_range(address, nbytes, read_only=True)
-
-    def unregister(self, address: int) -> None:
-        """Undo ``register`` (once no copy reads the memory)."""
-        self._pins.driver.unregister_range(address)
-
-    def copy_from(self, address: int, nbytes: int) -> mx.array:
-        """``nbytes`` of registered host memory at ``address`` as a new uint8 MLX array, in
-        8-byte loads (both multiples of 8); call it on the thread that makes MLX calls."""
-        if address % 8 or nbytes % 8:
-            raise ValueError(f"a copy of {nbytes} bytes at {address:#x}: not 8-byte aligned")
-        (out,) = self._kernel8(
-            inputs=[mx.array([address], dtype=mx.uint64), mx.array([nbytes // 8], dtype=mx.int64)],
-            grid=(_BLOCKS * _THREADS, 1, 1),
-            threadgroup=(_THREADS, 1, 1),
-            output_shapes=[(nbytes,)],
-            output_dtypes=[mx.uint8],
-        )
-        return out
-
     # ---- internals --------------------------------------------------------
 
     def _ready(self) -> bool:
@@ -229,9 +175,6 @@ class Staging:
                 self._pins.driver = _Driver()
                 self._kernel = mx.fast.cuda_kernel(
                     "mlx_paged_pinned_copy", ["address", "count"], ["out"], _SOURCE
-                )
-                self._kernel8 = mx.fast.cuda_kernel(
-                    "mlx_paged_pinned_copy8", ["address", "count"], ["out"], _SOURCE8
                 )
                 self.pinned = self._check()
             except (OSError, AttributeError, RuntimeError, ValueError) as e:
@@ -254,11 +197,10 @@ class Staging:
         self._pins.driver.register(buf)
         try:
             got = np.array(self._copy(buf.ctypes.data, buf.size))
-            got8 = np.array(self.copy_from(buf.ctypes.data + 8, buf.size - 16))
         finally:
             mx.synchronize()
             self._pins.driver.unregister(buf)
-        if not (np.array_equal(got, pattern) and np.array_equal(got8, pattern[8:-8])):
+        if not np.array_equal(got, pattern):
             self._off("the pinned copy did not match mx.array on a test pattern")
             return False
         return True
