@@ -1,4 +1,4 @@
-"""Staging buffers for the disk tier's loads: pinned copies on CUDA, ``mx.array`` elsewhere."""
+"""Staging buffers for the disk tier's loads: pinned copies on CUDA, MLX's own memory elsewhere."""
 
 from __future__ import annotations
 
@@ -28,13 +28,54 @@ def test_buffers_are_reused_page_aligned_and_grown():
     assert bigger.shape == (64, 1000) and bigger.ctypes.data % PAGE == 0
 
 
-def test_off_cuda_the_copy_is_mx_array():
+def test_off_cuda_a_buffer_a_read_made_is_copied_once_then_made_mlx_memory():
     staging = Staging()
     data = fill(staging, 0, 3, 4001, 2)  # rows of a size no 16-byte load divides
-    assert staging.pinned is None  # not tried until the first copy
+    assert staging.pinned is None and staging.shared is None  # not tried until the first copy
     got = staging.to_mlx(data)
-    assert staging.pinned is False  # the CPU: nothing pinned
+    assert staging.pinned is False and staging.shared is True  # the CPU: nothing pinned
     assert got.shape == (3, 4001) and np.array_equal(np.array(got), data)
+    data[:] = 9  # a copy: a later write does not show
+    assert not np.array_equal(np.array(got + 0), data)
+    again = fill(staging, 0, 3, 4001, 3)  # buffer 0 again: now an MLX array's memory
+    assert again.ctypes.data != data.ctypes.data
+    got = staging.to_mlx(again)
+    again[:] = 9  # the buffer itself: the write shows
+    assert np.array_equal(np.array(got + 0), again)
+
+
+def test_off_cuda_reserved_buffers_are_handed_to_mlx_without_a_copy():
+    staging = Staging(2)
+    staging.reserve(4096)
+    assert staging.shared is True
+    data = fill(staging, 1, 3, 1000, 4)
+    got = staging.to_mlx(data)
+    assert got.shape == (3, 1000) and np.array_equal(np.array(got), data)
+    data[:] = 7
+    assert np.array_equal(np.array(got + 0), np.full((3, 1000), 7, np.uint8))
+
+
+def test_where_mlx_would_not_see_writes_through_a_view_loads_copy(monkeypatch):
+    """The first use checks that a write through a buffer's view shows in MLX; a view that
+    is not the array's memory fails it, and ``to_mlx`` then copies."""
+    in_mlx = Staging._in_mlx
+
+    def detached(staging: Staging, nbytes: int) -> np.ndarray:
+        view = in_mlx(staging, nbytes)
+        copy = view.copy()  # not the MLX array's memory
+        staging._owners[copy.ctypes.data] = staging._owners.pop(view.ctypes.data)
+        return copy
+
+    monkeypatch.setattr(Staging, "_in_mlx", detached)
+    staging = Staging(2)
+    staging.reserve(4096)
+    assert staging.shared is False
+    data = fill(staging, 0, 2, 100, 5)
+    got = staging.to_mlx(data)
+    data[:] = 1
+    assert np.array_equal(np.array(got), np.array(got + 0)) and not np.array_equal(
+        np.array(got + 0), data
+    )
 
 
 class RecordingDriver:

@@ -10,6 +10,16 @@ into a new MLX array with a kernel that reads the host memory directly, in
 pattern. Where it cannot run (no CUDA, no driver library, a failed call or
 check) ``to_mlx`` is ``mx.array``.
 
+Elsewhere (the CPU, and Metal's unified memory) the buffers can be MLX's own
+memory: ``Staging`` makes each buffer an MLX array and reads into a numpy view
+of it (the buffer protocol), and ``to_mlx`` returns the rows as a slice of that
+array, with no copy. This too is checked on a test pattern at first use (a write
+through the view must show in MLX's ops, also after the array was read once);
+where it fails ``to_mlx`` is ``mx.array``. A buffer that a reader thread grows is
+plain numpy memory (making an MLX array takes the thread of MLX calls): its rows
+are copied once, and ``to_mlx`` replaces it with an MLX one for the next run.
+Metal has not been run here; its first use runs the same check.
+
 A pinned buffer is unpinned before its memory can go back to the system (when a
 buffer grows, and when its ``Staging`` is collected): memory freed while still
 registered leaves the driver a stale mapping, on which later allocations in the
@@ -116,6 +126,8 @@ class Staging:
         self._buffers: list[np.ndarray | None] = [None] * count
         self._kernel = None
         self.pinned: bool | None = None  # None: not tried yet
+        self.shared: bool | None = None  # buffers in MLX's memory (not on CUDA); None: not tried
+        self._owners: dict[int, mx.array] = {}  # a shared buffer's address -> its MLX array
         self._pins = _Pins()  # the buffers pinned now
         # Unpinned when this staging goes (at exit the process's mappings go with it).
         weakref.finalize(self, self._pins.unpin_all).atexit = False
@@ -128,6 +140,7 @@ class Staging:
         if held is None or held.size < need:
             if held is not None:
                 self._pins.unpin(held)
+                self._owners.pop(held.ctypes.data, None)
             raw = np.empty(need + PAGE, dtype=np.uint8)
             held = raw[(-raw.ctypes.data) % PAGE :][:need]
             self._buffers[i] = held
@@ -144,6 +157,8 @@ class Staging:
             self.buffer(i, 1, nbytes)
             if self.pinned:
                 self._pin(self._buffers[i])
+            elif self.shared and self._buffers[i].ctypes.data not in self._owners:
+                self._buffers[i] = self._in_mlx(self._buffers[i].size)
 
     def stage(self, data: np.ndarray) -> np.ndarray:
         """``(rows, size)`` uint8 ``data`` copied into buffer 0, as a read would leave it."""
@@ -158,7 +173,14 @@ class Staging:
             for held in self._buffers:
                 if held is not None:
                     self._pin(held)
-        base = next((b for b in self._buffers if b is not None and _starts(data, b)), None)
+        found = [i for i, b in enumerate(self._buffers) if b is not None and _starts(data, b)]
+        i, base = (found[0], self._buffers[found[0]]) if found else (None, None)
+        if self.shared and base is not None:
+            owner = self._owners.get(base.ctypes.data)
+            if owner is not None:
+                return owner[: data.size].reshape(data.shape)
+            # A buffer a reader thread made: copied this time, in MLX's memory from the next.
+            self._buffers[i] = self._in_mlx(base.size)
         if not self.pinned or base is None or base not in self._pins:
             return mx.array(data)  # also a buffer a reader thread made while pinning began
         return self._copy(data.ctypes.data, data.size).reshape(data.shape)
@@ -170,6 +192,7 @@ class Staging:
         if self.pinned is None:
             self.pinned = False
             if mx.default_device() != mx.gpu or not mx.cuda.is_available():
+                self.shared = self._check_shared()
                 return False
             try:
                 self._pins.driver = _Driver()
@@ -180,6 +203,35 @@ class Staging:
             except (OSError, AttributeError, RuntimeError, ValueError) as e:
                 self._off(str(e))
         return bool(self.pinned)
+
+    def _in_mlx(self, nbytes: int) -> np.ndarray:
+        """A new buffer of ``nbytes`` in MLX's memory: a numpy view of an MLX array."""
+        owner = mx.zeros((nbytes,), dtype=mx.uint8)
+        mx.eval(owner)
+        view = np.frombuffer(memoryview(owner), dtype=np.uint8)
+        self._owners[view.ctypes.data] = owner
+        return view
+
+    def _check_shared(self) -> bool:
+        """Whether writes through a buffer's view show in MLX's ops (also after a first
+        read), so that ``to_mlx`` may hand out the buffer itself."""
+        pattern = np.random.default_rng(0).integers(0, 256, 3 * PAGE, dtype=np.uint8)
+        try:
+            view = self._in_mlx(pattern.size)
+            owner = self._owners.pop(view.ctypes.data)
+            seen = []
+            for want in (pattern, np.ascontiguousarray(pattern[::-1])):
+                view[:] = want
+                seen.append(bool(mx.array_equal(owner[: want.size] + 0, mx.array(want))))
+        except (BufferError, TypeError, ValueError, RuntimeError) as e:
+            logger.info("mlx_paged: disk-tier loads copy through mx.array: %s", e)
+            return False
+        if not all(seen):
+            logger.info(
+                "mlx_paged: disk-tier loads copy through mx.array: MLX did not see "
+                "a write through a buffer's view"
+            )
+        return all(seen)
 
     def _pin(self, buf: np.ndarray) -> None:
         if buf in self._pins:
