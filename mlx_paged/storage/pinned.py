@@ -1,4 +1,4 @@
-"""Host buffers that MLX's CUDA backend reads at PCIe speed, for the disk tier's loads.
+"""The disk tier's staging buffers: pinned host memory on CUDA, MLX's own memory elsewhere.
 
 MLX 0.32's CUDA backend puts an array made from host data (``mx.array(numpy)``)
 in managed memory, which the GPU then pages in: 1.1-2.3 GB/s on an H100
