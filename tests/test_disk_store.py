@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mlx_paged.storage import disk
+from mlx_paged.storage import disk, disk_files
 from mlx_paged.storage.disk import DiskStore
 
 FP = "model0fingerprint"
@@ -336,6 +336,30 @@ def test_a_bad_pack_goes_as_a_whole(tmp_path, caplog, damage):
         assert run is None
     assert not pack.exists() and store.keys == [] and store.bytes == 0
     assert any("deleting" in r.getMessage() for r in caplog.records), caplog.text
+
+
+@pytest.mark.parametrize("where", ["header", "trailer"])
+def test_a_pack_read_unchecked_checks_the_runs_heads_at_once(tmp_path, monkeypatch, where):
+    """Payloads left to the caller (the GPU checks them): the reader tasks only read, and
+    the run's heads are checked in one pass after them; a damaged head still ends the run."""
+    monkeypatch.setattr(disk, "READ_THREADS", 4)  # tasks of 3 entries
+    keys = [f"u{i:03d}" for i in range(12)]
+    store = DiskStore(tmp_path, 10**8, FP)
+    write_pack(store, keys)
+    (pack,) = pack_files(tmp_path)
+    entry = store.size(keys[0])
+    data = bytearray(pack.read_bytes())
+    data[7 * entry + 30 if where == "header" else 8 * entry - 8] ^= 0x01  # entry 7: JSON, head CRC
+    pack.write_bytes(bytes(data))
+    checked = []
+    real = disk_files.check_rows
+    monkeypatch.setattr(
+        disk_files, "check_rows", lambda rows, *a: checked.append(len(rows)) or real(rows, *a)
+    )
+    run = store.read_run(keys, payloads=False)
+    assert checked == [12]  # one pass over the run, none on the reader tasks
+    assert len(run) == 7 and all(same(run.arrays(i), arrays(i)) for i in range(7))
+    assert not pack.exists() and store.keys == []
 
 
 @pytest.mark.parametrize("damage", [corrupt_truncate, corrupt_grown, corrupt_old_version])

@@ -72,18 +72,28 @@ def read_segments(
     payloads: bool,
     segments: list[Segment],
     data: np.ndarray,
+    heads: bool = True,
 ) -> list[Exception | None]:
     """Read each segment into its rows of ``data``, in turn; one error (or ``None``) per
-    entry. ``payloads``: check the payloads' sums too, not only the heads'. Runs on
-    reader threads: no shared state but ``files``."""
+    entry. ``payloads``: check the payloads' sums too, not only the heads'; ``heads=False``
+    leaves a pack's heads to the caller (``check_heads``). Runs on reader threads: no
+    shared state but ``files``."""
     errors: list[Exception | None] = []
     for name, index, total, row, count in segments:
         out = data[row : row + count]
         if index is None:
             errors.append(read_entry(files, name, out[0], fingerprint, payloads))
         else:
-            errors += read_pack(files, name, index, total, out, payloads)
+            errors += read_pack(files, name, index, total, out, payloads, heads)
     return errors
+
+
+def check_heads(data: np.ndarray, errors: list[Exception | None]) -> list[Exception | None]:
+    """``errors`` of a run's rows read without their heads checked, with each head's
+    check (``check_rows``) added up to the first error: the whole run's heads at once."""
+    m = next((i for i, e in enumerate(errors) if e is not None), len(errors))
+    why = check_rows(data[:m], False) if m else []
+    return [None if w is None else ValueError(f"an entry: {w}") for w in why] + errors[m:]
 
 
 def valid_rows(
@@ -111,11 +121,17 @@ def valid_rows(
 
 
 def read_pack(
-    files: OpenFiles, name: str, index: int, total: int, out: np.ndarray, payloads: bool = True
+    files: OpenFiles,
+    name: str,
+    index: int,
+    total: int,
+    out: np.ndarray,
+    payloads: bool = True,
+    heads: bool = True,
 ) -> list[Exception | None]:
     """Read entries ``index, index + 1, ...`` of the pack ``name`` (``total`` bytes when
     indexed) into the rows of ``out`` and check each one's checksums (``payloads``: the
-    payload's too)."""
+    payload's too; none without ``heads``)."""
     try:
         file = files.get(name)
         if file.size != total:
@@ -126,6 +142,8 @@ def read_pack(
         return [e] * len(out)
     if got != out.size:
         return [ValueError(f"truncated ({got} of {out.size} bytes read)")] * len(out)
+    if not heads:
+        return [None] * len(out)
     why = check_rows(out, payloads)
     return [None if w is None else ValueError(f"an entry: {w}") for w in why]
 
