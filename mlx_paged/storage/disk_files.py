@@ -2,7 +2,8 @@
 
 Functions of paths and buffers, no index: read an entry file or a run of a
 pack's entries into rows of a buffer (through descriptors kept open,
-``OpenFiles``) and check each one's checksums; plan which reader thread reads
+``OpenFiles``) and check each one's checksums, or only read them and check a
+whole run's heads at once (``check_heads``); plan which reader thread reads
 which rows; read a pack's keys; group entries into packs.
 """
 
