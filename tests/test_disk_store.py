@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mlx_paged.storage import disk, disk_files
+from mlx_paged.storage import disk, disk_files, disk_runs
 from mlx_paged.storage.disk import DiskStore
 
 FP = "model0fingerprint"
@@ -353,9 +353,10 @@ def test_a_pack_read_unchecked_checks_the_runs_heads_at_once(tmp_path, monkeypat
     pack.write_bytes(bytes(data))
     checked = []
     real = disk_files.check_rows
-    monkeypatch.setattr(
-        disk_files, "check_rows", lambda rows, *a: checked.append(len(rows)) or real(rows, *a)
-    )
+    for module in (disk_files, disk_runs):  # the reader tasks' checks, and the run's
+        monkeypatch.setattr(
+            module, "check_rows", lambda rows, *a: checked.append(len(rows)) or real(rows, *a)
+        )
     run = store.read_run(keys, payloads=False)
     assert checked == [12]  # one pass over the run, none on the reader tasks
     assert len(run) == 7 and all(same(run.arrays(i), arrays(i)) for i in range(7))

@@ -51,10 +51,8 @@ from .disk_files import (
     PACK_SUFFIX,
     Background,
     OpenFiles,
-    check_heads,
     group_packs,
     plan_reads,
-    read_segments,
     scan_files,
     start_threads,
     touch,
@@ -63,6 +61,7 @@ from .disk_files import (
 )
 from .disk_format import FORMAT_VERSION, Run, encode
 from .disk_index import DiskIndex
+from .disk_runs import read_tasks
 
 __all__ = ["FORMAT_VERSION", "DiskStore", "Run", "encode"]
 
@@ -209,16 +208,7 @@ class DiskStore:
         # small file's read costs less than handing a task to a thread, run 160), and
         # the entries of a pack that follow each other in one call.
         tasks = plan_reads(rows, READ_THREADS)
-        # Without the payloads' sums, the heads are checked here, all at once: on the
-        # reader threads each check waits for the GIL while the others run theirs.
-        read = partial(read_segments, self._files, self.fingerprint, payloads, heads=payloads)
-        if len(tasks) == 1:
-            errors = read(tasks[0], data)
-        else:
-            parts = self._readers.map(read, tasks, [data] * len(tasks))
-            errors = [e for part in parts for e in part]
-        if not payloads:
-            errors = check_heads(data, errors)
+        errors = read_tasks(self._readers, tasks, self._files, self.fingerprint, payloads, data)
         n, specs, payload, bad = valid_rows(data, keys, errors, self.fingerprint)
         if bad is not None:
             futures.wait([after] if after is not None else [])

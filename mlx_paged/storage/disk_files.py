@@ -2,9 +2,9 @@
 
 Functions of paths and buffers, no index: read an entry file or a run of a
 pack's entries into rows of a buffer (through descriptors kept open,
-``OpenFiles``) and check each one's checksums, or only read them and check a
-whole run's heads at once (``check_heads``); plan which reader thread reads
-which rows; read a pack's keys; group entries into packs.
+``OpenFiles``) and check each one's checksums (or only read them: ``read_tasks``
+checks a whole run's heads at once); plan which reader thread reads which rows;
+read a pack's keys; group entries into packs.
 """
 
 from __future__ import annotations
@@ -87,14 +87,6 @@ def read_segments(
         else:
             errors += read_pack(files, name, index, total, out, payloads, heads)
     return errors
-
-
-def check_heads(data: np.ndarray, errors: list[Exception | None]) -> list[Exception | None]:
-    """``errors`` of a run's rows read without their heads checked, with each head's
-    check (``check_rows``) added up to the first error: the whole run's heads at once."""
-    m = next((i for i, e in enumerate(errors) if e is not None), len(errors))
-    why = check_rows(data[:m], False) if m else []
-    return [None if w is None else ValueError(f"an entry: {w}") for w in why] + errors[m:]
 
 
 def valid_rows(

@@ -1,17 +1,20 @@
-"""Reading a load's entries in runs, ahead of their use: the engine's disk tier and
-``load_prefix`` read the same way."""
+"""Reading entries in runs: one run's reader tasks (``read_tasks``), and a load's runs
+ahead of their use (``read_ahead``: the engine's disk tier and ``load_prefix`` read the
+same way)."""
 
 from __future__ import annotations
 
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 
 import mlx.core as mx
 import numpy as np
 
-from .disk_format import Run
+from .disk_files import OpenFiles, Segment, read_segments
+from .disk_format import Run, check_rows
 
 
 def leading(ok: mx.array, n: int) -> int:
@@ -63,3 +66,32 @@ def read_ahead(
     finally:  # a load that stops early: its reads are done with their buffers before reuse
         for _, _, later in ahead:
             later.result()
+
+
+def read_tasks(
+    readers: ThreadPoolExecutor,
+    tasks: list[list[Segment]],
+    files: OpenFiles,
+    fingerprint: str,
+    payloads: bool,
+    data: np.ndarray,
+) -> list[Exception | None]:
+    """Read ``tasks`` (``plan_reads``) into ``data`` on ``readers``: one error (or ``None``)
+    per entry. Without the payloads' sums (the caller checks them), the heads are checked
+    after the reads, all at once (``check_heads``): on the reader threads each check waits
+    for the GIL while the others run theirs (BENCHMARKS.md, run 369)."""
+    read = partial(read_segments, files, fingerprint, payloads, heads=payloads)
+    if len(tasks) == 1:
+        errors = read(tasks[0], data)
+    else:
+        parts = readers.map(read, tasks, [data] * len(tasks))
+        errors = [e for part in parts for e in part]
+    return errors if payloads else check_heads(data, errors)
+
+
+def check_heads(data: np.ndarray, errors: list[Exception | None]) -> list[Exception | None]:
+    """``errors`` of a run's rows read without their heads checked, with each head's
+    check (``check_rows``) added up to the first error: the whole run's heads at once."""
+    m = next((i for i, e in enumerate(errors) if e is not None), len(errors))
+    why = check_rows(data[:m], False) if m else []
+    return [None if w is None else ValueError(f"an entry: {w}") for w in why] + errors[m:]
