@@ -140,3 +140,37 @@ def test_on_cuda_a_pinned_copy_equals_the_host_bytes():
         assert got.shape == (rows, size) and np.array_equal(np.array(got), data)
     loose = np.ones((2, 64), dtype=np.uint8)  # not a staging buffer: plain mx.array
     assert np.array_equal(np.array(staging.to_mlx(loose)), loose)
+
+
+def test_rows_inside_a_reserved_buffer_are_handed_to_mlx_from_where_they_lie():
+    staging = Staging(2)
+    staging.reserve(8 * 1000)
+    whole = fill(staging, 1, 8, 1000, 5)
+    rows = whole[3:6]  # a run that starts inside the buffer
+    assert staging.holds(rows) and not staging.holds(np.ones((3, 1000), np.uint8))
+    got = staging.to_mlx(rows)
+    assert got.shape == (3, 1000) and np.array_equal(np.array(got), whole[3:6])
+    whole[4] = 11  # the buffer itself, not a copy
+    assert np.array_equal(np.array(got + 0)[1], np.full(1000, 11, np.uint8))
+
+
+def test_drop_unpins_and_frees_every_buffer():
+    staging = Staging(2)
+    driver = staging._pins.driver = RecordingDriver()
+    staging.pinned = True  # as after a passed check on CUDA
+    staging.reserve(4096)
+    held = [b.ctypes.data for b in staging._buffers]
+    staging.drop()
+    assert staging._buffers == [None, None] and not staging._pins.buffers
+    assert driver.calls[2:] == [("unregister", a) for a in held]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not mx.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_rows_inside_a_pinned_buffer_copy_from_where_they_lie():
+    staging = Staging()
+    whole = fill(staging, 0, 40, 1000 + 8, 6)  # rows 8-byte aligned, not 16
+    for lo, hi in [(0, 40), (1, 2), (3, 17), (39, 40)]:
+        got = staging.to_mlx(whole[lo:hi])
+        assert staging.pinned, "the pinned copy failed its check on this GPU"
+        assert np.array_equal(np.array(got), whole[lo:hi]), (lo, hi)

@@ -30,9 +30,12 @@ def test_a_restarted_server_answers_from_disk_and_survives_bad_files(tmp_path):
     files = sorted(disk.glob("*.kv*"))  # entry files, and packs of several
     assert files, first.log_tail()
 
-    second = start_server(tmp_path, "second", "--kv-disk-dir", str(disk), *FLAGS)
+    # Restarted with the newest entries read into memory as it starts: every one here.
+    preload = ("--kv-disk-preload-bytes", "1GB")
+    second = start_server(tmp_path, "second", "--kv-disk-dir", str(disk), *preload, *FLAGS)
     try:
         assert ask(second) == (text, 96)  # all 6 full blocks, from disk
+        assert "preloaded 6 disk-tier entries" in second.log_tail()
         m = second.metrics()
         assert m["mlx_paged_kv_disk_hit_tokens_total"] == 96
         assert m["mlx_paged_kv_disk_hits_total"] == 6

@@ -28,7 +28,9 @@ and prefix index:
   step and the request waits for the rest, whose first run is read meanwhile:
   their decoding never stalls for a whole prompt's load. For a hybrid model, the
   deepest snapshot on disk that ends within the loaded blocks comes back with the
-  last part, since a prefix is adopted only up to a snapshot.
+  last part, since a prefix is adopted only up to a snapshot. With ``preload``, the
+  newest entries are read into host memory as the tier opens, and a run they hold is
+  taken from there instead of read (``storage/preload.py``).
 
 Keys chain the prefix's blocks: a block's key hashes its parent's key and its own
 tokens, so one key names the whole prefix. The store's fingerprint names the
@@ -50,6 +52,7 @@ from itertools import count
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from ..blocks import LayerKind
 from ..blocks.prefix_index import path_blocks
@@ -73,6 +76,7 @@ from ..storage.disk_files import start_threads
 from ..storage.disk_format import Run
 from ..storage.disk_runs import read_ahead
 from ..storage.pinned import Staging
+from ..storage.preload import Preload
 from .disk_blocks import (
     KeyChain,
     Writes,
@@ -144,6 +148,7 @@ class DiskTier:
         self.step_blocks = STEP_BLOCKS  # most blocks a step loads while others run,
         self.step_bytes = STEP_BYTES  # ... and most bytes of them
         self.staging = Staging(READS_AHEAD + 1)  # the host buffers runs are read into
+        self.preloaded: Preload | None = None  # the newest entries, read at start (``preload``)
         scheduler.index.on_spill = self.spill
         scheduler.disk = self
 
@@ -192,6 +197,13 @@ class DiskTier:
                 self._spill_state(key, snapshot)
         self.store.flush()
         return self.store.counts["writes"] - before
+
+    def preload(self, max_bytes: int) -> Preload:
+        """Start reading the newest entries on disk, up to ``max_bytes``, into host memory
+        in the background (``storage/preload.py``); a load then takes the runs it holds
+        without reading them. Call it on the thread that makes the MLX calls."""
+        self.preloaded = Preload(self.store, max_bytes, LOAD_BYTES, not self._in_mlx)
+        return self.preloaded
 
     def rehearse(self) -> bool:
         """Pin the staging buffers, start the threads, and run a spill's and a load's MLX work
@@ -259,6 +271,8 @@ class DiskTier:
             load_snapshot(self.store, self.states, self.scheduler.index, self.ranks, tokens, keys)
         if not more:
             self.store.close_files()
+            if self.preloaded is not None:
+                self.preloaded.release()  # once all it read was taken
         self.seconds["load"] += time.perf_counter() - start
         return loaded, more
 
@@ -279,7 +293,7 @@ class DiskTier:
         keys, rest = keys[: min(n, limit or n)], keys[min(n, limit or n) : n]
         start = end = have * bs
         tables = pinned_tables(groups, path_blocks(index, tokens, have), have)
-        writes, copy = Writes(self.pools, self.seconds), (self.staging.to_mlx, self._copies)
+        writes, copy = Writes(self.pools, self.seconds), (self._to_mlx, self._copies)
         runs = self._runs(keys)
         for i in count():
             run, ragged = agreed_run(self.ranks, next(runs, None))
@@ -337,7 +351,10 @@ class DiskTier:
             first = ahead[1:]
         elif ahead is not None:
             ahead[2].result()  # a stale read: done with its buffer before it is reused
-        return read_ahead(keys, first, self._most, self._read, READS_AHEAD, self.seconds)
+        most = self._most  # ranks plan their runs alike: a rank's preload does not cut them
+        if self.preloaded is not None and self.ranks.group is None:
+            most = self.preloaded.cut(keys, most)
+        return read_ahead(keys, first, most, self._read, READS_AHEAD, self.seconds)
 
     @cached_property
     def _copies(self) -> mx.Stream:
@@ -354,8 +371,24 @@ class DiskTier:
         return max(1, min(blocks, most // (size or 1)))
 
     def _read(self, keys: list[str], i: int) -> Future:
-        """``read_run(keys)`` into buffer ``i``; a bad file waits for the last read to drop."""
-        in_mlx = mx.default_device() == mx.gpu if CHECK_IN_MLX is None else CHECK_IN_MLX
+        """``read_run(keys)`` into buffer ``i``, or the run ``preloaded`` holds; a bad file
+        waits for the last read to drop."""
+        if self.preloaded is not None and (run := self.preloaded.take(keys)) is not None:
+            done: Future = Future()
+            done.set_result(run)
+            return done
         last, out = self._last_read, partial(self.staging.buffer, i)
-        self._last_read = self._reader.submit(self.store.read_run, keys, out, not in_mlx, last)
+        payloads = not self._in_mlx
+        self._last_read = self._reader.submit(self.store.read_run, keys, out, payloads, last)
         return self._last_read
+
+    @property
+    def _in_mlx(self) -> bool:
+        """Whether loads check the payloads' sums in MLX (``CHECK_IN_MLX``)."""
+        return mx.default_device() == mx.gpu if CHECK_IN_MLX is None else CHECK_IN_MLX
+
+    def _to_mlx(self, data: np.ndarray) -> mx.array:
+        """A run's rows in MLX, from the staging buffer or the preloaded chunk they lie in."""
+        pre = self.preloaded
+        held = pre is not None and pre.staging.holds(data)
+        return pre.staging.to_mlx(data) if held else self.staging.to_mlx(data)

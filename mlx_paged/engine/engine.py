@@ -29,6 +29,7 @@ from ..attention import route_attention
 from ..blocks import LayerKind, check_block_size
 from ..cache import PagedLayout, make_pools
 from ..storage import KVPool, StatePool, check_kv_dtype, check_kv_quant
+from ..storage.preload import check_preload
 from .compiled import CompiledDecode
 from .decode import Decoder
 from .disk_tier import DiskTier
@@ -84,6 +85,10 @@ class PagedEngine:
             one; with them, a hybrid model's snapshots, a sliding window's blocks, and
             cold blocks quantized. Under a ``group``: each rank's shard in ``DIR/rank-R-of-N``
             with 1/N of the bytes; the ranks load only what all of them have.
+        kv_disk_preload_bytes: Read the newest entries on disk, up to this many bytes,
+            into host memory (pinned on CUDA) in the background as the engine starts, so a
+            restart's first loads of them need no reads (``DiskTier.preload``); 0: none.
+            The memory is held until every entry read was loaded once.
         state_snapshot_interval: For models with recurrent layers: a long prefill
             snapshots the recurrent state every this many tokens (a multiple of
             ``block_size``), so a later request sharing the prefix recomputes less than
@@ -123,10 +128,12 @@ class PagedEngine:
         group: mx.distributed.Group | None = None,
         kv_disk_dir: str | os.PathLike | None = None,
         kv_disk_bytes: int | None = None,
+        kv_disk_preload_bytes: int = 0,
         overlap: bool = True,
         compile_decode: bool | None = None,
     ):
         check_block_size(block_size)
+        check_preload(kv_disk_preload_bytes, kv_disk_dir)
         check_kv_dtype(kv_dtype)
         quant = check_kv_quant(kv_bits, kv_group_size, hot_tokens)
         sizes = {"max_batch_size": max_batch_size, "prefill_step_size": prefill_step_size}
@@ -160,6 +167,8 @@ class PagedEngine:
         self.runner.compiled = CompiledDecode.of(self.runner, compile_decode)
         disk = (kv_disk_dir, kv_disk_bytes, model, pools, self.scheduler, group)
         self.disk = DiskTier.open(*disk) if kv_disk_dir is not None else None  # a disk tier
+        if kv_disk_preload_bytes:
+            self.disk.preload(kv_disk_preload_bytes)
         self.agreement = Agreement(group) if group is not None and group.size() > 1 else None
         self.vocab_size = vocab_size(model)
         self.clock = StepClock()  # host time per step phase (``engine/timing.py``)

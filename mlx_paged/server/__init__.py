@@ -20,9 +20,17 @@ import sys
 from pathlib import Path
 
 from .app import ServerConfig, create_app
+from .sampling import sampling_defaults, warm_up_sampler
 from .worker import EngineWorker
 
-__all__ = ["EngineWorker", "ServerConfig", "build_parser", "create_app", "main"]
+__all__ = [
+    "EngineWorker",
+    "ServerConfig",
+    "build_parser",
+    "create_app",
+    "main",
+    "sampling_defaults",
+]
 
 KV_DTYPES = ("float16", "bfloat16", "float32")
 EMBEDDED_ID = "SmolLM2-135M-Instruct"
@@ -65,6 +73,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--kv-disk-bytes", default="50GB", help="Most bytes the --kv-disk-dir files take."
+    )
+    p.add_argument(
+        "--kv-disk-preload-bytes",
+        default=None,
+        help="Read the newest --kv-disk-dir entries, up to this many bytes, into host memory "
+        "(pinned on CUDA) as the server starts, so that a restart's first loads of them need "
+        "no reads; held until each was loaded once. Default: none.",
     )
     p.add_argument("--max-batch-size", type=int, default=64, help="Most requests decoding at once.")
     p.add_argument(
@@ -194,12 +209,15 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
             parser.error(f"--{name.replace('_', '-')} must be a positive integer, got {v}.")
     from ..cache.memory import parse_memory
 
-    for flag, value in (("--kv-memory", args.kv_memory), ("--kv-disk-bytes", args.kv_disk_bytes)):
+    sizes = (("--kv-memory", args.kv_memory), ("--kv-disk-bytes", args.kv_disk_bytes))
+    for flag, value in (*sizes, ("--kv-disk-preload-bytes", args.kv_disk_preload_bytes)):
         try:
             if value is not None and parse_memory(value) <= 0:
                 parser.error(f"{flag} must be more than 0 bytes, got {value}.")
         except ValueError as e:
             parser.error(f"{flag}: {e}")
+    if args.kv_disk_dir is None and args.kv_disk_preload_bytes is not None:
+        parser.error("--kv-disk-preload-bytes needs --kv-disk-dir.")
     bad = {
         "temp": args.temp is not None and not 0 <= args.temp <= 2,
         "top_p": args.top_p is not None and not 0 < args.top_p <= 1,
@@ -245,6 +263,7 @@ def loader(args: argparse.Namespace, group=None):
         if args.kv_memory is not None:
             footprint = probe_footprint(model, args.block_size, kv_dtype)
             num_blocks = blocks_for_memory(parse_memory(args.kv_memory), footprint)
+        preload = args.kv_disk_preload_bytes
         engine = PagedEngine(
             model,
             block_size=args.block_size,
@@ -261,6 +280,7 @@ def loader(args: argparse.Namespace, group=None):
             group=group,
             kv_disk_dir=args.kv_disk_dir,
             kv_disk_bytes=int(parse_memory(args.kv_disk_bytes)),
+            kv_disk_preload_bytes=int(parse_memory(preload)) if preload else 0,
         )
         if warms_up(args):
             from ..engine.warmup import warm_up
@@ -284,40 +304,6 @@ def warms_up(args: argparse.Namespace) -> bool:
     import mlx.core as mx
 
     return args.warm_up if args.warm_up is not None else mx.default_device() == mx.gpu
-
-
-def warm_up_sampler(args: argparse.Namespace, model_path: str | Path):
-    """The sampler of a request with the server's defaults (temperature 1 if greedy), for
-    the warm-up to build the sampling kernels with."""
-    from .sampling import make_request_sampler
-
-    d = sampling_defaults(args, model_path)
-    temperature = d.get("temperature") or 1.0
-    return make_request_sampler(
-        temperature, d.get("top_p", 1.0), int(d.get("top_k", 0)), d.get("min_p", 0.0), None
-    )
-
-
-def sampling_defaults(args: argparse.Namespace, model_path: str | Path) -> dict[str, float]:
-    """Request defaults for temperature, top_p, top_k and min_p: the flags, else the
-    model's ``generation_config.json`` (sampled models only), else nothing (the API's)."""
-    found: dict[str, float] = {}
-    try:
-        path = Path(model_path)
-        if not path.is_dir():
-            from mlx_lm.utils import hf_repo_to_path
-
-            path = hf_repo_to_path(str(model_path))
-        config = json.loads((path / "generation_config.json").read_text())
-    except Exception:  # no such file, or not a local model: the API's defaults
-        config = {}
-    if config.get("do_sample", True):
-        for name in ("temperature", "top_p", "top_k", "min_p"):
-            if isinstance(config.get(name), (int, float)) and not isinstance(config[name], bool):
-                found[name] = config[name]
-    flags = {"temperature": args.temp, "top_p": args.top_p, "top_k": args.top_k}
-    found.update({k: v for k, v in {**flags, "min_p": args.min_p}.items() if v is not None})
-    return found
 
 
 def embedded_path() -> Path:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
+import json
 from collections.abc import Callable
+from pathlib import Path
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, apply_xtc
@@ -53,3 +56,35 @@ def make_request_sampler(
 
 def _xtc_key(xtc: tuple[float, float, list[int]] | None) -> tuple | None:
     return None if xtc is None else (xtc[0], xtc[1], tuple(xtc[2]))
+
+
+def warm_up_sampler(args: argparse.Namespace, model_path: str | Path):
+    """The sampler of a request with the server's defaults (temperature 1 if greedy), for
+    the warm-up to build the sampling kernels with."""
+    d = sampling_defaults(args, model_path)
+    temperature = d.get("temperature") or 1.0
+    return make_request_sampler(
+        temperature, d.get("top_p", 1.0), int(d.get("top_k", 0)), d.get("min_p", 0.0), None
+    )
+
+
+def sampling_defaults(args: argparse.Namespace, model_path: str | Path) -> dict[str, float]:
+    """Request defaults for temperature, top_p, top_k and min_p: the flags, else the
+    model's ``generation_config.json`` (sampled models only), else nothing (the API's)."""
+    found: dict[str, float] = {}
+    try:
+        path = Path(model_path)
+        if not path.is_dir():
+            from mlx_lm.utils import hf_repo_to_path
+
+            path = hf_repo_to_path(str(model_path))
+        config = json.loads((path / "generation_config.json").read_text())
+    except Exception:  # no such file, or not a local model: the API's defaults
+        config = {}
+    if config.get("do_sample", True):
+        for name in ("temperature", "top_p", "top_k", "min_p"):
+            if isinstance(config.get(name), (int, float)) and not isinstance(config[name], bool):
+                found[name] = config[name]
+    flags = {"temperature": args.temp, "top_p": args.top_p, "top_k": args.top_k}
+    found.update({k: v for k, v in {**flags, "min_p": args.min_p}.items() if v is not None})
+    return found

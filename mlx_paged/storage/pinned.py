@@ -132,6 +132,26 @@ class Staging:
         # Unpinned when this staging goes (at exit the process's mappings go with it).
         weakref.finalize(self, self._pins.unpin_all).atexit = False
 
+    def __len__(self) -> int:
+        return len(self._buffers)
+
+    def start(self) -> bool:
+        """Try (and check) the pinned copy now, as the first ``to_mlx`` would; whether copies
+        run pinned. Call it on the thread that makes the MLX calls."""
+        return self._ready()
+
+    def holds(self, data: np.ndarray) -> bool:
+        """Whether ``data`` is a contiguous view inside one of the buffers."""
+        return self._find(data)[0] is not None
+
+    def drop(self) -> None:
+        """Unpin and free every buffer (no ``to_mlx`` copy of theirs may still be running)."""
+        for i, held in enumerate(self._buffers):
+            if held is not None:
+                self._pins.unpin(held)
+                self._owners.pop(held.ctypes.data, None)
+                self._buffers[i] = None
+
     def buffer(self, i: int, rows: int, size: int) -> np.ndarray:
         """A ``(rows, size)`` uint8 view of buffer ``i % count``, grown (and pinned) as needed."""
         need = -(-rows * size // 16) * 16
@@ -173,19 +193,34 @@ class Staging:
             for held in self._buffers:
                 if held is not None:
                     self._pin(held)
-        found = [i for i, b in enumerate(self._buffers) if b is not None and _starts(data, b)]
-        i, base = (found[0], self._buffers[found[0]]) if found else (None, None)
+        i, at = self._find(data)
+        base = self._buffers[i] if i is not None else None
         if self.shared and base is not None:
             owner = self._owners.get(base.ctypes.data)
             if owner is not None:
-                return owner[: data.size].reshape(data.shape)
+                return owner[at : at + data.size].reshape(data.shape)
             # A buffer a reader thread made: copied this time, in MLX's memory from the next.
             self._buffers[i] = self._in_mlx(base.size)
         if not self.pinned or base is None or base not in self._pins:
             return mx.array(data)  # also a buffer a reader thread made while pinning began
-        return self._copy(data.ctypes.data, data.size).reshape(data.shape)
+        # From the 16-byte word at or before the data: a buffer starts on a page and ends
+        # on a word, so the copy's words lie inside it.
+        skip = data.ctypes.data % 16
+        out = self._copy(data.ctypes.data - skip, skip + data.size)
+        return (out[skip:] if skip else out).reshape(data.shape)
 
     # ---- internals --------------------------------------------------------
+
+    def _find(self, data: np.ndarray) -> tuple[int | None, int]:
+        """``(buffer, byte offset)`` of a contiguous ``data`` inside one; ``(None, 0)``."""
+        if not data.flags.c_contiguous:
+            return None, 0
+        for i, held in enumerate(self._buffers):
+            if held is not None:
+                at = data.ctypes.data - held.ctypes.data
+                if 0 <= at and at + data.nbytes <= held.nbytes:
+                    return i, at
+        return None, 0
 
     def _ready(self) -> bool:
         """Whether pinned copies run here: tried, and checked, once."""
@@ -271,8 +306,3 @@ class Staging:
     def _off(self, why: str) -> None:
         logger.info("mlx_paged: disk-tier loads copy through mx.array: %s", why)
         self.pinned = False
-
-
-def _starts(data: np.ndarray, buf: np.ndarray) -> bool:
-    """Whether ``data`` is a contiguous view from the start of ``buf``."""
-    return data.flags.c_contiguous and data.ctypes.data == buf.ctypes.data

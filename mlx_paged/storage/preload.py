@@ -1,0 +1,208 @@
+"""The newest entries of a disk tier read into host memory while a process starts.
+
+A load from disk reads its files from the page cache into staging buffers while
+the GPU copies the runs read before: on a GPU host both move through host memory
+at once and slow each other (BENCHMARKS.md, runs 373-374). ``Preload`` reads the
+store's most recently used entries, up to ``max_bytes``, into buffers of their
+own (pinned on CUDA, MLX's memory elsewhere: ``Staging``) on a thread of its own
+as soon as the store is open. A load asks it first (``take``): a run that lies
+in one of its chunks needs no read, only the copy into MLX.
+
+The entries are read as any run is (``DiskStore.read_run``: sizes, headers and,
+where the host checks them, the payloads' sums; a bad file is deleted and
+skipped), and a load checks the payloads of a run it takes as it checks one it
+reads (on a GPU, in MLX). A run is taken only for keys the store still has (the
+caller asks the store first), and only for keys that follow each other in one
+chunk; ``cut`` ends a load's runs where chunks begin and end. ``release`` gives
+every chunk back once loads have asked for every entry read (whether they took it
+from here or read it): the memory, at most ``max_bytes``, is held until then.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from functools import partial
+
+import numpy as np
+
+from .disk import DiskStore, Run
+from .pinned import Staging
+
+logger = logging.getLogger("mlx_paged.disk")
+
+#: Keys whose entries a load never reads in runs (a recurrent-state snapshot's) end so.
+STATE_SUFFIX = "s"
+
+
+def check_preload(nbytes: object, directory: object) -> None:
+    """Check a preload's bytes (an int, 0 for none) and that it has a directory to read.
+
+    Raises:
+        ValueError: for a bad count, or bytes without a directory.
+    """
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+        raise ValueError(f"kv_disk_preload_bytes must be an int of 0 or more, got {nbytes!r}.")
+    if nbytes and directory is None:
+        raise ValueError("kv_disk_preload_bytes needs kv_disk_dir, the directory to read.")
+
+
+class Preload:
+    """The newest entries of ``store`` (up to ``max_bytes``) read into host memory in the
+    background, in chunks of at most ``chunk_bytes``.
+
+    Args:
+        store: The disk tier's files.
+        max_bytes: Most bytes of entries read (a positive int).
+        chunk_bytes: Most bytes of a chunk, a run a load may take at once.
+        payloads: Whether the host checks the payloads' sums as it reads (else the load
+            checks them, as it does a read run's).
+
+    Make it on the thread that makes MLX calls: it readies the staging copy there.
+    """
+
+    def __init__(self, store: DiskStore, max_bytes: int, chunk_bytes: int, payloads: bool):
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0:
+            raise ValueError(f"max_bytes must be a positive int, got {max_bytes!r}.")
+        self.store, self.max_bytes, self.payloads = store, max_bytes, payloads
+        self.chunk_bytes = max(1, min(chunk_bytes, max_bytes))
+        self._plan = self._chunks_of(self._newest())  # each chunk's keys, of one entry size
+        self.staging = Staging(max(1, len(self._plan)))
+        if not self.staging.start() and self.staging.shared:
+            self.staging.reserve(self.chunk_bytes)  # MLX's memory, made on this thread
+        self.entries = self.bytes = 0
+        self.seconds = 0.0
+        self._runs: list[tuple[list[str], Run]] = []  # (keys, their rows in a chunk)
+        self._where: dict[str, tuple[int, int]] = {}  # key -> (run, row)
+        self._asked: set[str] = set()  # keys a load asked for (taken here or not)
+        self._lock = threading.Lock()
+        self._done, self._stop = threading.Event(), threading.Event()
+        self._thread = threading.Thread(target=self._run, name="mlx_paged-disk-preload")
+        self._thread.daemon = True
+        self._thread.start()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until every chunk is read; whether it is."""
+        return self._done.wait(timeout)
+
+    def cut(self, keys: Sequence[str], most: Callable[[str], int]) -> Callable[[str], int]:
+        """``most`` (the entries of a run from a key of ``keys`` on) cut where a chunk
+        begins or ends, so that a load's run lies in one chunk or in none."""
+        at = {key: i for i, key in enumerate(keys)}
+
+        def entries(key: str) -> int:
+            n, lo = most(key), at[key]
+            with self._lock:
+                where = self._where.get(key)
+                if where is not None:
+                    return min(n, len(self._runs[where[0]][0]) - where[1])
+                ahead = keys[lo + 1 : lo + n]
+                return 1 + next((j for j, k in enumerate(ahead) if k in self._where), len(ahead))
+
+        return entries
+
+    def take(self, keys: Sequence[str]) -> Run | None:
+        """The rows of ``keys`` as a run (views of a chunk), if they follow each other in
+        one chunk; else ``None``. Either way the keys count as loaded (``release``)."""
+        with self._lock:
+            self._asked.update(k for k in keys if k in self._where)
+            at = self._where.get(keys[0]) if keys else None
+            if at is None:
+                return None
+            (chunk, run), lo = self._runs[at[0]], at[1]
+            if list(keys) != chunk[lo : lo + len(keys)]:
+                return None
+        return Run(run.data[lo : lo + len(keys)], run.specs, run.payload, run.checked)
+
+    def release(self, force: bool = False) -> bool:
+        """Give the chunks back once loads asked for every entry read that the store still
+        has (or at once with ``force``, when no run of theirs is in use); whether they are
+        gone."""
+        if force:
+            self._stop.set()
+        elif not self._done.is_set():
+            return False
+        with self._lock:
+            left = [key for key in self._where if key not in self._asked]
+        if not force and any(key in self.store for key in left):
+            return False
+        self._thread.join()
+        with self._lock:
+            self._runs, self._where, self._asked = [], {}, set()
+        self.staging.drop()
+        return True
+
+    # ---- internals --------------------------------------------------------
+
+    def _run(self) -> None:
+        start = time.perf_counter()
+        try:
+            self._read()
+        except Exception:  # a preload is an optimisation: loads read from disk without it
+            logger.exception("mlx_paged: preloading the disk tier failed")
+        finally:
+            self.seconds = time.perf_counter() - start
+            self._done.set()
+        if self.entries:
+            logger.info(
+                "mlx_paged: preloaded %d disk-tier entries (%.2f GB) in %.2f s",
+                self.entries, self.bytes / 1e9, self.seconds,
+            )  # fmt: skip
+
+    def _newest(self) -> list[str]:
+        """The most recently used keys whose entries fit in ``max_bytes``, oldest first."""
+        picked, total = [], 0
+        for key in reversed(self.store.keys):
+            size = self.store.size(key) if not key.endswith(STATE_SUFFIX) else None
+            if size is None:
+                continue
+            if total + size > self.max_bytes:
+                break
+            picked.append(key)
+            total += size
+        return picked[::-1]
+
+    def _chunks_of(self, keys: list[str]) -> list[list[str]]:
+        """``keys`` in chunks of one entry size and at most ``chunk_bytes``."""
+        chunks: list[list[str]] = []
+        last = None
+        for key in keys:
+            size = self.store.size(key)
+            if size is None:
+                continue
+            if size != last or len(chunks[-1]) * size + size > self.chunk_bytes:
+                chunks.append([])
+            chunks[-1].append(key)
+            last = size
+        return chunks
+
+    def _read(self) -> None:
+        for i, keys in enumerate(self._plan):
+            if self._stop.is_set():
+                return
+            size = self.store.size(keys[0])
+            if size is None:
+                continue
+            rows, pos = self.staging.buffer(i, len(keys), size), 0
+            while pos < len(keys):
+                out = partial(_rows_at, rows, pos)
+                run = self.store.read_run(keys[pos:], out, self.payloads)
+                if run is None:  # missing or bad (deleted): the next key may still be good
+                    pos += 1
+                    continue
+                got = keys[pos : pos + len(run)]
+                with self._lock:
+                    self._where.update((k, (len(self._runs), r)) for r, k in enumerate(got))
+                    self._runs.append((got, run))
+                    self.entries += len(run)
+                    self.bytes += run.data.nbytes
+                pos += len(run)
+
+
+def _rows_at(rows: np.ndarray, at: int, n: int, size: int) -> np.ndarray:
+    """``n`` rows of ``rows`` from row ``at`` on (a read's buffer, ``DiskStore.read_run``)."""
+    if size != rows.shape[1]:
+        raise ValueError(f"entries of {size} bytes, not {rows.shape[1]}: the files changed")
+    return rows[at : at + n]

@@ -1,0 +1,136 @@
+"""A disk tier's newest entries read into host memory at start (``kv_disk_preload_bytes``)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from test_disk_tier import BS, prompts, run
+from tiny_models import model_of
+
+from mlx_paged import PagedEngine
+from mlx_paged.engine import disk_tier
+from mlx_paged.engine.disk_tier import chain_keys
+
+
+def engine(path, preload: int = 0) -> PagedEngine:
+    return PagedEngine(model_of("llama"), block_size=BS, kv_disk_dir=path, kv_disk_bytes=10**8,
+                       kv_disk_preload_bytes=preload)  # fmt: skip
+
+
+def spilled(path, prompt: list[int]) -> tuple[list[int], list[float]]:
+    """Serve ``prompt`` in an engine over ``path``, write its blocks, and return its output."""
+    first = engine(path)
+    out = run(first, prompt)
+    assert first.disk.spill_cached() == 5  # 41 + 3 written tokens: 5 full blocks
+    return out
+
+
+def counted_reads(monkeypatch, e: PagedEngine) -> list[list[str]]:
+    """The keys of each ``read_run`` of ``e``'s store from now on."""
+    calls, read_run = [], e.disk.store.read_run
+    monkeypatch.setattr(e.disk.store, "read_run", lambda keys, *a: (calls.append(keys), read_run(keys, *a))[1])  # fmt: skip
+    return calls
+
+
+def entry_bytes(path) -> int:
+    return os.path.getsize(next(p for p in path.iterdir() if p.suffix == ".kvp")) // 5
+
+
+# Runs of the whole prompt, of one entry (each a view inside a chunk), and chunks of two.
+@pytest.mark.parametrize("batch, chunk", [(64, None), (1, None), (64, 2)])
+def test_a_preloaded_restart_reads_no_file_and_answers_as_recomputed(tmp_path, monkeypatch, batch, chunk):  # fmt: skip
+    (a,) = prompts(1, 1)
+    expected = spilled(tmp_path, a)
+    monkeypatch.setattr(disk_tier, "LOAD_BATCH", batch)
+    if chunk is not None:
+        monkeypatch.setattr(disk_tier, "LOAD_BYTES", chunk * entry_bytes(tmp_path))
+    second = engine(tmp_path, preload=10**7)
+    pre = second.disk.preloaded
+    assert pre.wait(30) and pre.entries == 5 and pre.bytes == 5 * entry_bytes(tmp_path)
+    assert [len(keys) for keys, _ in pre._runs] == ([5] if chunk is None else [2, 2, 1])
+    assert set(pre._where) == set(chain_keys(a, BS))
+    reads = counted_reads(monkeypatch, second)
+    got = run(second, a)
+    assert reads == []  # every run came from the preload
+    assert got[0] == expected[0] and np.allclose(got[1], expected[1], atol=1e-6, rtol=0)
+    assert second.stats().disk_hit_tokens == 40 and second.disk.store.counts["hits"] == 5
+    assert pre._runs == [] and pre.staging._buffers == [None] * len(pre.staging)  # released
+
+
+def test_a_preload_takes_the_newest_entries_that_fit_and_holds_them_until_asked(tmp_path, monkeypatch):  # fmt: skip
+    a, b = prompts(2, 2)
+    expected_a, expected_b = spilled(tmp_path, a), spilled(tmp_path, b)
+    old = os.path.getmtime(next(tmp_path.iterdir())) - 100
+    for p in tmp_path.iterdir():  # a's pack older than b's
+        if p.name.split("-")[1] == chain_keys(a, BS)[0]:
+            os.utime(p, (old, old))
+    second = engine(tmp_path, preload=5 * entry_bytes(tmp_path))  # b's five entries only
+    pre = second.disk.preloaded
+    assert pre.wait(30) and set(pre._where) == set(chain_keys(b, BS))
+    reads = counted_reads(monkeypatch, second)
+    got = run(second, a)  # read from disk; b's entries stay
+    assert [len(keys) for keys in reads] == [5] and reads[0][0] == chain_keys(a, BS)[0]
+    assert got[0] == expected_a[0] and len(pre._runs) == 1
+    got = run(second, b)  # from the preload, which then goes
+    assert len(reads) == 1 and got[0] == expected_b[0]
+    assert np.allclose(got[1], expected_b[1], atol=1e-6, rtol=0)
+    assert pre._runs == [] and pre.staging._buffers == [None]
+
+
+def test_a_load_that_begins_inside_a_chunk_takes_the_rows_from_there(tmp_path, monkeypatch):
+    (a,) = prompts(3, 1)
+    expected = spilled(tmp_path, a)
+    second = engine(tmp_path, preload=10**7)
+    assert second.disk.preloaded.wait(30)
+    reads = counted_reads(monkeypatch, second)
+    head = run(second, a[: 3 * BS] + [1])  # loads a's first three blocks
+    assert second.stats().disk_hit_tokens == 3 * BS
+    assert second.disk.preloaded._runs != []  # two entries not asked for yet
+    got = run(second, a)  # the last two: rows 3 and 4 of the chunk
+    assert reads == [] and second.stats().disk_hit_tokens == 5 * BS
+    assert got[0] == expected[0] and np.allclose(got[1], expected[1], atol=1e-6, rtol=0)
+    assert head[0] == run(engine(tmp_path / "other"), a[: 3 * BS] + [1])[0]
+    assert second.disk.preloaded._runs == []
+
+
+@pytest.mark.parametrize("in_mlx", [True, False])  # payloads checked in MLX, or on the host
+def test_a_damaged_entry_is_never_loaded_from_a_preload(tmp_path, monkeypatch, in_mlx):
+    monkeypatch.setattr(disk_tier, "CHECK_IN_MLX", in_mlx)
+    (a,) = prompts(4, 1)
+    expected = spilled(tmp_path, a)
+    path, offset, size = engine(tmp_path).disk.store.location(chain_keys(a, BS)[2])
+    data = bytearray(path.read_bytes())
+    data[offset + size // 2] ^= 0xFF  # the third entry's arrays
+    path.write_bytes(bytes(data))
+    second = engine(tmp_path, preload=10**7)
+    pre = second.disk.preloaded
+    assert pre.wait(30)
+    # Checked on the host, the preload stops at the bad entry and deletes its pack; in
+    # MLX, the load finds it and deletes the pack then.
+    assert pre.entries == (5 if in_mlx else 2) and path.exists() == in_mlx
+    got = run(second, a)
+    assert got[0] == expected[0] and np.allclose(got[1], expected[1], atol=1e-5, rtol=0)
+    assert second.stats().disk_hit_tokens == (2 * BS if in_mlx else 0)
+    assert not path.exists()
+    assert pre._runs == []  # the store has none of the rest: nothing left to hold them for
+
+
+def test_release_with_force_gives_the_memory_back_at_once(tmp_path):
+    (a,) = prompts(5, 1)
+    spilled(tmp_path, a)
+    pre = engine(tmp_path, preload=10**7).disk.preloaded
+    assert pre.wait(30) and not pre.release() and pre._runs
+    assert pre.release(force=True) and pre._runs == [] and pre._where == {}
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "1GB"])
+def test_bad_preload_bytes_are_refused(tmp_path, bad):
+    with pytest.raises(ValueError, match="kv_disk_preload_bytes"):
+        engine(tmp_path, preload=bad)
+
+
+def test_a_preload_needs_a_directory():
+    with pytest.raises(ValueError, match="needs kv_disk_dir"):
+        PagedEngine(model_of("llama"), block_size=BS, kv_disk_preload_bytes=1 << 20)
