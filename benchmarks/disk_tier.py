@@ -30,7 +30,10 @@ generations, as a server's warm-up does (``DiskTier.rehearse``, ``gc.freeze``;
 restarts read the files from the page cache, as a restarted server would; the
 ones after ask the kernel to drop its page cache first
 (``/proc/sys/vm/drop_caches``, root only) and say whether it could. The first
-restart pays the process's first-use work at the prompt's length.
+restart pays the process's first-use work at the prompt's length. With
+``--kv-disk-preload-bytes N`` each restart runs twice: as above, then with N bytes of the
+newest entries read into host memory as the engine starts (``kv_disk_preload_bytes``),
+waited for before the request.
 
 ``--shape qwen3_5`` is the Qwen3.5-shaped hybrid of ``benchmarks/engine.py`` (about 1B
 parameters, three GatedDeltaNet layers to one of attention): its restarts load blocks and
@@ -176,14 +179,19 @@ def while_decoding(
             return now - start, gap, steps
 
 
-def restart(model, path: str, freeze: bool, **kw) -> PagedEngine:
+def restart(model, path: str, freeze: bool, preload: int = 0, **kw) -> PagedEngine:
     """A new engine over ``path``, ready as a server's warm-up leaves it: its staging
-    buffers made and pinned (``DiskTier.rehearse``) and, with ``freeze``, every object so
-    far out of the garbage collector's generations (``gc.freeze``)."""
+    buffers made and pinned (``DiskTier.rehearse``), its ``preload`` bytes of entries read
+    (``kv_disk_preload_bytes``) and, with ``freeze``, every object so far out of the
+    garbage collector's generations (``gc.freeze``)."""
     gc.unfreeze()  # the last engine's objects can go
     gc.collect()
-    engine = PagedEngine(model, kv_disk_dir=path, kv_disk_bytes=10**12, **kw)
+    engine = PagedEngine(
+        model, kv_disk_dir=path, kv_disk_bytes=10**12, kv_disk_preload_bytes=preload, **kw
+    )
     engine.disk.rehearse()
+    if preload:
+        engine.disk.preloaded.wait()
     if freeze:
         gc.collect()
         gc.freeze()
@@ -273,6 +281,13 @@ def main() -> None:
         "--cache", action="store_true", help="time make_paged_cache's save_prefix/load_prefix"
     )
     ap.add_argument(
+        "--kv-disk-preload-bytes",
+        type=int,
+        default=0,
+        help="also time each restart with this many bytes of entries preloaded before the "
+        "request (kv_disk_preload_bytes), after the same restart without",
+    )
+    ap.add_argument(
         "--no-gc-freeze",
         action="store_true",
         help="leave the objects made before a restart's request in the collector's "
@@ -349,13 +364,21 @@ def main() -> None:
             "into one reused buffer (as a load reads)",
             flush=True,
         )
-        for i in range(args.restarts):
+        preloads = [0] + ([args.kv_disk_preload_bytes] if args.kv_disk_preload_bytes else [])
+        for i, preload in ((i, p) for i in range(args.restarts) for p in preloads):
             dropped = drop_page_cache() if i >= 2 else False
-            restarted = restart(model, path, not args.no_gc_freeze, **kw)
+            restarted = restart(model, path, not args.no_gc_freeze, preload, **kw)
+            pre = restarted.disk.preloaded
             disk = first_token(restarted, prompt)
             tier, phases = restarted.disk, restarted.clock.seconds
+            preloaded = (
+                f"{pre.entries} entries ({pre.bytes / 1e9:.2f} GB) preloaded in "
+                f"{pre.seconds:.3f} s before the request; "
+                if pre
+                else ""
+            )
             say(
-                f"{tag} restart {i + 1}: from disk {disk:.3f} s; "
+                f"{tag} restart {i + 1}: {preloaded}from disk {disk:.3f} s; "
                 f"admission {phases['admit']:.3f} s (the load in it), the first token's "
                 f"prefill {phases['prefill']:.3f} s; "
                 f"{restarted.stats().disk_hit_tokens} tokens loaded in "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import mlx.core as mx
 import numpy as np
 import pytest
 from test_disk_tier import BS, prompts, run
@@ -12,6 +13,7 @@ from tiny_models import model_of
 from mlx_paged import PagedEngine
 from mlx_paged.engine import disk_tier
 from mlx_paged.engine.disk_tier import chain_keys
+from mlx_paged.storage.preload import Preload
 
 
 def engine(path, preload: int = 0) -> PagedEngine:
@@ -30,7 +32,12 @@ def spilled(path, prompt: list[int]) -> tuple[list[int], list[float]]:
 def counted_reads(monkeypatch, e: PagedEngine) -> list[list[str]]:
     """The keys of each ``read_run`` of ``e``'s store from now on."""
     calls, read_run = [], e.disk.store.read_run
-    monkeypatch.setattr(e.disk.store, "read_run", lambda keys, *a: (calls.append(keys), read_run(keys, *a))[1])  # fmt: skip
+
+    def counted(keys, *args):
+        calls.append(keys)
+        return read_run(keys, *args)
+
+    monkeypatch.setattr(e.disk.store, "read_run", counted)
     return calls
 
 
@@ -40,7 +47,20 @@ def entry_bytes(path) -> int:
 
 # Runs of the whole prompt, of one entry (each a view inside a chunk), and chunks of two.
 @pytest.mark.parametrize("batch, chunk", [(64, None), (1, None), (64, 2)])
-def test_a_preloaded_restart_reads_no_file_and_answers_as_recomputed(tmp_path, monkeypatch, batch, chunk):  # fmt: skip
+def test_a_preloaded_restart_reads_no_file_and_answers_as_recomputed(
+    tmp_path, monkeypatch, batch, chunk
+):
+    preloaded_restart(tmp_path, monkeypatch, batch, chunk)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not mx.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_a_preloaded_restart_copies_its_pinned_rows(tmp_path, monkeypatch):
+    pre = preloaded_restart(tmp_path, monkeypatch, 1, None)  # rows inside the chunk
+    assert pre.staging.pinned, "the pinned copy failed its check on this GPU"
+
+
+def preloaded_restart(tmp_path, monkeypatch, batch: int, chunk: int | None) -> Preload:
     (a,) = prompts(1, 1)
     expected = spilled(tmp_path, a)
     monkeypatch.setattr(disk_tier, "LOAD_BATCH", batch)
@@ -57,9 +77,12 @@ def test_a_preloaded_restart_reads_no_file_and_answers_as_recomputed(tmp_path, m
     assert got[0] == expected[0] and np.allclose(got[1], expected[1], atol=1e-6, rtol=0)
     assert second.stats().disk_hit_tokens == 40 and second.disk.store.counts["hits"] == 5
     assert pre._runs == [] and pre.staging._buffers == [None] * len(pre.staging)  # released
+    return pre
 
 
-def test_a_preload_takes_the_newest_entries_that_fit_and_holds_them_until_asked(tmp_path, monkeypatch):  # fmt: skip
+def test_a_preload_takes_the_newest_entries_that_fit_and_holds_them_until_asked(
+    tmp_path, monkeypatch
+):
     a, b = prompts(2, 2)
     expected_a, expected_b = spilled(tmp_path, a), spilled(tmp_path, b)
     old = os.path.getmtime(next(tmp_path.iterdir())) - 100
