@@ -13,6 +13,7 @@ from tiny_models import model_of
 from mlx_paged import PagedEngine
 from mlx_paged.engine import disk_tier
 from mlx_paged.engine.disk_tier import chain_keys
+from mlx_paged.storage import disk
 from mlx_paged.storage.preload import Preload
 
 
@@ -100,6 +101,29 @@ def test_a_preload_takes_the_newest_entries_that_fit_and_holds_them_until_asked(
     assert len(reads) == 1 and got[0] == expected_b[0]
     assert np.allclose(got[1], expected_b[1], atol=1e-6, rtol=0)
     assert pre._runs == [] and pre.staging._buffers == [None]
+
+
+def test_files_preloaded_in_another_order_than_the_prompts_still_serve_every_run(
+    tmp_path, monkeypatch
+):
+    """Files used (read) in another order than the prompt's blocks are preloaded in that
+    order; the load's runs part where the preload's order does."""
+    monkeypatch.setattr(disk, "PACK_ENTRIES", 1)  # a file per entry
+    (a,) = prompts(6, 1)
+    expected = spilled(tmp_path, a)
+    keys = chain_keys(a, BS)[:5]
+    for age, i in enumerate([2, 3, 0, 1, 4]):  # oldest first
+        path = engine(tmp_path).disk.store.location(keys[i])[0]
+        os.utime(path, (1e9 + age, 1e9 + age))
+    second = engine(tmp_path, preload=10**7)
+    pre = second.disk.preloaded
+    assert pre.wait(30) and pre._runs[0][0] == [keys[i] for i in [2, 3, 0, 1, 4]]
+    reads, took = counted_reads(monkeypatch, second), []
+    take = pre.take
+    monkeypatch.setattr(pre, "take", lambda ks: (took.append(ks), take(ks))[1])
+    got = run(second, a)
+    assert reads == [] and took == [keys[0:2], keys[2:4], keys[4:5]]
+    assert got[0] == expected[0] and np.allclose(got[1], expected[1], atol=1e-6, rtol=0)
 
 
 def test_a_load_that_begins_inside_a_chunk_takes_the_rows_from_there(tmp_path, monkeypatch):

@@ -94,12 +94,18 @@ class Preload:
 
         def entries(key: str) -> int:
             n, lo = most(key), at[key]
+            ahead = keys[lo + 1 : lo + n]
             with self._lock:
                 where = self._where.get(key)
-                if where is not None:
-                    return min(n, len(self._runs[where[0]][0]) - where[1])
-                ahead = keys[lo + 1 : lo + n]
-                return 1 + next((j for j, k in enumerate(ahead) if k in self._where), len(ahead))
+                if where is None:  # up to the next key held here
+                    return 1 + next((j for j, k in enumerate(ahead) if k in self._where), n - 1)
+                # As far as the chunk holds the same keys in the same order: files read in
+                # another order than the load's keys (by their use) part there.
+                held, row = self._runs[where[0]][0], where[1] + 1
+                same = (
+                    j for j, k in enumerate(ahead) if row + j >= len(held) or held[row + j] != k
+                )
+                return 1 + next(same, len(ahead))
 
         return entries
 
