@@ -57,11 +57,13 @@ def test_a_preloaded_restart_reads_no_file_and_answers_as_recomputed(
 @pytest.mark.gpu
 @pytest.mark.skipif(not mx.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_cuda_a_preloaded_restart_copies_its_pinned_rows(tmp_path, monkeypatch):
-    pre = preloaded_restart(tmp_path, monkeypatch, 1, None)  # rows inside the chunk
+    pre = preloaded_restart(tmp_path, monkeypatch, 1, None, 1e-4)  # rows inside the chunk
     assert pre.staging.pinned, "the pinned copy failed its check on this GPU"
 
 
-def preloaded_restart(tmp_path, monkeypatch, batch: int, chunk: int | None) -> Preload:
+def preloaded_restart(
+    tmp_path, monkeypatch, batch: int, chunk: int | None, atol: float = 1e-6
+) -> Preload:
     (a,) = prompts(1, 1)
     expected = spilled(tmp_path, a)
     monkeypatch.setattr(disk_tier, "LOAD_BATCH", batch)
@@ -75,9 +77,11 @@ def preloaded_restart(tmp_path, monkeypatch, batch: int, chunk: int | None) -> P
     reads = counted_reads(monkeypatch, second)
     got = run(second, a)
     assert reads == []  # every run came from the preload
-    assert got[0] == expected[0] and np.allclose(got[1], expected[1], atol=1e-6, rtol=0)
+    assert got[0] == expected[0] and np.allclose(got[1], expected[1], atol=atol, rtol=0)
     assert second.stats().disk_hit_tokens == 40 and second.disk.store.counts["hits"] == 5
-    assert pre._runs == [] and pre.staging._buffers == [None] * len(pre.staging)  # released
+    assert pre._runs == []  # released (a pinned staging unpins on a thread of its own)
+    if not pre.staging.pinned:
+        assert pre.staging._buffers == [None] * len(pre.staging)
     return pre
 
 

@@ -137,7 +137,10 @@ class Preload:
         self._thread.join()
         with self._lock:
             self._runs, self._where, self._asked = [], {}, set()
-        self.staging.drop()
+        if self.staging.pinned:  # unpinning a GiB takes milliseconds the load need not wait
+            threading.Thread(target=self.staging.drop, name="mlx_paged-disk-unpin").start()
+        else:
+            self.staging.drop()
         return True
 
     # ---- internals --------------------------------------------------------
