@@ -185,3 +185,21 @@ def test_bad_preload_bytes_are_refused(tmp_path, bad):
 def test_a_preload_needs_a_directory():
     with pytest.raises(ValueError, match="needs kv_disk_dir"):
         PagedEngine(model_of("llama"), block_size=BS, kv_disk_preload_bytes=1 << 20)
+
+
+def test_a_load_leaves_its_files_used_in_the_prompts_order(tmp_path, monkeypatch):
+    """Files written one after another, then used by a load in any order of reads, are
+    found by a later process in the prompt's order: the order a preload reads them in."""
+    monkeypatch.setattr(disk, "PACK_ENTRIES", 1)  # a file per entry
+    monkeypatch.setattr(disk_tier, "LOAD_BATCH", 1)  # runs of one, two read at once
+    (a,) = prompts(7, 1)
+    spilled(tmp_path, a)
+    keys = chain_keys(a, BS)[:5]
+    assert engine(tmp_path).disk.store.keys == keys  # as written
+    for age, i in enumerate([4, 2, 0, 3, 1]):
+        os.utime(engine(tmp_path).disk.store.location(keys[i])[0], (1e9 + age, 1e9 + age))
+    second = engine(tmp_path)
+    assert second.disk.store.keys == [keys[i] for i in [4, 2, 0, 3, 1]]
+    run(second, a)
+    second.disk.store.flush()
+    assert second.disk.store.keys == keys and engine(tmp_path).disk.store.keys == keys

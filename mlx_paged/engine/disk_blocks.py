@@ -25,13 +25,18 @@ from ..storage.disk import DiskStore
 from ..storage.disk_entries import (
     STATE,
     Entries,
+    block_parts,
     chain_keys,
     host_state,
     pool_arrays,
     run_blocks,
+    tiers,
+    to_host,
+    write_blocks,
 )
 from ..storage.disk_format import Run
 from ..storage.disk_runs import leading
+from ..storage.pinned import Staging
 from .distributed import Ranks
 
 
@@ -178,3 +183,30 @@ class Writes:
         mx.eval(ok, [a for p in self.pools for a in pool_arrays(p)])
         self.seconds["load_eval"] += time.perf_counter() - start
         return entries, leading(ok, entries)
+
+
+def rehearse_load(
+    fingerprint: str,
+    index: PrefixIndex,
+    pools: list[KVPool],
+    windows: list[int | None],
+    staging: Staging,
+    stream: mx.Stream,
+) -> bool:
+    """Run a spill's and a load's MLX work on a cached block of ``index`` (no file written,
+    no byte changed), so that a first load builds no kernel; whether there was a block."""
+    found = parked(index)
+    blocks = found[0][1] if found else None
+    cold = tiers(blocks or ())
+    got = block_parts(pools, cold, [blocks]) if blocks else None
+    if got is None:
+        return False
+    run = Run.of(fingerprint, "rehearsal", to_host(*got)[0])
+    # The staging copy's kernel too, and the payload check's.
+    run = Run(staging.stage(run.data), run.specs, run.payload, checked=False)
+    entries, _, ok = stage(run, pools, windows, staging.to_mlx, stream, {"load_copy": 0.0})
+    for g, pool in enumerate(pools):
+        if cold[g] is not None:
+            write_blocks(pool, g, [blocks[g]], entries, cold[g])
+    mx.eval(ok, [a for p in pools for a in pool_arrays(p)])
+    return True

@@ -52,7 +52,6 @@ from itertools import count
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 
 from ..blocks import LayerKind
 from ..blocks.prefix_index import path_blocks
@@ -66,7 +65,6 @@ from ..storage.disk_entries import (
     fingerprint,
     make_room,
     new_blocks,
-    pool_arrays,
     state_parts,
     tiers,
     to_host,
@@ -84,6 +82,7 @@ from .disk_blocks import (
     load_snapshot,
     parked,
     pinned_tables,
+    rehearse_load,
     stage,
 )
 from .distributed import Ranks
@@ -134,21 +133,20 @@ class DiskTier:
         self.store, self.scheduler, self.ranks = store, scheduler, Ranks(group)
         self.pools = [pools[k] for k in scheduler.kinds]
         self.windows = [k.window for k in scheduler.kinds]
-        recurrent = scheduler.recurrent
-        self.states = recurrent.slots if recurrent is not None else None  # a StatePool
+        self.states = getattr(scheduler.recurrent, "slots", None)  # a StatePool, or None
         self.block_size = scheduler.block_size
-        # Loading into the pool (of which: waiting on reads, starting the copies into MLX and
-        # their checks, the pool writes), and spilling (the engine thread's part).
+        # Loading (of it: reads waited for, copies and checks started, pool writes), spilling.
         self.seconds = dict.fromkeys(("load", "load_wait", "load_copy", "load_eval", "write"), 0.0)
         self._reader = ThreadPoolExecutor(READS_AHEAD, "mlx_paged-disk-ahead")  # runs' reads
         self._spills, self._loads = KeyChain(self.block_size), KeyChain(self.block_size)
         self._ahead: tuple[str, int, Future] | None = None  # (first key, entries, their read)
         self._last_read: Future | None = None  # the read asked for last (``_read``)
         self._size: int | None = None  # under a group: the entry size runs are planned by
-        self.step_blocks = STEP_BLOCKS  # most blocks a step loads while others run,
-        self.step_bytes = STEP_BYTES  # ... and most bytes of them
+        # Most blocks a step loads while others run, and most bytes of them.
+        self.step_blocks, self.step_bytes = STEP_BLOCKS, STEP_BYTES
         self.staging = Staging(READS_AHEAD + 1)  # the host buffers runs are read into
         self.preloaded: Preload | None = None  # the newest entries, read at start (``preload``)
+        self._to_mlx = self.staging.to_mlx  # a run's rows into MLX
         scheduler.index.on_spill = self.spill
         scheduler.disk = self
 
@@ -186,10 +184,8 @@ class DiskTier:
         """Write every parked full block (and snapshot) the disk lacks and wait for the
         writes; return how many files were written."""
         before = self.store.counts["writes"]
-        found = [
-            (self._spills.key(tokens), blocks, snap)
-            for tokens, blocks, snap in parked(self.scheduler.index)
-        ]
+        cached = parked(self.scheduler.index)
+        found = [(self._spills.key(tokens), blocks, snap) for tokens, blocks, snap in cached]
         for lo in range(0, len(found), SPILL_BATCH):
             self._spill([(key, blocks) for key, blocks, _ in found[lo : lo + SPILL_BATCH]])
         for key, _, snapshot in found:
@@ -202,7 +198,8 @@ class DiskTier:
         """Start reading the newest entries on disk, up to ``max_bytes``, into host memory
         in the background (``storage/preload.py``); a load then takes the runs it holds
         without reading them. Call it on the thread that makes the MLX calls."""
-        self.preloaded = Preload(self.store, max_bytes, LOAD_BYTES, not self._in_mlx)
+        self.preloaded = Preload(self.store, max_bytes, LOAD_BYTES, not in_mlx())
+        self._to_mlx = partial(self.preloaded.to_mlx, staging=self.staging)
         return self.preloaded
 
     def rehearse(self) -> bool:
@@ -211,22 +208,8 @@ class DiskTier:
         self.staging.reserve(LOAD_BYTES)
         self.store.start_threads()
         start_threads(self._reader, READS_AHEAD)
-        found = parked(self.scheduler.index)
-        blocks = found[0][1] if found else None
-        cold = tiers(blocks or ())
-        got = block_parts(self.pools, cold, [blocks]) if blocks else None
-        if got is None:
-            return False
-        run = Run.of(self.store.fingerprint, "rehearsal", to_host(*got)[0])
-        # The staging copy's kernel too, and the payload check's.
-        run = Run(self.staging.stage(run.data), run.specs, run.payload, checked=False)
-        copy = (self.staging.to_mlx, self._copies, dict.fromkeys(["load_copy"], 0.0))
-        entries, _, ok = stage(run, self.pools, self.windows, *copy)
-        for g, pool in enumerate(self.pools):
-            if cold[g] is not None:
-                write_blocks(pool, g, [blocks[g]], entries, cold[g])
-        mx.eval(ok, [a for p in self.pools for a in pool_arrays(p)])
-        return True
+        load = (self.pools, self.windows, self.staging, self._copies)
+        return rehearse_load(self.store.fingerprint, self.scheduler.index, *load)
 
     def _spill(self, items: list[tuple[str, list[int]]]) -> None:
         """Read the blocks of ``(key, block per group)`` items the disk lacks out of the
@@ -331,6 +314,7 @@ class DiskTier:
                     write_blocks(self.pools[g], g, ids[g], arrays, cold[g])
             writes.start(len(run), ok)
         if end > start:
+            self.store.used(keys[: (end - start) // bs])
             for table in tables.values():
                 table.lengths[:] = [end] * len(table.lengths)
             spans = [(tables[k].first, tables[k].blocks) for k in kinds]
@@ -351,9 +335,8 @@ class DiskTier:
             first = ahead[1:]
         elif ahead is not None:
             ahead[2].result()  # a stale read: done with its buffer before it is reused
-        most = self._most  # ranks plan their runs alike: a rank's preload does not cut them
-        if self.preloaded is not None and self.ranks.group is None:
-            most = self.preloaded.cut(keys, most)
+        cut = self.preloaded is not None and self.ranks.group is None  # ranks plan runs alike
+        most = self.preloaded.cut(keys, self._most) if cut else self._most
         return read_ahead(keys, first, most, self._read, READS_AHEAD, self.seconds)
 
     @cached_property
@@ -373,22 +356,14 @@ class DiskTier:
     def _read(self, keys: list[str], i: int) -> Future:
         """``read_run(keys)`` into buffer ``i``, or the run ``preloaded`` holds; a bad file
         waits for the last read to drop."""
-        if self.preloaded is not None and (run := self.preloaded.take(keys)) is not None:
-            done: Future = Future()
-            done.set_result(run)
+        if self.preloaded is not None and (done := self.preloaded.future(keys)) is not None:
             return done
         last, out = self._last_read, partial(self.staging.buffer, i)
-        payloads = not self._in_mlx
+        payloads = not in_mlx()
         self._last_read = self._reader.submit(self.store.read_run, keys, out, payloads, last)
         return self._last_read
 
-    @property
-    def _in_mlx(self) -> bool:
-        """Whether loads check the payloads' sums in MLX (``CHECK_IN_MLX``)."""
-        return mx.default_device() == mx.gpu if CHECK_IN_MLX is None else CHECK_IN_MLX
 
-    def _to_mlx(self, data: np.ndarray) -> mx.array:
-        """A run's rows in MLX, from the staging buffer or the preloaded chunk they lie in."""
-        pre = self.preloaded
-        held = pre is not None and pre.staging.holds(data)
-        return pre.staging.to_mlx(data) if held else self.staging.to_mlx(data)
+def in_mlx() -> bool:
+    """Whether loads check the payloads' sums in MLX (``CHECK_IN_MLX``)."""
+    return mx.default_device() == mx.gpu if CHECK_IN_MLX is None else CHECK_IN_MLX

@@ -135,10 +135,7 @@ class DiskStore:
     def location(self, key: str) -> tuple[Path, int, int] | None:
         """Where ``key``'s entry lies: its file, its offset there and its bytes."""
         got = self._locate(key)
-        if got is None:
-            return None
-        name, index, size = got
-        return self.path / name, (index or 0) * size, size
+        return None if got is None else (self.path / got[0], (got[1] or 0) * got[2], got[2])
 
     # ---- writes -----------------------------------------------------------
 
@@ -220,16 +217,24 @@ class DiskStore:
         if n == 0:
             self._count("misses", 1)
             return None
-        used = list(dict.fromkeys(name for name, _, _ in rows[:n]))
         with self._lock:
-            for name in used:
-                self._index.used(name)
-        # Their modification times, for a later process's order, on the writer thread:
-        # a reader's syscalls wait for the GIL (``OpenFiles``).
-        self._later.put(partial(touch, self.path, used))
+            names = self._index.use(keys[:n])
+        # mtimes (a later process's order) on the writer thread: readers' syscalls wait for the GIL
+        self._later.put(partial(touch, self.path, names))
         with self._lock:  # reads of several runs may overlap
             self.seconds["read"] += time.perf_counter() - start
         return Run(data[:n], specs, payload, checked=payloads)
+
+    def used(self, keys: Sequence[str]) -> None:
+        """Mark the files of ``keys`` most recently used, in that order (a load's, whose
+        runs' reads may end in another), on the background thread: a later process then
+        finds a prefix's files in its order (``Preload``)."""
+        self._later.put(partial(self._use, list(keys)))
+
+    def _use(self, keys: list[str]) -> None:
+        with self._lock:
+            names = self._index.use(keys)
+        touch(self.path, names)
 
     def close_files(self) -> None:
         """Close the descriptors reads keep open (``OpenFiles``), e.g. after a load, on the

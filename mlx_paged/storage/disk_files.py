@@ -271,10 +271,13 @@ class Background:
 
 
 def touch(directory: Path, names: Sequence[str]) -> None:
-    """Mark files most recently used, for a later process too (by modification time)."""
-    for name in names:
+    """Mark files most recently used, in their order, for a later process too (by
+    modification time: each set a microsecond after the last, which the clock's own
+    granularity would not tell apart)."""
+    now = time.time_ns()
+    for i, name in enumerate(names):
         try:
-            os.utime(directory / name)
+            os.utime(directory / name, ns=(now + 1000 * i,) * 2)
         except OSError:
             pass
 
@@ -320,13 +323,14 @@ def write_file(directory: Path, name: str, datas: list[bytes]) -> None:
             for data in datas:
                 f.write(data)
         os.replace(temp, directory / name)
+        touch(directory, [name])  # files written one after another keep their order
     except OSError:
         temp.unlink(missing_ok=True)
         raise
 
 
-def list_files(directory: Path, stale: float) -> list[tuple[float, str, int]]:
-    """``(modified, name, bytes)`` of every entry file and pack in ``directory``; deletes
+def list_files(directory: Path, stale: float) -> list[tuple[int, str, int]]:
+    """``(modified ns, name, bytes)`` of every entry file and pack in ``directory``; deletes
     temporary files older than ``stale`` seconds (a dead writer's)."""
     found, now = [], time.time()
     for entry in os.scandir(directory):
@@ -340,7 +344,7 @@ def list_files(directory: Path, stale: float) -> list[tuple[float, str, int]]:
             if now - stat.st_mtime > stale:
                 Path(entry.path).unlink(missing_ok=True)
         elif entry.name.endswith((SUFFIX, PACK_SUFFIX)):
-            found.append((stat.st_mtime, entry.name, stat.st_size))
+            found.append((stat.st_mtime_ns, entry.name, stat.st_size))
     return found
 
 

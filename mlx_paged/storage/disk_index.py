@@ -100,6 +100,14 @@ class DiskIndex:
             if self._where.get(key) == (name, i):
                 del self._where[key]
 
+    def use(self, keys: Sequence[str]) -> list[str]:
+        """Mark the files of ``keys`` most recently used, in that order; return them."""
+        found = (self.locate(key) for key in keys)
+        names = list(dict.fromkeys(got[0] for got in found if got is not None))
+        for name in names:
+            self.used(name)
+        return names
+
     def used(self, name: str) -> None:
         """Mark a file most recently used."""
         if name in self.files:

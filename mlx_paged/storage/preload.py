@@ -24,8 +24,10 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from functools import partial
 
+import mlx.core as mx
 import numpy as np
 
 from .disk import DiskStore, Run
@@ -121,6 +123,19 @@ class Preload:
             if list(keys) != chunk[lo : lo + len(keys)]:
                 return None
         return Run(run.data[lo : lo + len(keys)], run.specs, run.payload, run.checked)
+
+    def future(self, keys: Sequence[str]) -> Future | None:
+        """``take(keys)`` as a done future (a read's), or ``None``."""
+        run = self.take(keys)
+        if run is None:
+            return None
+        done: Future = Future()
+        done.set_result(run)
+        return done
+
+    def to_mlx(self, data: np.ndarray, staging: Staging) -> mx.array:
+        """Rows of a chunk here, or else of ``staging``, in MLX (``Staging.to_mlx``)."""
+        return (self.staging if self.staging.holds(data) else staging).to_mlx(data)
 
     def release(self, force: bool = False) -> bool:
         """Give the chunks back once loads asked for every entry read that the store still
