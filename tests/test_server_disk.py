@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import time
 
 from test_server import MODEL, start_server
 
@@ -34,11 +35,18 @@ def test_a_restarted_server_answers_from_disk_and_survives_bad_files(tmp_path):
     preload = ("--kv-disk-preload-bytes", "1GB")
     second = start_server(tmp_path, "second", "--kv-disk-dir", str(disk), *preload, *FLAGS)
     try:
-        assert ask(second) == (text, 96)  # all 6 full blocks, from disk
+        for _ in range(100):  # the preload's thread, beside the server's start
+            if "preloaded 6 disk-tier entries" in second.log_tail():
+                break
+            time.sleep(0.1)
         assert "preloaded 6 disk-tier entries" in second.log_tail()
+        assert second.metrics()["mlx_paged_kv_disk_preloaded_bytes"] > 0
+        assert ask(second) == (text, 96)  # all 6 full blocks, from disk
         m = second.metrics()
         assert m["mlx_paged_kv_disk_hit_tokens_total"] == 96
         assert m["mlx_paged_kv_disk_hits_total"] == 6
+        assert m["mlx_paged_kv_disk_preload_hits_total"] == 6  # no file read
+        assert m["mlx_paged_kv_disk_preloaded_bytes"] == 0  # given back once all were taken
         assert m["mlx_paged_kv_disk_bytes"] == sum(f.stat().st_size for f in disk.glob("*.kv*"))
     finally:
         second.proc.kill()  # no shutdown: nothing more is written

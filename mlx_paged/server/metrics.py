@@ -97,7 +97,7 @@ class EngineCollector:
             yield CounterMetricFamily(f"mlx_paged_{name}", doc, value=getattr(s, field))
         disk = self._disk()
         if disk is not None:
-            store = disk.store
+            store, pre = disk.store, disk.preloaded
             yield GaugeMetricFamily(
                 "mlx_paged_kv_disk_bytes", "Bytes of the disk tier's files.", value=store.bytes
             )
@@ -106,8 +106,12 @@ class EngineCollector:
                 ("kv_disk_writes", "Blocks written to the disk tier.", store.counts["writes"]),
                 ("kv_disk_load_seconds", "Seconds loading from disk.", disk.seconds["load"]),
                 ("kv_disk_write_seconds", "Seconds writing to disk.", disk.seconds["write"]),
+                ("kv_disk_preload_hits", "Of those, blocks preloaded.", getattr(pre, "taken", 0)),
             ):
                 yield CounterMetricFamily(f"mlx_paged_{name}", doc, value=value)
+            doc = "Bytes of disk-tier entries the preload holds in host memory."
+            held = pre.held_bytes if pre is not None else 0
+            yield GaugeMetricFamily("mlx_paged_kv_disk_preloaded_bytes", doc, value=held)
         clock = self._clock()
         if clock is not None:
             doc = "Engine thread seconds per step phase (engine/timing.py)."

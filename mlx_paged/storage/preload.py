@@ -74,7 +74,8 @@ class Preload:
         self.staging = Staging(max(1, len(self._plan)))
         if not self.staging.start() and self.staging.shared:
             self.staging.reserve(self.chunk_bytes)  # MLX's memory, made on this thread
-        self.entries = self.bytes = 0
+        self.entries = self.bytes = 0  # read
+        self.taken = 0  # entries loads took from here
         self.seconds = 0.0
         self._runs: list[tuple[list[str], Run]] = []  # (keys, their rows in a chunk)
         self._where: dict[str, tuple[int, int]] = {}  # key -> (run, row)
@@ -88,6 +89,12 @@ class Preload:
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until every chunk is read; whether it is."""
         return self._done.wait(timeout)
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of entries held now (0 once given back)."""
+        with self._lock:
+            return sum(run.data.nbytes for _, run in self._runs)
 
     def cut(self, keys: Sequence[str], most: Callable[[str], int]) -> Callable[[str], int]:
         """``most`` (the entries of a run from a key of ``keys`` on) cut where a chunk
@@ -122,6 +129,7 @@ class Preload:
             (chunk, run), lo = self._runs[at[0]], at[1]
             if list(keys) != chunk[lo : lo + len(keys)]:
                 return None
+            self.taken += len(keys)
         return Run(run.data[lo : lo + len(keys)], run.specs, run.payload, run.checked)
 
     def future(self, keys: Sequence[str]) -> Future | None:
