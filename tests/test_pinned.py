@@ -109,12 +109,18 @@ def test_a_pinned_buffer_is_unpinned_before_its_memory_can_be_freed():
     assert sorted(driver.calls[4:]) == sorted([("unregister", b), ("unregister", grown)])
 
 
-def test_reserve_makes_and_pins_every_buffer_once_so_that_loads_pin_nothing():
-    staging = Staging(3)
+def reserved_pinned(count: int, nbytes: int) -> tuple[Staging, RecordingDriver, list[int]]:
+    """A staging of ``count`` buffers reserved as on CUDA after a passed check, its driver
+    and the buffers' addresses."""
+    staging = Staging(count)
     driver = staging._pins.driver = RecordingDriver()
-    staging.pinned = True  # as after a passed check on CUDA
-    staging.reserve(64_000)
-    held = [b.ctypes.data for b in staging._buffers]
+    staging.pinned = True
+    staging.reserve(nbytes)
+    return staging, driver, [b.ctypes.data for b in staging._buffers]
+
+
+def test_reserve_makes_and_pins_every_buffer_once_so_that_loads_pin_nothing():
+    staging, driver, held = reserved_pinned(3, 64_000)
     assert len(set(held)) == 3 and all(b.size == 64_000 for b in staging._buffers)
     assert driver.calls == [("register", a) for a in held]
     for i in range(6):  # runs up to the reserved size reuse the buffers, pinning nothing
@@ -155,11 +161,7 @@ def test_rows_inside_a_reserved_buffer_are_handed_to_mlx_from_where_they_lie():
 
 
 def test_drop_unpins_and_frees_every_buffer():
-    staging = Staging(2)
-    driver = staging._pins.driver = RecordingDriver()
-    staging.pinned = True  # as after a passed check on CUDA
-    staging.reserve(4096)
-    held = [b.ctypes.data for b in staging._buffers]
+    staging, driver, held = reserved_pinned(2, 4096)
     staging.drop()
     assert staging._buffers == [None, None] and not staging._pins.buffers
     assert driver.calls[2:] == [("unregister", a) for a in held]
