@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 
 import mlx.core as mx
 import numpy as np
@@ -203,3 +204,27 @@ def test_a_load_leaves_its_files_used_in_the_prompts_order(tmp_path, monkeypatch
     run(second, a)
     second.disk.store.flush()
     assert second.disk.store.keys == keys and engine(tmp_path).disk.store.keys == keys
+
+
+def test_a_load_before_the_preload_is_done_reads_and_a_later_load_gives_the_memory_back(
+    tmp_path, monkeypatch
+):
+    (a,) = prompts(8, 1)
+    b = [(t + 1) % 97 for t in a]  # on disk: nothing of it
+    expected = spilled(tmp_path, a)
+    go, read_run = threading.Event(), disk.DiskStore.read_run
+
+    def held(store, *args, **kwargs):  # the preload's thread waits for ``go``
+        if threading.current_thread().name == "mlx_paged-disk-preload":
+            go.wait(30)
+        return read_run(store, *args, **kwargs)
+
+    monkeypatch.setattr(disk.DiskStore, "read_run", held)
+    second = engine(tmp_path, preload=10**7)
+    pre = second.disk.preloaded
+    got = run(second, a)  # read from disk, the preload not done
+    assert got[0] == expected[0] and second.stats().disk_hit_tokens == 40 and pre.taken == 0
+    go.set()
+    assert pre.wait(30) and pre.entries == 5 and pre._runs  # all asked for, held until ...
+    run(second, b)  # ... the next load
+    assert pre._runs == [] and pre.staging._buffers == [None] * len(pre.staging)

@@ -195,9 +195,8 @@ class DiskTier:
         return self.store.counts["writes"] - before
 
     def preload(self, max_bytes: int) -> Preload:
-        """Start reading the newest entries on disk, up to ``max_bytes``, into host memory
-        in the background (``storage/preload.py``); a load then takes the runs it holds
-        without reading them. Call it on the thread that makes the MLX calls."""
+        """Read the newest entries, up to ``max_bytes``, into host memory in the background
+        for loads to take (``storage/preload.py``); call it on the thread of MLX calls."""
         self.preloaded = Preload(self.store, max_bytes, LOAD_BYTES, not in_mlx())
         self._to_mlx = partial(self.preloaded.to_mlx, staging=self.staging)
         return self.preloaded
@@ -254,8 +253,8 @@ class DiskTier:
             load_snapshot(self.store, self.states, self.scheduler.index, self.ranks, tokens, keys)
         if not more:
             self.store.close_files()
-            if self.preloaded is not None:
-                self.preloaded.release()  # once all it read was taken
+            if self.preloaded is not None:  # once loads asked for all it read (maybe later)
+                self.preloaded.release()
         self.seconds["load"] += time.perf_counter() - start
         return loaded, more
 

@@ -13,9 +13,10 @@ where the host checks them, the payloads' sums; a bad file is deleted and
 skipped), and a load checks the payloads of a run it takes as it checks one it
 reads (on a GPU, in MLX). A run is taken only for keys the store still has (the
 caller asks the store first), and only for keys that follow each other in one
-chunk; ``cut`` ends a load's runs where chunks begin and end. ``release`` gives
-every chunk back once loads have asked for every entry read (whether they took it
-from here or read it): the memory, at most ``max_bytes``, is held until then.
+chunk; ``cut`` ends a load's runs where chunks begin and end. ``release`` (after
+each load) gives every chunk back once loads have asked for every entry read that
+the store still has, whether they took it from here or read it (a load that came
+before the preload was done): the memory, at most ``max_bytes``, is held until then.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ from .pinned import Staging
 
 logger = logging.getLogger("mlx_paged.disk")
 
+#: Seconds between ``release``'s lookups of entries no load asked for.
+RECHECK_SECONDS = 30.0
 #: Keys whose entries a load never reads in runs (a recurrent-state snapshot's) end so.
 STATE_SUFFIX = "s"
 
@@ -80,6 +83,8 @@ class Preload:
         self._runs: list[tuple[list[str], Run]] = []  # (keys, their rows in a chunk)
         self._where: dict[str, tuple[int, int]] = {}  # key -> (run, row)
         self._asked: set[str] = set()  # keys a load asked for (taken here or not)
+        self._left = 0  # keys read here that no load asked for yet
+        self._recheck = 0.0  # when release may next look the others up in the store
         self._lock = threading.Lock()
         self._done, self._stop = threading.Event(), threading.Event()
         self._thread = threading.Thread(target=self._run, name="mlx_paged-disk-preload")
@@ -122,7 +127,11 @@ class Preload:
         """The rows of ``keys`` as a run (views of a chunk), if they follow each other in
         one chunk; else ``None``. Either way the keys count as loaded (``release``)."""
         with self._lock:
-            self._asked.update(k for k in keys if k in self._where)
+            reading = not self._done.is_set()  # keys not read yet may be read next
+            for key in keys:
+                if key not in self._asked and (reading or key in self._where):
+                    self._asked.add(key)
+                    self._left -= key in self._where
             at = self._where.get(keys[0]) if keys else None
             if at is None:
                 return None
@@ -147,20 +156,27 @@ class Preload:
 
     def release(self, force: bool = False) -> bool:
         """Give the chunks back once loads asked for every entry read that the store still
-        has (or at once with ``force``, when no run of theirs is in use); whether they are
-        gone."""
+        has (or at once with ``force``); whether they are gone. Call it when no run taken
+        from here is in use. Whether the store still has the entries not asked for is
+        looked up at most once every ``RECHECK_SECONDS``."""
         if force:
             self._stop.set()
         elif not self._done.is_set():
             return False
-        with self._lock:
-            left = [key for key in self._where if key not in self._asked]
-        if not force and any(key in self.store for key in left):
-            return False
+        if not force and self._left:
+            if time.monotonic() < self._recheck:
+                return False
+            self._recheck = time.monotonic() + RECHECK_SECONDS
+            with self._lock:
+                left = [key for key in self._where if key not in self._asked]
+            if any(key in self.store for key in left):
+                return False
         self._thread.join()
         with self._lock:
-            self._runs, self._where, self._asked = [], {}, set()
-        if self.staging.pinned:  # unpinning a GiB takes milliseconds the load need not wait
+            if not self._runs:
+                return True
+            self._runs, self._where, self._asked, self._left = [], {}, set(), 0
+        if self.staging.pinned:  # unpinning a GiB takes milliseconds a load need not wait
             threading.Thread(target=self.staging.drop, name="mlx_paged-disk-unpin").start()
         else:
             self.staging.drop()
@@ -227,6 +243,7 @@ class Preload:
                 got = keys[pos : pos + len(run)]
                 with self._lock:
                     self._where.update((k, (len(self._runs), r)) for r, k in enumerate(got))
+                    self._left += sum(k not in self._asked for k in got)
                     self._runs.append((got, run))
                     self.entries += len(run)
                     self.bytes += run.data.nbytes
