@@ -603,3 +603,23 @@ def test_entries_without_their_window_blocks_load_and_the_window_comes_from_late
     assert second.stats().disk_hit_tokens == 96 and second.stats().prefix_hit_tokens == 96
     assert got[0] == expected[0]
     assert np.allclose(got[1], expected[1], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("family", HYBRID)
+def test_a_hybrid_restart_past_its_deepest_snapshot_evicts_nothing(tmp_path, family):
+    """Blocks loaded past the deepest snapshot on disk stay parked while the request
+    recomputes them: the load's pool growth leaves room for both, so admission evicts (and
+    spills) nothing."""
+    (a,) = prompts(6, 1)
+    first = hybrid_engine(family, tmp_path)
+    expected = run(first, a)
+    first.disk.spill_cached()
+    store = first.disk.store
+    (tmp_path / f"{store.fingerprint}-{chain_keys(a, BS)[4]}s.kv").unlink()  # the one at 40
+    second = hybrid_engine(family, tmp_path, model=tiny_model(family))
+    index, spilled = second.scheduler.index, []
+    spill = index.on_spill
+    index.on_spill = lambda *args: (spilled.append(args[0]), spill(*args))
+    got = run(second, a)
+    assert second.stats().disk_hit_tokens == 40 and second.stats().prefix_hit_tokens == 32
+    assert got[0] == expected[0] and spilled == []

@@ -38,6 +38,7 @@ from ..storage.disk_format import Run
 from ..storage.disk_runs import leading
 from ..storage.pinned import Staging
 from .distributed import Ranks
+from .scheduler import Scheduler
 
 
 def parked(index: PrefixIndex) -> list[tuple[list[int], list[int], int | None]]:
@@ -104,6 +105,15 @@ def agreed_run(ranks: Ranks, run: Run | None) -> tuple[Run | None, bool]:
     if run is not None and least < len(run):
         run = Run(run.data[:least], run.specs, run.payload, run.checked) if least else None
     return run, least != max(lengths)
+
+
+def load_room(tokens: int, have: int, scheduler: Scheduler) -> int:
+    """Blocks a load grows a pool by, for a prompt of ``tokens`` of which memory holds
+    ``have`` blocks: the rest of its blocks and one more; for a hybrid model also a snapshot
+    interval's, which its request recomputes past the deepest snapshot while the blocks
+    loaded there stay parked (else taking them evicts and spills others)."""
+    bs, recurrent = scheduler.block_size, scheduler.recurrent
+    return -(-tokens // bs) - have + 1 + (recurrent.interval // bs if recurrent else 0)
 
 
 def load_snapshot(

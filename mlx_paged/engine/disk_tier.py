@@ -79,6 +79,7 @@ from .disk_blocks import (
     KeyChain,
     Writes,
     agreed_run,
+    load_room,
     load_snapshot,
     parked,
     pinned_tables,
@@ -301,7 +302,8 @@ class DiskTier:
             if i == 0:  # the whole load's room at once: each growth copies the pool
                 for k, c in zip(kinds, cold, strict=True):
                     if k.window is None:
-                        make_room(groups[k], c, len(keys), -(-len(tokens) // bs) - have + 1)
+                        room = load_room(len(tokens), have, self.scheduler)
+                        make_room(groups[k], c, len(keys), room)
             ids = [
                 new_blocks(groups[k], tables[k], end, len(run), c)
                 for k, c in zip(kinds, cold, strict=True)
