@@ -58,12 +58,13 @@ def first_needed(window: int | None, length: int, bs: int) -> int:
 
 
 def node_tokens(node: Node) -> list[int]:
-    """The tokens from the root through ``node``."""
-    tokens: list[int] = []
+    """The tokens from the root through ``node`` (its blocks' keys gathered, then joined
+    once: prepending each would move the whole list per block)."""
+    keys = []
     while node.parent is not None:
-        tokens[:0] = node.key
+        keys.append(node.key)
         node = node.parent
-    return tokens
+    return list(chain.from_iterable(reversed(keys)))
 
 
 def node_at(root: Node, tokens: Sequence[int], length: int, bs: int) -> Node | None:
