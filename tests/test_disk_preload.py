@@ -8,7 +8,7 @@ import threading
 import mlx.core as mx
 import numpy as np
 import pytest
-from test_disk_tier import BS, prompts, run
+from test_disk_tier import BS, hybrid_engine, prompts, run
 from tiny_models import model_of
 
 from mlx_paged import PagedEngine
@@ -228,3 +228,18 @@ def test_a_load_before_the_preload_is_done_reads_and_a_later_load_gives_the_memo
     assert pre.wait(30) and pre.entries == 5 and pre._runs  # all asked for, held until ...
     run(second, b)  # ... the next load
     assert pre._runs == [] and pre.staging._buffers == [None] * len(pre.staging)
+
+
+def test_a_hybrid_preloads_its_blocks_and_reads_its_snapshot(tmp_path, monkeypatch):
+    (a,) = prompts(9, 1)
+    first = hybrid_engine("qwen3_5", tmp_path)
+    expected = run(first, a)
+    assert first.disk.spill_cached() == 5 + 3  # 5 blocks, 3 snapshots
+    second = hybrid_engine("qwen3_5", tmp_path, kv_disk_preload_bytes=10**7)
+    pre = second.disk.preloaded
+    assert pre.wait(30) and set(pre._where) == set(chain_keys(a, BS))  # no snapshot
+    reads = counted_reads(monkeypatch, second)
+    got = run(second, a)
+    assert [len(keys) for keys in reads] == [1] and reads[0][0].endswith("s")  # the snapshot
+    assert second.stats().prefix_hit_tokens == 40 and pre.taken == 5
+    assert got[0] == expected[0] and np.allclose(got[1], expected[1], atol=1e-5, rtol=0)

@@ -32,14 +32,13 @@ import mlx.core as mx
 import numpy as np
 
 from .disk import DiskStore, Run
+from .disk_entries import STATE
 from .pinned import Staging
 
 logger = logging.getLogger("mlx_paged.disk")
 
 #: Seconds between ``release``'s lookups of entries no load asked for.
 RECHECK_SECONDS = 30.0
-#: Keys whose entries a load never reads in runs (a recurrent-state snapshot's) end so.
-STATE_SUFFIX = "s"
 
 
 def check_preload(nbytes: object, directory: object) -> None:
@@ -203,7 +202,8 @@ class Preload:
         """The most recently used keys whose entries fit in ``max_bytes``, oldest first."""
         picked, total = [], 0
         for key in reversed(self.store.keys):
-            size = self.store.size(key) if not key.endswith(STATE_SUFFIX) else None
+            # A snapshot's entry: loads read it alone, never in runs.
+            size = self.store.size(key) if not key.endswith(STATE) else None
             if size is None:
                 continue
             if total + size > self.max_bytes:
