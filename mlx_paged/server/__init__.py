@@ -78,8 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-disk-preload-bytes",
         default=None,
         help="Read the newest --kv-disk-dir entries, up to this many bytes, into host memory "
-        "(pinned on CUDA) as the server starts, so that a restart's first loads of them need "
-        "no reads; held until each was loaded once. Default: none.",
+        "(pinned on CUDA) as the server starts, before it reports ready, so that a "
+        "restart's first loads of them need no reads; held until each was loaded once. "
+        "Default: none.",
     )
     p.add_argument("--max-batch-size", type=int, default=64, help="Most requests decoding at once.")
     p.add_argument(
@@ -289,6 +290,8 @@ def loader(args: argparse.Namespace, group=None):
             log = logging.getLogger("mlx_paged.server")
             log.info("mlx_paged: warming up at batch sizes up to %d", args.max_batch_size)
             log.info("mlx_paged: warmed up in %.2f s", warm_up(engine, sampler=sampler))
+        if engine.disk is not None and engine.disk.preloaded is not None:
+            engine.disk.preloaded.wait()  # read beside the warm-up: ready once it holds them
         # What exists now lives as long as the server: out of the collector's generations,
         # a full collection no longer walks it (one took 60-90 ms in a load from disk).
         gc.collect()

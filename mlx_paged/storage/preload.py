@@ -191,12 +191,12 @@ class Preload:
             logger.exception("mlx_paged: preloading the disk tier failed")
         finally:
             self.seconds = time.perf_counter() - start
+            if self.entries:  # before ``wait`` returns: a server's log says it when ready
+                logger.info(
+                    "mlx_paged: preloaded %d disk-tier entries (%.2f GB) in %.2f s",
+                    self.entries, self.bytes / 1e9, self.seconds,
+                )  # fmt: skip
             self._done.set()
-        if self.entries:
-            logger.info(
-                "mlx_paged: preloaded %d disk-tier entries (%.2f GB) in %.2f s",
-                self.entries, self.bytes / 1e9, self.seconds,
-            )  # fmt: skip
 
     def _newest(self) -> list[str]:
         """The most recently used keys whose entries fit in ``max_bytes``, oldest first."""
