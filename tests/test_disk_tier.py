@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import time
@@ -385,6 +386,38 @@ def test_a_rehearsal_changes_no_byte_and_writes_no_file(tmp_path, kw):
     assert not list(tmp_path.glob("*.kv")) and engine.disk.store.counts["writes"] == 0
     engine.check_invariants()
     assert run(engine, a)[0] == run(PagedEngine(model, block_size=BS, **kw), a)[0]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_a_warm_up_neither_spills_to_nor_loads_from_the_disk_tier(tmp_path, monkeypatch, family):
+    from mlx_paged.blocks.prefix_index import PrefixIndex
+    from mlx_paged.engine import warmup
+
+    # A pool the warm-up's own prompts overflow: it evicts made-up blocks as it goes.
+    kw = {"num_blocks": 12, "max_batch_size": 3, "prefill_step_size": 64}
+    model = model_of(family)
+    engine = hybrid_engine(family, tmp_path, model, **kw)
+    assert warmup.warm_up(engine) > 0
+    assert engine.stats().cached_blocks == 0 and engine.scheduler.index.num_blocks == 0
+    assert engine.disk.spill_cached() == 0
+    assert engine.disk.store.counts["writes"] == 0 and not list(tmp_path.glob("*.kv*"))
+    engine.check_invariants()
+
+    # A directory that holds the made-up prompts' blocks (a warm-up left them to the index,
+    # and a shutdown wrote them): the next warm-up still runs its prefills.
+    monkeypatch.setattr(warmup, "_without_disk", lambda engine: contextlib.nullcontext())
+    monkeypatch.setattr(PrefixIndex, "clear", lambda self: None)
+    old = hybrid_engine(family, tmp_path, model, num_blocks=64, max_batch_size=3,
+                        prefill_step_size=64)  # fmt: skip
+    warmup.warm_up(old)
+    assert old.disk.spill_cached() > 0
+    monkeypatch.undo()
+    again = hybrid_engine(family, tmp_path, model, num_blocks=64, max_batch_size=3,
+                          prefill_step_size=64)  # fmt: skip
+    warmup.warm_up(again)
+    assert again.disk.store.counts["hits"] == 0 and again.stats().cached_blocks == 0
+    (a,) = prompts(12, 1)
+    assert run(again, a) == run(PagedEngine(model, block_size=BS), a)
 
 
 def test_block_keys_reused_along_a_walk_equal_the_chain_of_each_prefix(tmp_path):

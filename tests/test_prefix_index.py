@@ -206,6 +206,16 @@ class PrefixIndexMachine(RuleBasedStateMachine):
                 self.content.pop(b, None)
             self.pool.release_all(ids)
 
+    @rule()
+    def clear(self):
+        held = {b for _, table in self.live for b in table}
+        self.index.clear()
+        assert self.index.num_blocks == 0 and self.pool.num_cached == 0
+        assert not self.pool.parked and self.index.match(list(range(2 * BS))) is None
+        # Blocks the live tables hold stay theirs; every other block is free.
+        assert self.pool.num_free == self.pool.capacity - len(held)
+        assert all(self.pool.refcount(b) == sum(b in t for _, t in self.live) for b in held)
+
     @invariant()
     def consistent(self):
         self.pool.check_invariants(tables=[t for _, t in self.live])

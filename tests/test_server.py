@@ -939,7 +939,9 @@ def test_warm_up_runs_before_ready_and_leaves_no_counts(tmp_path):
         m = s.metrics()
         assert m["mlx_paged_prompt_tokens_total"] == 0
         assert m["mlx_paged_generation_tokens_total"] == 0
-        assert m["mlx_paged_kv_blocks_cached"] > 0  # the made-up burst's blocks, parked
+        # The made-up burst's blocks: the pool grew for them, and the prefix cache let them go.
+        assert m["mlx_paged_kv_blocks_free"] == m["mlx_paged_kv_blocks_total"] > 0
+        assert m["mlx_paged_kv_blocks_cached"] == 0
         assert m["mlx_paged_decode_steps_total"] == m["mlx_paged_decode_steps_compiled_total"] == 0
         assert m["mlx_paged_decode_traces_total"] >= 2  # the burst's batch sizes, 2 and 1
         assert "mlx_paged: warming up at batch sizes up to 2" in s.log_tail()

@@ -212,6 +212,12 @@ class PrefixIndex:
         """Tokens of ``tokens`` whole indexed blocks cover from the start (snapshots aside)."""
         return walk(self._root, tokens, self.block_size)[1] // self.block_size * self.block_size
 
+    def clear(self) -> None:
+        """Forget every entry: their blocks and snapshots are unparked (freed where nothing
+        else holds them) and nothing is spilled."""
+        for child in list(self._root.children.values()):
+            self._remove(child)
+
     @property
     def snapshots(self) -> list[int]:
         """Snapshot ids the index holds."""

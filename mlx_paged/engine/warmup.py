@@ -21,15 +21,18 @@ the decode kernel's binaries
 for the layouts longer contexts launch (``kernels.prebuild_kernels``: the burst's
 contexts are short). Then it
 rehearses the disk tier's spill and load on one of their blocks (no file is
-written) and zeroes the counters, the step clock and the compiled step count
-(not its traces). The made-up blocks stay parked in the prefix index, evicted
-first when the pool needs room.
+written), drops the made-up blocks from the prefix index and zeroes the counters,
+the step clock and the compiled step count (not its traces). The disk tier stays
+out of the made-up requests: they load nothing from it, and their blocks never
+go to it (its files would otherwise fill with them at each shutdown, and the
+next process's warm-up would load them instead of running its prefills).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 from ..attention.kernels import prebuild_kernels
 from .engine import PagedEngine
@@ -54,9 +57,38 @@ def warm_up(
     for b in sizes:
         if isinstance(b, bool) or not isinstance(b, int) or not 0 < b <= most:
             raise ValueError(f"warm-up batch sizes must be ints in 1..{most}, got {b!r}.")
-    bs = engine.scheduler.block_size
-    vocab = engine.vocab_size or 256
     start = time.perf_counter()
+    with _without_disk(engine):
+        _bursts(engine, sizes, hybrid, batch_sizes is None, sampler)
+        _wide_forwards(engine, engine.vocab_size or 256)
+    prebuild_kernels()
+    if engine.disk is not None:
+        engine.disk.rehearse()
+    engine.scheduler.index.clear()
+    engine.scheduler.counters = dict.fromkeys(COUNTERS, 0)
+    engine.clock.reset()
+    if engine.runner.compiled is not None:  # its traces stay counted: they were made
+        engine.runner.compiled.steps = 0
+    return time.perf_counter() - start
+
+
+@contextmanager
+def _without_disk(engine: PagedEngine) -> Iterator[None]:
+    """The engine's disk tier neither loads nor spills meanwhile."""
+    s = engine.scheduler
+    hooks = s.disk, s.index.on_spill
+    s.disk = s.index.on_spill = None
+    try:
+        yield
+    finally:
+        s.disk, s.index.on_spill = hooks
+
+
+def _bursts(
+    engine: PagedEngine, sizes: list[int], hybrid: bool, staggered: bool, sampler: Sampler | None
+) -> None:
+    """A burst of made-up requests sharing a prefix at each batch size of ``sizes``."""
+    bs, vocab = engine.scheduler.block_size, engine.vocab_size or 256
     for round_, b in enumerate(sizes):
         # Token ids unlikely to begin a real prompt; one prefix per round.
         prefix = [(vocab - 1 - 3 * (j + round_)) % vocab for j in range(2 * bs)]
@@ -68,18 +100,9 @@ def warm_up(
             # requests still going: every size once.
             steps = b - i - 1 if hybrid and round_ else i
             picks = sampler if i % 2 else None
-            engine.add_request(prefix + suffix, steps + 2 if batch_sizes is None else 3, picks)
+            engine.add_request(prefix + suffix, steps + 2 if staggered else 3, picks)
         for _ in engine.stream():
             pass
-    _wide_forwards(engine, vocab)
-    prebuild_kernels()
-    if engine.disk is not None:
-        engine.disk.rehearse()
-    engine.scheduler.counters = dict.fromkeys(COUNTERS, 0)
-    engine.clock.reset()
-    if engine.runner.compiled is not None:  # its traces stay counted: they were made
-        engine.runner.compiled.steps = 0
-    return time.perf_counter() - start
 
 
 def _wide_forwards(engine: PagedEngine, vocab: int) -> None:
