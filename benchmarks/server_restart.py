@@ -52,13 +52,20 @@ def ask(port: int, prompt: list[int]) -> tuple[float, int]:
     return seconds, details.get("cached_tokens", 0)
 
 
-def disk_metrics(port: int) -> str:
-    """The server's disk-tier hit counters from ``/metrics``."""
+def metrics(port: int) -> dict[str, float]:
+    """The server's ``/metrics`` samples, by name and labels."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    names = ("mlx_paged_kv_disk_hit_tokens_total", "mlx_paged_kv_disk_preload_hits_total")
-    found = [line.split(" ") for line in text.splitlines()]
-    return ", ".join(f"{k[18:]}={float(v):.0f}" for k, v, *_ in found if k in names)
+        lines = r.read().decode().splitlines()
+    return {k: float(v) for k, v in (x.rsplit(" ", 1) for x in lines if not x.startswith("#"))}
+
+
+def phases(before: dict[str, float], after: dict[str, float]) -> str:
+    """The server's own first-token time and its phases over one request, in ms."""
+    name = "mlx_paged_first_token_phase_seconds_sum"
+    got = [(k[len(name) + 8 : -2], after[k] - before.get(k, 0.0)) for k in after if name in k]
+    total = "mlx_paged_time_to_first_token_seconds_sum"
+    lead = f"server {1e3 * (after[total] - before.get(total, 0.0)):.1f} ms: "
+    return lead + ", ".join(f"{phase} {1e3 * s:.1f}" for phase, s in got)
 
 
 class Server:
@@ -75,11 +82,15 @@ class Server:
         self.ready_s = time.perf_counter() - t0
 
     def line(self, name: str, prompt: list[int], recompute: float | None) -> float:
+        before = metrics(self.port)
         seconds, cached = ask(self.port, prompt)
+        after = metrics(self.port)
         ratio = f" ({seconds / recompute:.3f}x the recompute)" if recompute else ""
+        hits = ("mlx_paged_kv_disk_hit_tokens_total", "mlx_paged_kv_disk_preload_hits_total")
+        disk = ", ".join(f"{k[18:]}={after[k]:.0f}" for k in hits if k in after)
         print(
             f"{name}: {seconds:.3f} s{ratio}, {cached} cached tokens, ready after "
-            f"{self.ready_s:.1f} s; {disk_metrics(self.port)}",
+            f"{self.ready_s:.1f} s; {disk}; {phases(before, after)}",
             flush=True,
         )
         return seconds
