@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import threading
+import time
+from types import SimpleNamespace
 
 import mlx.core as mx
 import numpy as np
@@ -14,7 +16,7 @@ from tiny_models import model_of
 from mlx_paged import PagedEngine
 from mlx_paged.engine import disk_tier
 from mlx_paged.engine.disk_tier import chain_keys
-from mlx_paged.storage import disk
+from mlx_paged.storage import disk, preload
 from mlx_paged.storage.preload import Preload
 
 
@@ -175,6 +177,38 @@ def test_release_with_force_gives_the_memory_back_at_once(tmp_path):
     pre = engine(tmp_path, preload=10**7).disk.preloaded
     assert pre.wait(30) and not pre.release() and pre._runs
     assert pre.release(force=True) and pre._runs == [] and pre._where == {}
+
+
+def test_entries_no_load_asks_for_are_held_until_the_hold_ends(tmp_path, monkeypatch):
+    (a,) = prompts(5, 1)
+    spilled(tmp_path, a)
+    pre = engine(tmp_path, preload=10**7).disk.preloaded
+    assert pre.wait(30) and not pre.release() and pre.held_bytes == 5 * entry_bytes(tmp_path)
+    monkeypatch.setattr(preload, "HOLD_SECONDS", time.monotonic() - pre._ended)
+    assert pre.release() and pre.held_bytes == 0 and pre._where == {}
+
+
+def test_an_idle_servers_engine_thread_gives_the_preload_back_once_its_hold_ends(
+    tmp_path, monkeypatch
+):
+    from mlx_paged.server.worker import EngineWorker
+
+    (a,) = prompts(5, 1)
+    spilled(tmp_path, a)
+    monkeypatch.setattr(preload, "HOLD_SECONDS", 0.0)
+    tokenizer = SimpleNamespace(eos_token_ids=[0], has_thinking=False, has_tool_calling=False)
+    worker = EngineWorker(lambda: (engine(tmp_path, preload=10**7), tokenizer))
+    worker.start(60)
+    try:
+        pre = worker.engine.disk.preloaded
+        assert pre.wait(30) and pre.entries == 5
+        for _ in range(100):  # no request comes: the idle loop releases it
+            if pre.held_bytes == 0:
+                break
+            time.sleep(0.1)
+        assert pre.held_bytes == 0 and pre._where == {}
+    finally:
+        worker.stop(30)
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, True, "1GB"])

@@ -79,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="Read the newest --kv-disk-dir entries, up to this many bytes, into host memory "
         "(pinned on CUDA) as the server starts, before it reports ready, so that a "
-        "restart's first loads of them need no reads; held until each was loaded once. "
+        "restart's first loads of them need no reads; held until each was loaded once, "
+        "or 10 minutes. "
         "Default: none.",
     )
     p.add_argument("--max-batch-size", type=int, default=64, help="Most requests decoding at once.")

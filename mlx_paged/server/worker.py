@@ -177,6 +177,8 @@ class EngineWorker:
                 break
             if self.engine.running or self.engine.waiting:
                 self._step()
+            elif self.engine.disk is not None and self.engine.disk.preloaded is not None:
+                self.engine.disk.preloaded.release()  # idle: its hold may have ended
             self._update_stats()
         self._fail_all("the server is shutting down", reason="abort")
         if self.engine.disk is not None:  # what the prefix cache holds outlives the process

@@ -14,9 +14,10 @@ skipped), and a load checks the payloads of a run it takes as it checks one it
 reads (on a GPU, in MLX). A run is taken only for keys the store still has (the
 caller asks the store first), and only for keys that follow each other in one
 chunk; ``cut`` ends a load's runs where chunks begin and end. ``release`` (after
-each load) gives every chunk back once loads have asked for every entry read that
-the store still has, whether they took it from here or read it (a load that came
-before the preload was done): the memory, at most ``max_bytes``, is held until then.
+each load, and from an idle server's engine thread) gives every chunk back once loads
+have asked for every entry read that the store still has, whether they took it from
+here or read it (a load that came before the preload was done), or ``HOLD_SECONDS``
+after the preload ended: the memory, at most ``max_bytes``, is held until then.
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ logger = logging.getLogger("mlx_paged.disk")
 
 #: Seconds between ``release``'s lookups of entries no load asked for.
 RECHECK_SECONDS = 30.0
+#: Seconds after the preload ends that ``release`` gives its memory back whatever is left:
+#: entries no load asked for by then are read from disk when asked for.
+HOLD_SECONDS = 600.0
 
 
 def check_preload(nbytes: object, directory: object) -> None:
@@ -84,6 +88,7 @@ class Preload:
         self._asked: set[str] = set()  # keys a load asked for (taken here or not)
         self._left = 0  # keys read here that no load asked for yet
         self._recheck = 0.0  # when release may next look the others up in the store
+        self._ended = 0.0  # when the preload ended (time.monotonic())
         self._lock = threading.Lock()
         self._done, self._stop = threading.Event(), threading.Event()
         self._thread = threading.Thread(target=self._run, name="mlx_paged-disk-preload")
@@ -155,14 +160,16 @@ class Preload:
 
     def release(self, force: bool = False) -> bool:
         """Give the chunks back once loads asked for every entry read that the store still
-        has (or at once with ``force``); whether they are gone. Call it when no run taken
-        from here is in use. Whether the store still has the entries not asked for is
-        looked up at most once every ``RECHECK_SECONDS``."""
+        has, or ``HOLD_SECONDS`` after the preload ended (or at once with ``force``);
+        whether they are gone. Call it when no run taken from here is in use. Whether the
+        store still has the entries not asked for is looked up at most once every
+        ``RECHECK_SECONDS``."""
         if force:
             self._stop.set()
         elif not self._done.is_set():
             return False
-        if not force and self._left:
+        held = time.monotonic() - self._ended < HOLD_SECONDS
+        if not force and held and self._left:
             if time.monotonic() < self._recheck:
                 return False
             self._recheck = time.monotonic() + RECHECK_SECONDS
@@ -190,7 +197,7 @@ class Preload:
         except Exception:  # a preload is an optimisation: loads read from disk without it
             logger.exception("mlx_paged: preloading the disk tier failed")
         finally:
-            self.seconds = time.perf_counter() - start
+            self.seconds, self._ended = time.perf_counter() - start, time.monotonic()
             if self.entries:  # before ``wait`` returns: a server's log says it when ready
                 logger.info(
                     "mlx_paged: preloaded %d disk-tier entries (%.2f GB) in %.2f s",
