@@ -16,7 +16,7 @@ from hypothesis.stateful import (
 )
 
 from mlx_paged import BlockPool, PagedCacheStats
-from mlx_paged.blocks.pool import GROWTH
+from mlx_paged.blocks.pool import GROWTH, ready_run
 from mlx_paged.blocks.tiers import COLD, TieredBlockPool
 
 
@@ -422,6 +422,39 @@ class BlockPoolMachine(RuleBasedStateMachine):
         assert (self.pool.refcounts[: len(before[0])], self.pool.parked) == before[:2]
         assert self.pool.num_cached == before[2]  # nothing evicted
         assert self.pool.can_allocate(n) or not self.growable
+
+    @rule(n=st.integers(0, 8))
+    def ready_run(self, n):
+        """Evict until n are free (never grow), then the first run of n consecutive free
+        ids (else the run at the pool's end, else the first longest) heads the free list."""
+        evicted = []
+        if n > 0 and (self.growable or n <= len(self.free) + len(self.cached)):
+            while len(self.free) < n and self.cached:
+                b = self.cached.pop(0)
+                self.parked.discard(b)
+                evicted.append(b)
+                self.free.append(b)
+            if self.free:
+                ids = sorted(self.free)
+                runs = []  # (first index, length)
+                for i, b in enumerate(ids):
+                    if i and b == ids[i - 1] + 1:
+                        runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+                    else:
+                        runs.append((i, 1))
+                fit = [r for r in runs if r[1] >= n]
+                if not fit and ids[-1] == self.capacity - 1:
+                    fit = runs[-1:]
+                at = (fit or [max(runs, key=lambda r: r[1])])[0][0]
+                self.free = deque(ids[at:] + ids[:at])
+                if fit and fit[0][1] >= n:
+                    event("a run of n consecutive free ids")
+                    head = list(self.free)[:n]
+                    assert head == list(range(head[0], head[0] + n))
+        self.evicted.clear()
+        ready_run(self.pool, n)
+        assert self.evicted == evicted
+        assert list(self.pool._free) == list(self.free)
 
     @precondition(lambda self: self.held())
     @rule(data=st.data())

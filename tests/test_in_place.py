@@ -5,6 +5,7 @@ buffer; every other table gathers or meets a kernel."""
 from __future__ import annotations
 
 import copy
+import random
 
 import mlx.core as mx
 import pytest
@@ -12,9 +13,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from mlx_lm.models.cache import make_prompt_cache
 from test_parity import BLOCK, DECODE_STEPS, max_diff, prompt_tokens, run_generate_step
-from tiny_models import tiny_model
+from tiny_models import VOCAB, model_of, solo, tiny_model
 
-from mlx_paged import install_paged_cache, make_paged_cache, uninstall_paged_cache
+from mlx_paged import PagedEngine, install_paged_cache, make_paged_cache, uninstall_paged_cache
 from mlx_paged.attention import path_counts, set_attention_path
 from mlx_paged.blocks import COLD, HOLE
 from mlx_paged.storage import KVPool
@@ -164,3 +165,24 @@ def test_run_view_holds_the_gathered_tokens(start, end):
     assert pool.run_view(table, 0, 0, 48) is None
     assert pool.run_view(table, 0, 0, 24) is not None
     table.blocks[3], table.version = 5, table.version + 1
+
+
+# A fixed pool whose free ids and the earlier prompt's evicted ones make the run (its first
+# tokens shared), and a growable pool whose earlier prompt is evicted for it.
+@pytest.mark.parametrize("num_blocks, shared", [(60, 3), (None, 0)])
+def test_an_engines_long_prompt_after_another_reads_in_place(num_blocks, shared):
+    """Admission readies a new prompt's blocks as one run of ids (``ready_run``): each of
+    its prefill chunks reads in place, and its tokens are mlx-lm's."""
+    engine = PagedEngine(
+        model_of("llama"), block_size=BLOCK, num_blocks=num_blocks, prefill_step_size=64
+    )
+    rng = random.Random(5)
+    a = [rng.randrange(1, VOCAB) for _ in range(400)]
+    b = a[:shared] + [rng.randrange(1, VOCAB) for _ in range(400 - shared)]
+    b[shared] = (a[shared] + 1) % VOCAB or 1  # shares exactly ``shared`` tokens with a
+    engine.generate([a], max_tokens=4)
+    before = counts()
+    assert engine.generate([b], max_tokens=1) == [solo("llama", tuple(b), 1)]
+    assert grown(before, "gather") == 0 and grown(before, "in_place") == 7 * 4  # chunks, layers
+    assert engine.generate([b], max_tokens=4) == [solo("llama", tuple(b), 4)]
+    engine.check_invariants()

@@ -6,6 +6,7 @@ from .pool import (
     PoolExhaustedError,
     PoolTooSmallError,
     check_block_size,
+    ready_run,
 )
 from .prefix_index import Cursor, PrefixIndex, PrefixMatch
 from .states import StateSlots, StateStats
@@ -31,4 +32,5 @@ __all__ = [
     "TieredBlockPool",
     "check_block_size",
     "is_cold",
+    "ready_run",
 ]

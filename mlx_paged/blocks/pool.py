@@ -10,6 +10,8 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+import numpy as np
+
 #: A growable pool that runs short grows by its shortfall or by this fraction of its
 #: capacity, whichever is more. Every layer's arrays are copied into larger ones then, old
 #: and new alive at once: a quarter keeps that peak at 2.25x the pool and the unused
@@ -299,3 +301,28 @@ class BlockPool:
     def _check_id(self, block_id: int) -> None:
         if not 0 <= block_id < self.capacity:
             raise ValueError(f"block id {block_id} is outside the pool (0..{self.capacity - 1}).")
+
+
+def ready_run(pool: BlockPool, n: int) -> None:
+    """Ready ``n`` blocks for one sequence's coming allocations as one run of consecutive
+    ids where the free ids allow: evict cached blocks until ``n`` are free (or none is
+    left: a growable pool grows later, in ``allocate``, with the ids after its last), then
+    put the first run of ``n`` consecutive free ids (else the one that reaches the pool's
+    end, else the longest) at the head of the free list, the rest after it in order. A
+    sequence whose blocks are consecutive ids reads its K/V in place (``KVPool.run_view``).
+    Best effort: allocations in between take ids from the same head."""
+    if n <= 0 or (not pool.growable and n > pool.num_available):
+        return
+    while len(pool._free) < n and pool._cached:
+        pool._evict_one()
+    if not pool._free:
+        return
+    ids = np.sort(np.fromiter(pool._free, dtype=np.int64, count=len(pool._free)))
+    breaks = np.flatnonzero(np.diff(ids) != 1) + 1
+    starts = np.concatenate(([0], breaks))
+    lengths = np.diff(np.concatenate((starts, [ids.size])))
+    fits = np.flatnonzero(lengths >= n)
+    if not fits.size and ids[-1] == pool.capacity - 1:  # growth continues the last run
+        fits = np.array([starts.size - 1])
+    at = int(starts[fits[0] if fits.size else int(np.argmax(lengths))])
+    pool._free = deque(np.concatenate((ids[at:], ids[:at])).tolist())

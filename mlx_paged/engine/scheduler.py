@@ -38,6 +38,7 @@ from ..blocks import (
     PrefixMatch,
     StateSlots,
     TieredBlockPool,
+    ready_run,
 )
 from .prefills import batched_prefills, prefill_steps
 from .recurrent import RecurrentStates
@@ -65,6 +66,11 @@ BATCH_TOKENS = 512
 #: scores to hold, and a burst of 32 x 64 tokens after a cached prefix took 0.46x the time
 #: of 512-token forwards at 1.3x-1.5x the peak memory (BENCHMARKS.md, run 321).
 KERNEL_BATCH_TOKENS = 2048
+#: Fewest new blocks of a prompt with no cached block that admission readies as one run
+#: of consecutive ids (``ready_run``): its prefill chunks then read its K/V in place
+#: instead of gathering them (a 32k-token prompt's 2,048-token chunks re-read every earlier
+#: token's K/V otherwise).
+RUN_BLOCKS = 32
 
 
 class Scheduler:
@@ -286,6 +292,10 @@ class Scheduler:
             for kind, table in tables.items():
                 self.groups[kind].release(table)
             return False
+        if hit < self.block_size:  # all its blocks new: as one run of ids, read in place
+            for k, n in need.items():
+                if k.window is None and n >= RUN_BLOCKS:
+                    ready_run(self.groups[k].blocks, n)
         req.tables = tables
         req.cursor = match.cursor if match else Cursor()
         if self.recurrent:
