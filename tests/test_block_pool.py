@@ -423,12 +423,13 @@ class BlockPoolMachine(RuleBasedStateMachine):
         assert self.pool.num_cached == before[2]  # nothing evicted
         assert self.pool.can_allocate(n) or not self.growable
 
-    @rule(n=st.integers(0, 8))
-    def ready_run(self, n):
+    @rule(n=st.integers(0, 8), least=st.sampled_from([1, 4]))
+    def ready_run(self, n, least):
         """Evict until n are free (never grow), then the first run of n consecutive free
-        ids (else the run at the pool's end, else the first longest) heads the free list."""
+        ids (else the run at the pool's end, else the first longest) heads the free list;
+        fewer than ``least``: nothing."""
         evicted = []
-        if n > 0 and (self.growable or n <= len(self.free) + len(self.cached)):
+        if n >= least and (self.growable or n <= len(self.free) + len(self.cached)):
             while len(self.free) < n and self.cached:
                 b = self.cached.pop(0)
                 self.parked.discard(b)
@@ -452,7 +453,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
                     head = list(self.free)[:n]
                     assert head == list(range(head[0], head[0] + n))
         self.evicted.clear()
-        ready_run(self.pool, n)
+        ready_run(self.pool, n, least)
         assert self.evicted == evicted
         assert list(self.pool._free) == list(self.free)
 

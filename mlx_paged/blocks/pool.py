@@ -303,15 +303,23 @@ class BlockPool:
             raise ValueError(f"block id {block_id} is outside the pool (0..{self.capacity - 1}).")
 
 
-def ready_run(pool: BlockPool, n: int) -> None:
+#: Fewest blocks ``ready_run`` readies as one run: a prompt shorter than this reads few
+#: earlier tokens' K/V, and the sort is not worth it.
+RUN_BLOCKS = 32
+
+
+def ready_run(pool: BlockPool, n: int, least: int = RUN_BLOCKS) -> None:
     """Ready ``n`` blocks for one sequence's coming allocations as one run of consecutive
     ids where the free ids allow: evict cached blocks until ``n`` are free (or none is
     left: a growable pool grows later, in ``allocate``, with the ids after its last), then
     put the first run of ``n`` consecutive free ids (else the one that reaches the pool's
     end, else the longest) at the head of the free list, the rest after it in order. A
     sequence whose blocks are consecutive ids reads its K/V in place (``KVPool.run_view``).
-    Best effort: allocations in between take ids from the same head."""
-    if n <= 0 or (not pool.growable and n > pool.num_available):
+    Best effort: allocations in between take ids from the same head. Admission readies a
+    new prompt's blocks so: its prefill chunks then read its K/V in place instead of
+    gathering every earlier token's (a 32k-token prompt's 2,048-token chunks re-read them).
+    Fewer than ``least`` are left as they are."""
+    if n < max(1, least) or (not pool.growable and n > pool.num_available):
         return
     while len(pool._free) < n and pool._cached:
         pool._evict_one()

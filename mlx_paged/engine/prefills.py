@@ -1,9 +1,11 @@
-"""How a prefill is cut into forwards: chunks of one long prompt, and batches of short ones."""
+"""How a prefill is cut into forwards (chunks of one long prompt, batches of short ones), and
+the blocks it takes."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
+from ..blocks import BlockTable, BlockTables, LayerKind
 from .request import Prefill, Request
 
 #: The most of a batched prefill's tokens that may be padding.
@@ -56,3 +58,22 @@ def prefill_steps(start: int, end: int, chunk: int, cuts: frozenset[int]) -> lis
             steps.append(min(chunk, stop - pos))
             pos += steps[-1]
     return steps
+
+
+def blocks_to_write(
+    group: BlockTables, kind: LayerKind, table: BlockTable, start: int, end: int, step: int
+) -> int:
+    """Blocks a prefill of ``[start, end)`` in chunks of ``step`` tokens takes; a window
+    keeps only its last blocks."""
+    need = group.blocks_needed(table, start, end)
+    return min(need, peak_blocks(group, kind.window, min(step, end - start), end))
+
+
+def peak_blocks(group: BlockTables, window: int | None, chunk: int, total: int) -> int:
+    """Most blocks one sequence of ``total`` tokens holds at once while prefilling in
+    forwards of ``chunk`` tokens."""
+    bs = group.block_size
+    span = -(-total // bs) + 1
+    if window is None:  # a cold tier bounds the full-precision blocks too
+        return min(span, group.hot_span(chunk) or span)
+    return min(span, -(-(window + chunk) // bs) + 1)

@@ -40,7 +40,7 @@ from ..blocks import (
     TieredBlockPool,
     ready_run,
 )
-from .prefills import batched_prefills, prefill_steps
+from .prefills import batched_prefills, blocks_to_write, peak_blocks, prefill_steps
 from .recurrent import RecurrentStates
 from .request import EngineStats, Event, Prefill, Request
 
@@ -66,11 +66,6 @@ BATCH_TOKENS = 512
 #: scores to hold, and a burst of 32 x 64 tokens after a cached prefix took 0.46x the time
 #: of 512-token forwards at 1.3x-1.5x the peak memory (BENCHMARKS.md, run 321).
 KERNEL_BATCH_TOKENS = 2048
-#: Fewest new blocks of a prompt with no cached block that admission readies as one run
-#: of consecutive ids (``ready_run``): its prefill chunks then read its K/V in place
-#: instead of gathering them (a 32k-token prompt's 2,048-token chunks re-read every earlier
-#: token's K/V otherwise).
-RUN_BLOCKS = 32
 
 
 class Scheduler:
@@ -287,15 +282,17 @@ class Scheduler:
         tables = adopted_tables(self.groups, match)
         # Leave each running sequence (and this one) a block to decode into.
         headroom = len(self.running) + 1
-        need = {k: self._blocks_to_write(k, tables[k], hit, target) for k in self.kinds}
+        need = {
+            k: blocks_to_write(self.groups[k], k, tables[k], hit, target, self.prefill_step_size)
+            for k in self.kinds
+        }
         if not all(self.groups[k].blocks.can_allocate(n + headroom) for k, n in need.items()):
             for kind, table in tables.items():
                 self.groups[kind].release(table)
             return False
-        if hit < self.block_size:  # all its blocks new: as one run of ids, read in place
-            for k, n in need.items():
-                if k.window is None and n >= RUN_BLOCKS:
-                    ready_run(self.groups[k].blocks, n)
+        for k in self.kinds if hit < self.block_size else ():  # all new: one run of ids
+            if k.window is None:
+                ready_run(self.groups[k].blocks, need[k])
         req.tables = tables
         req.cursor = match.cursor if match else Cursor()
         if self.recurrent:
@@ -304,12 +301,6 @@ class Scheduler:
         if not req.generated:
             req.prefix_hit = hit
         return True
-
-    def _blocks_to_write(self, kind: LayerKind, table: BlockTable, start: int, end: int) -> int:
-        """Blocks a prefill of ``[start, end)`` takes; a window keeps only its last blocks."""
-        need = self.groups[kind].blocks_needed(table, start, end)
-        chunk = min(self.prefill_step_size, end - start)
-        return min(need, peak_blocks(self.groups[kind], kind.window, chunk, end))
 
     def _preempt(self, req: Request) -> None:
         """Park a running request's blocks and requeue it first; it resumes from the cache."""
@@ -390,13 +381,3 @@ def _pool_totals(pools: list[BlockPool]) -> dict[str, int]:
         "cold_bytes": sum(t.cold_bytes for t in tiers),
         "migrations": sum(t.migrations for t in tiers),
     }
-
-
-def peak_blocks(group: BlockTables, window: int | None, chunk: int, total: int) -> int:
-    """Most blocks one sequence of ``total`` tokens holds at once while prefilling in
-    forwards of ``chunk`` tokens."""
-    bs = group.block_size
-    span = -(-total // bs) + 1
-    if window is None:  # a cold tier bounds the full-precision blocks too
-        return min(span, group.hot_span(chunk) or span)
-    return min(span, -(-(window + chunk) // bs) + 1)
