@@ -108,6 +108,27 @@ def test_evicting_a_full_block_drops_its_subtree():
     index.check_invariants()
 
 
+def test_a_chain_deeper_than_pythons_recursion_limit_is_evicted_and_cleared():
+    n = 3000  # a 48k-token prompt at 16-token blocks
+    (pool,), index = make(num_blocks=n + 1)
+    a = write(pool, n * BS)
+    index.insert(list(range(n * BS)), [(0, a)])
+    pool.release(a[0])  # the root's block becomes the oldest cached one
+    pool.release_all(a[1:])
+    # Evicting the root's block drops the whole chain, the deepest block first.
+    assert pool.allocate(2) == [n, n - 1]
+    assert (pool.num_free, pool.num_cached, index.num_blocks) == (n - 1, 0, 0)
+    index.check_invariants()
+    pool.release_all([n, n - 1])
+    b = write(pool, n * BS)
+    index.insert(list(range(1, n * BS + 1)), [(0, b)])
+    pool.release_all(b)
+    index.clear()
+    assert (pool.num_free, pool.num_cached, index.num_blocks) == (n + 1, 0, 0)
+    assert index.match(list(range(1, n * BS + 1))) is None
+    index.check_invariants()
+
+
 def test_window_group_needs_only_the_blocks_in_the_window():
     pools, index = make(windows=(None, 6))
     full, win = pools

@@ -287,33 +287,52 @@ class PrefixIndex:
                 owner[new] = node
 
     def _remove(self, node: Node) -> None:
-        """Drop a node and its subtree, unparking what they hold."""
-        node.alive = False
-        for child in list(node.children.values()):
-            self._remove(child)
-        for g, b in enumerate(node.blocks):
-            if b is not None:
-                del self._owner[g][b]
-                node.blocks[g] = None
-                self.pools[g].unpark(b)
-        if node.snapshot is not None:
-            del self._snapshot_owner[node.snapshot]
-            self.states.drop(node.snapshot)
-            node.snapshot = None
+        """Drop a node and its subtree, unparking what they hold (each node after its
+        children, children in order), then prune its parent. A loop, not recursion: a
+        long prompt's chain is thousands of nodes deep."""
+        order, stack = [], [(node, False)]
+        while stack:
+            n, expanded = stack.pop()
+            if expanded:
+                order.append(n)
+                continue
+            n.alive = False
+            stack.append((n, True))
+            stack.extend((c, False) for c in reversed(list(n.children.values())))
+        for n in order:
+            n.children = {}
+            for g, b in enumerate(n.blocks):
+                if b is not None:
+                    del self._owner[g][b]
+                    n.blocks[g] = None
+                    self.pools[g].unpark(b)
+            if n.snapshot is not None:
+                del self._snapshot_owner[n.snapshot]
+                self.states.drop(n.snapshot)
+                n.snapshot = None
+        self._detach(node)
+
+    def _detach(self, node: Node) -> None:
+        """Unlink a dropped node from its parent, and prune the parent."""
         parent = node.parent
         if parent is not None and parent.children.get(node.key) is node:
             del parent.children[node.key]
             self._prune(parent)
 
     def _prune(self, node: Node) -> None:
-        """Remove a node that holds no block and leads nowhere."""
-        if (
+        """Remove a node that holds no block and leads nowhere, and so on up its parents."""
+        while (
             node is not self._root
             and not node.children
             and node.snapshot is None
             and all(b is None for b in node.blocks)
         ):
-            self._remove(node)
+            node.alive = False
+            parent = node.parent
+            if parent is None or parent.children.get(node.key) is not node:
+                return
+            del parent.children[node.key]
+            node = parent
 
 
 def spill_parked(index: PrefixIndex) -> None:
