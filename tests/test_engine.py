@@ -127,18 +127,28 @@ def test_suffixes_of_different_lengths_share_one_padded_forward(family, monkeypa
 
 @pytest.mark.parametrize("family", ["llama", "gemma3_text", "qwen3_5"])
 def test_rounded_forward_widths_still_match_solo(family, monkeypatch):
-    """With ``buckets`` (on for CUDA), every batched forward is padded to a ``token_bucket``
-    width, a lone suffix and a fresh prompt too; the tokens are unchanged."""
+    """With ``buckets`` (on for CUDA), every batched forward of one row is padded to a
+    ``token_bucket`` width, a lone suffix and a fresh prompt alike, and one of several rows
+    to its longest row; the tokens are unchanged."""
     prompts = mixed_prompts(2)
     late = [prompts[0][:29] + [3, 1, 4], [9] * 12]
     engine = PagedEngine(model_of(family), block_size=BS, max_batch_size=6, prefill_step_size=48)
     engine.scheduler.buckets = True
-    calls = record_forwards(engine, monkeypatch)
+    calls, forward = [], engine.runner.forward
+
+    def spy(reqs, n, logits=False, counts=None, wait=True):
+        calls.append((len(reqs), n, counts))
+        return forward(reqs, n, logits, counts, wait)
+
+    monkeypatch.setattr(engine.runner, "forward", spy)
     outputs = run_all(engine, prompts, late=late)
     for prompt, got in zip(prompts + late, outputs, strict=True):
         assert got == solo(family, tuple(prompt))
-    assert calls and all(n == token_bucket(n) and n % 16 == 0 for n, _ in calls), calls
-    assert any(counts and max(counts) < n for n, counts in calls), calls  # padded past rows
+    ones = [(n, counts) for b, n, counts in calls if b == 1]
+    assert ones and all(n == token_bucket(n) and n % 16 == 0 for n, _ in ones), calls
+    assert any(counts and max(counts) < n for n, counts in ones), calls  # padded past the row
+    rows = [(n, counts) for b, n, counts in calls if b > 1]
+    assert rows and all(n == max(counts or [n]) for n, counts in rows), calls
     assert engine.stats().live_blocks == 0
 
 

@@ -304,12 +304,15 @@ def test_token_buckets_are_40_widths_up_to_2048_with_at_most_an_eighth_of_paddin
         assert w - n < 16 if n <= 256 else (w - n) * 8 < n
 
 
-def test_bucketed_batches_pad_every_forward_to_its_bucket():
+def test_bucketed_batches_of_one_request_pad_each_forward_to_its_bucket():
     reqs = [request(uid, [uid + 1]) for uid in range(4)]
-    (work,) = batched_prefills([(reqs[0], [16, 3]), (reqs[1], [16, 5])], 256, buckets=True)
-    assert (work.steps, work.counts) == ([16, 16], ((16, 16), (3, 5)))
-    (work,) = batched_prefills([(reqs[2], [40]), (reqs[3], [40])], 256, buckets=True)
-    assert (work.steps, work.counts) == ([48], ((40, 40),))
+    (work,) = batched_prefills([(reqs[0], [16, 3])], 256, buckets=True)
+    assert (work.steps, work.counts) == ([16, 16], ((16,), (3,)))
+    (work,) = batched_prefills([(reqs[1], [40])], 256, buckets=True)
+    assert (work.steps, work.counts) == ([48], ((40,),))
+    # Several rows keep their longest row's width.
+    (work,) = batched_prefills([(reqs[2], [16, 3]), (reqs[3], [16, 5])], 256, buckets=True)
+    assert (work.steps, work.counts) == ([16, 5], ((16, 16), (3, 5)))
     # Rows already at a bucket's width need no counts.
     (work,) = batched_prefills([(reqs[0], [32])], 256, buckets=True)
     assert (work.steps, work.counts) == ([32], None)

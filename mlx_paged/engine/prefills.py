@@ -1,11 +1,12 @@
 """How a prefill is cut into forwards (chunks of one long prompt, batches of short ones), and
 the blocks it takes.
 
-On CUDA a batched forward's width is rounded up (``token_bucket``): each new count of
-rows times tokens is a new matrix shape, whose first matmuls cost cuBLAS about 3-4 ms
-of planning each (15-20 ms a forward, BENCHMARKS.md run 393), so a request whose
-suffix length the process had not seen paid that in its first token. Rounded, a
-forward of one row takes one of 40 widths up to 2,048 tokens, which the warm-up runs.
+On CUDA a batched forward of one row is padded to a width of 40 (``token_bucket``):
+each new count of tokens is a new matrix shape, whose first matmuls cuBLAS plans
+(3-4 ms each, BENCHMARKS.md run 393), so a request whose suffix length the process
+had not seen paid that in its first token. The warm-up runs each width. A forward of
+several rows keeps its longest row's width: its row count varies too, so the warm-up
+could not cover its shapes, and padding it would only add compute.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ def batched_prefills(
     right to the longest, at most ``budget`` tokens, padding included. Alike steps
     first, so that lengths alike share a batch; a batch takes no more padding than
     ``MAX_PADDING`` of its tokens (padding costs compute; each forward costs host time).
-    With ``buckets``, each forward's width is then rounded up (``token_bucket``).
+    With ``buckets``, a batch of one request has each forward's width rounded up
+    (``token_bucket``).
     """
     group: list[Request] = []
     rows: list[list[int]] = []
@@ -61,7 +63,8 @@ def batched_prefills(
 
 def _batch(group: list[Request], rows: list[list[int]], buckets: bool) -> Prefill:
     counts = tuple(zip(*rows, strict=True))
-    widths = [token_bucket(max(c)) if buckets else max(c) for c in counts]
+    bucket = buckets and len(group) == 1
+    widths = [token_bucket(max(c)) if bucket else max(c) for c in counts]
     if all(n == w for c, w in zip(counts, widths, strict=True) for n in c):  # nothing to pad
         return Prefill(group, widths, alone=False)
     return Prefill(group, widths, alone=False, counts=counts)

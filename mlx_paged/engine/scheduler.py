@@ -112,8 +112,8 @@ class Scheduler:
             assert states.num_slots >= max_batch_size, "fewer state slots than max_batch_size"
             self.recurrent = RecurrentStates(states, self.index, snapshot_interval)
         self.pads = self.recurrent is None or padded_states
-        #: Round batched forwards' widths up (``prefills.token_bucket``); the engine turns
-        #: it on where the GPU is a CUDA one.
+        #: Round one-row batched forwards' widths up (``prefills.token_bucket``); the engine
+        #: turns it on where the GPU is a CUDA one.
         self.buckets = False
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []

@@ -18,9 +18,9 @@ wide) and one burst whose suffixes fill a batched forward of about
 and attention, whose first use a real burst paid otherwise (2.6 s in a just-started
 machine's first server process, BENCHMARKS.md runs 331 and 334). On CUDA, one prompt
 of each width a batched forward of one row may take (``prefills.token_bucket``, up to
-``prefill_batch_tokens``): cuBLAS plans each new matmul shape on first use (15-20 ms
-a forward), and a request's suffix after a cached prefix comes in one of those
-widths. It then builds the decode kernel's binaries for the layouts longer contexts
+``prefill_batch_tokens``): cuBLAS plans each new matmul shape on first use (3-4 ms
+each, BENCHMARKS.md run 393), and a lone request's suffix after a cached prefix comes
+in one of those widths. It then builds the decode kernel's binaries for the layouts longer contexts
 launch (``kernels.prebuild_kernels``: the burst's contexts are short). Then it
 rehearses the disk tier's spill and load on one of their blocks (no file is
 written), drops the made-up blocks from the prefix index and zeroes the counters,
