@@ -18,7 +18,6 @@ from mlx_paged import PagedEngine, attention
 from mlx_paged.attention import routing
 from mlx_paged.attention.kernels.reference import reference_paged_decode, reference_paged_prefill
 from mlx_paged.engine import Event
-from mlx_paged.engine.prefills import token_bucket
 
 BS = 8
 MAX_TOKENS = 10
@@ -122,33 +121,6 @@ def test_suffixes_of_different_lengths_share_one_padded_forward(family, monkeypa
     assert not rest and width == max(counts) and len(set(counts)) == 3, calls
     for prompt, got in zip(prompts, outputs, strict=True):
         assert got == solo(family, tuple(prompt))
-    assert engine.stats().live_blocks == 0
-
-
-@pytest.mark.parametrize("family", ["llama", "gemma3_text", "qwen3_5"])
-def test_rounded_forward_widths_still_match_solo(family, monkeypatch):
-    """With ``buckets`` (on for CUDA), every batched forward of one row is padded to a
-    ``token_bucket`` width, a lone suffix and a fresh prompt alike, and one of several rows
-    to its longest row; the tokens are unchanged."""
-    prompts = mixed_prompts(2)
-    late = [prompts[0][:29] + [3, 1, 4], [9] * 12]
-    engine = PagedEngine(model_of(family), block_size=BS, max_batch_size=6, prefill_step_size=48)
-    engine.scheduler.buckets = True
-    calls, forward = [], engine.runner.forward
-
-    def spy(reqs, n, logits=False, counts=None, wait=True):
-        calls.append((len(reqs), n, counts))
-        return forward(reqs, n, logits, counts, wait)
-
-    monkeypatch.setattr(engine.runner, "forward", spy)
-    outputs = run_all(engine, prompts, late=late)
-    for prompt, got in zip(prompts + late, outputs, strict=True):
-        assert got == solo(family, tuple(prompt))
-    ones = [(n, counts) for b, n, counts in calls if b == 1]
-    assert ones and all(n == token_bucket(n) and n % 16 == 0 for n, _ in ones), calls
-    assert any(counts and max(counts) < n for n, counts in ones), calls  # padded past the row
-    rows = [(n, counts) for b, n, counts in calls if b > 1]
-    assert rows and all(n == max(counts or [n]) for n, counts in rows), calls
     assert engine.stats().live_blocks == 0
 
 
@@ -914,34 +886,6 @@ def test_warm_up_runs_a_full_prefill_chunk_and_a_full_batched_forward():
     assert 40 - 4 < max(batched) <= 40, "a burst's suffixes fill one batched forward"
     engine.check_invariants()
     assert engine.stats().live_blocks == 0
-
-
-def test_warm_up_runs_a_one_row_forward_at_every_bucket_width_where_widths_round_up():
-    """With ``buckets`` (CUDA), a made-up prompt of each ``token_bucket`` width up to
-    ``prefill_batch_tokens``, alone in its forward; without, none of them."""
-    from mlx_paged.engine.warmup import warm_up
-
-    def widths(buckets: bool) -> set[int]:
-        engine = PagedEngine(
-            model_of("llama"), block_size=BS, max_batch_size=2, prefill_step_size=64,
-            prefill_batch_tokens=56,
-        )  # fmt: skip
-        engine.scheduler.buckets = buckets
-        runner, seen = engine.runner, set()
-        forward = runner.forward
-
-        def spy(reqs, n, logits=False, counts=None, wait=True):
-            if len(reqs) == 1 and counts is None:
-                seen.add(n)
-            return forward(reqs, n, logits, counts, wait)
-
-        runner.forward = spy
-        warm_up(engine)
-        assert engine.stats().live_blocks == engine.stats().cached_blocks == 0
-        return seen
-
-    assert widths(True) >= {16, 32, 48} and 64 not in widths(True)
-    assert not widths(False) & {16, 32, 48}
 
 
 def test_warm_up_leaves_out_a_long_prompt_the_pool_cannot_hold():

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mlx_paged.blocks import BlockTables, LayerKind
-from mlx_paged.engine.prefills import batched_prefills, token_bucket
+from mlx_paged.engine.prefills import batched_prefills
 from mlx_paged.engine.request import Prefill, Request
 from mlx_paged.engine.scheduler import Scheduler
 
@@ -291,31 +291,6 @@ def test_requests_of_several_steps_share_forwards_padded_step_by_step():
     # Each forward of a batch stays within the budget, padding included.
     works = batched_prefills(list(zip(reqs, steps, strict=True)), 20)
     assert [[r.uid for r in w.requests] for w in works] == [[0, 3], [1], [2], [4]]
-
-
-def test_token_buckets_are_40_widths_up_to_2048_with_at_most_an_eighth_of_padding_past_256():
-    widths = sorted({token_bucket(n) for n in range(1, 2049)})
-    assert widths[:17] == list(range(16, 257, 16)) + [288]
-    assert widths[-9:] == [1024, 1152, 1280, 1408, 1536, 1664, 1792, 1920, 2048]
-    assert len(widths) == 40
-    for n in range(1, 5000):
-        w = token_bucket(n)
-        assert w >= n and token_bucket(w) == w
-        assert w - n < 16 if n <= 256 else (w - n) * 8 < n
-
-
-def test_bucketed_batches_of_one_request_pad_each_forward_to_its_bucket():
-    reqs = [request(uid, [uid + 1]) for uid in range(4)]
-    (work,) = batched_prefills([(reqs[0], [16, 3])], 256, buckets=True)
-    assert (work.steps, work.counts) == ([16, 16], ((16,), (3,)))
-    (work,) = batched_prefills([(reqs[1], [40])], 256, buckets=True)
-    assert (work.steps, work.counts) == ([48], ((40,),))
-    # Several rows keep their longest row's width.
-    (work,) = batched_prefills([(reqs[2], [16, 3]), (reqs[3], [16, 5])], 256, buckets=True)
-    assert (work.steps, work.counts) == ([16, 5], ((16, 16), (3, 5)))
-    # Rows already at a bucket's width need no counts.
-    (work,) = batched_prefills([(reqs[0], [32])], 256, buckets=True)
-    assert (work.steps, work.counts) == ([32], None)
 
 
 @given(

@@ -26,7 +26,6 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..attention import route_attention
-from ..attention.kernels import backend_available
 from ..blocks import LayerKind, check_block_size
 from ..cache import PagedLayout, make_pools
 from ..storage import KVPool, StatePool, check_kv_dtype, check_kv_quant
@@ -166,7 +165,6 @@ class PagedEngine:
             prefill_batch_tokens,
             layout.padded_states,
         )
-        self.scheduler.buckets = backend_available("cuda")  # where matmuls plan per shape
         self.runner = ModelRunner(model, layout, pools, states)
         self.runner.compiled = CompiledDecode.of(self.runner, compile_decode)
         disk = (kv_disk_dir, kv_disk_bytes, model, pools, self.scheduler, group)

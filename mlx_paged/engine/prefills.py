@@ -1,13 +1,5 @@
 """How a prefill is cut into forwards (chunks of one long prompt, batches of short ones), and
-the blocks it takes.
-
-On CUDA a batched forward of one row is padded to a width of 40 (``token_bucket``):
-each new count of tokens is a new matrix shape, whose first matmuls cuBLAS plans
-(3-4 ms each, BENCHMARKS.md run 393), so a request whose suffix length the process
-had not seen paid that in its first token. The warm-up runs each width. A forward of
-several rows keeps its longest row's width: its row count varies too, so the warm-up
-could not cover its shapes, and padding it would only add compute.
-"""
+the blocks it takes."""
 
 from __future__ import annotations
 
@@ -16,34 +8,17 @@ from collections.abc import Iterator
 from ..blocks import BlockTable, BlockTables, LayerKind
 from .request import Prefill, Request
 
-#: The most of a batched prefill's tokens that may be padding (before ``token_bucket``).
+#: The most of a batched prefill's tokens that may be padding.
 MAX_PADDING = 0.25
-#: Widths up to this are rounded to a multiple of ``BUCKET_STEP``; wider ones to an
-#: eighth of the power of two below them (at most 12.5 % padding).
-FINE_BUCKETS = 256
-BUCKET_STEP = 16
 
 
-def token_bucket(n: int) -> int:
-    """The width a batched forward of rows of up to ``n`` tokens is padded to: 16, 32, ...,
-    256, then 288, 320, ..., 512, 576, ..., 1024, 1152, ... (8 widths an octave)."""
-    if n <= FINE_BUCKETS:
-        return max(1, -(-n // BUCKET_STEP)) * BUCKET_STEP
-    step = 1 << ((n - 1).bit_length() - 4)
-    return -(-n // step) * step
-
-
-def batched_prefills(
-    work: list[tuple[Request, list[int]]], budget: int, buckets: bool = False
-) -> Iterator[Prefill]:
+def batched_prefills(work: list[tuple[Request, list[int]]], budget: int) -> Iterator[Prefill]:
     """Batched forwards of requests, each with its own steps (all with as many), in order.
 
     Forward ``k`` of a batch runs every request's ``steps[k]`` tokens, padded on the
     right to the longest, at most ``budget`` tokens, padding included. Alike steps
     first, so that lengths alike share a batch; a batch takes no more padding than
     ``MAX_PADDING`` of its tokens (padding costs compute; each forward costs host time).
-    With ``buckets``, a batch of one request has each forward's width rounded up
-    (``token_bucket``).
     """
     group: list[Request] = []
     rows: list[list[int]] = []
@@ -53,21 +28,19 @@ def batched_prefills(
         padded = len(trial) * sum(widths)
         padding = padded - sum(map(sum, trial))
         if group and (len(trial) * max(widths) > budget or padding > MAX_PADDING * padded):
-            yield _batch(group, rows, buckets)
+            yield _batch(group, rows)
             group, rows = [], []
         group.append(req)
         rows.append(steps)
     if group:
-        yield _batch(group, rows, buckets)
+        yield _batch(group, rows)
 
 
-def _batch(group: list[Request], rows: list[list[int]], buckets: bool) -> Prefill:
+def _batch(group: list[Request], rows: list[list[int]]) -> Prefill:
+    if all(r == rows[0] for r in rows):  # nothing to pad
+        return Prefill(group, list(rows[0]), alone=False)
     counts = tuple(zip(*rows, strict=True))
-    bucket = buckets and len(group) == 1
-    widths = [token_bucket(max(c)) if bucket else max(c) for c in counts]
-    if all(n == w for c, w in zip(counts, widths, strict=True) for n in c):  # nothing to pad
-        return Prefill(group, widths, alone=False)
-    return Prefill(group, widths, alone=False, counts=counts)
+    return Prefill(group, [max(c) for c in counts], alone=False, counts=counts)
 
 
 def prefill_steps(start: int, end: int, chunk: int, cuts: frozenset[int]) -> list[int]:

@@ -112,9 +112,6 @@ class Scheduler:
             assert states.num_slots >= max_batch_size, "fewer state slots than max_batch_size"
             self.recurrent = RecurrentStates(states, self.index, snapshot_interval)
         self.pads = self.recurrent is None or padded_states
-        #: Round one-row batched forwards' widths up (``prefills.token_bucket``); the engine
-        #: turns it on where the GPU is a CUDA one.
-        self.buckets = False
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.counters, self.disk = dict.fromkeys(COUNTERS, 0), None  # disk: a DiskTier
@@ -178,7 +175,7 @@ class Scheduler:
             _note_peak(self.counters, self.groups)
         assert self.running or not self.waiting, "an idle pool cannot take the next request"
         for work in batched.values():
-            yield from batched_prefills(work, self.prefill_batch_tokens, self.buckets and self.pads)
+            yield from batched_prefills(work, self.prefill_batch_tokens)
 
     def index_written(self, req: Request) -> None:
         """Index the full blocks ``req`` has written, so running requests can share them,

@@ -16,12 +16,10 @@ longer than a prefill chunk (prefilled alone, its first chunk ``prefill_step_siz
 wide) and one burst whose suffixes fill a batched forward of about
 ``prefill_batch_tokens``: the shapes of a long prompt's and a large burst's matmuls
 and attention, whose first use a real burst paid otherwise (2.6 s in a just-started
-machine's first server process, BENCHMARKS.md runs 331 and 334). On CUDA, one prompt
-of each width a batched forward of one row may take (``prefills.token_bucket``, up to
-``prefill_batch_tokens``): cuBLAS plans each new matmul shape on first use (3-4 ms
-each, BENCHMARKS.md run 393), and a lone request's suffix after a cached prefix comes
-in one of those widths. It then builds the decode kernel's binaries for the layouts longer contexts
-launch (``kernels.prebuild_kernels``: the burst's contexts are short). Then it
+machine's first server process, BENCHMARKS.md runs 331 and 334). On CUDA it then builds
+the decode kernel's binaries
+for the layouts longer contexts launch (``kernels.prebuild_kernels``: the burst's
+contexts are short). Then it
 rehearses the disk tier's spill and load on one of their blocks (no file is
 written), drops the made-up blocks from the prefix index and zeroes the counters,
 the step clock and the compiled step count (not its traces). The disk tier stays
@@ -38,7 +36,6 @@ from contextlib import contextmanager
 
 from ..attention.kernels import prebuild_kernels
 from .engine import PagedEngine
-from .prefills import token_bucket
 from .request import Sampler
 from .scheduler import COUNTERS
 
@@ -64,8 +61,6 @@ def warm_up(
     with _without_disk(engine):
         _bursts(engine, sizes, hybrid, batch_sizes is None, sampler)
         _wide_forwards(engine, engine.vocab_size or 256)
-        if engine.scheduler.buckets:
-            _bucket_forwards(engine, engine.vocab_size or 256)
     prebuild_kernels()
     if engine.disk is not None:
         engine.disk.rehearse()
@@ -122,15 +117,6 @@ def _wide_forwards(engine: PagedEngine, vocab: int) -> None:
     _run(
         engine, [prefix + [(13 * i + 5 * j + 1) % vocab for j in range(width)] for i in range(most)]
     )
-
-
-def _bucket_forwards(engine: PagedEngine, vocab: int) -> None:
-    """A made-up prompt of each width ``token_bucket`` gives, up to ``prefill_batch_tokens``,
-    one at a time: one batched forward of one row each."""
-    widths = sorted({token_bucket(n) for n in range(1, engine.scheduler.prefill_batch_tokens + 1)})
-    for w in widths:
-        if w <= engine.scheduler.prefill_batch_tokens:
-            _run(engine, [[(vocab - 4 - 3 * w - 13 * j) % vocab for j in range(w)]])
 
 
 def _run(engine: PagedEngine, prompts: list[list[int]]) -> None:
