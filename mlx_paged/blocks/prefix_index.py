@@ -41,6 +41,7 @@ from .trie import (
     first_needed,
     node_at,
     node_tokens,
+    post_order,
     walk,
 )
 
@@ -287,20 +288,10 @@ class PrefixIndex:
                 owner[new] = node
 
     def _remove(self, node: Node) -> None:
-        """Drop a node and its subtree, unparking what they hold (each node after its
-        children, children in order), then prune its parent. A loop, not recursion: a
-        long prompt's chain is thousands of nodes deep."""
-        order, stack = [], [(node, False)]
-        while stack:
-            n, expanded = stack.pop()
-            if expanded:
-                order.append(n)
-                continue
-            n.alive = False
-            stack.append((n, True))
-            stack.extend((c, False) for c in reversed(list(n.children.values())))
-        for n in order:
-            n.children = {}
+        """Drop a node and its subtree, each node's blocks unparked after its children's,
+        then prune its parents."""
+        for n in post_order(node):
+            n.alive, n.children = False, {}
             for g, b in enumerate(n.blocks):
                 if b is not None:
                     del self._owner[g][b]
@@ -310,29 +301,21 @@ class PrefixIndex:
                 del self._snapshot_owner[n.snapshot]
                 self.states.drop(n.snapshot)
                 n.snapshot = None
-        self._detach(node)
-
-    def _detach(self, node: Node) -> None:
-        """Unlink a dropped node from its parent, and prune the parent."""
-        parent = node.parent
-        if parent is not None and parent.children.get(node.key) is node:
-            del parent.children[node.key]
-            self._prune(parent)
+        self._prune(node)
 
     def _prune(self, node: Node) -> None:
-        """Remove a node that holds no block and leads nowhere, and so on up its parents."""
-        while (
-            node is not self._root
-            and not node.children
-            and node.snapshot is None
-            and all(b is None for b in node.blocks)
-        ):
-            node.alive = False
-            parent = node.parent
+        """Remove a node that holds nothing and leads nowhere, and so on up its parents."""
+        while node is not self._root and not node.children and _empty(node):
+            node.alive, parent = False, node.parent
             if parent is None or parent.children.get(node.key) is not node:
                 return
             del parent.children[node.key]
             node = parent
+
+
+def _empty(node: Node) -> bool:
+    """Whether ``node`` holds no block and no snapshot."""
+    return node.snapshot is None and all(b is None for b in node.blocks)
 
 
 def spill_parked(index: PrefixIndex) -> None:

@@ -57,6 +57,20 @@ def first_needed(window: int | None, length: int, bs: int) -> int:
     return 0 if window is None else max(0, length - window + 1) // bs
 
 
+def post_order(node: Node) -> list[Node]:
+    """``node``'s subtree, each node after its children (in order). A loop, not recursion:
+    a long prompt's chain is thousands of nodes deep."""
+    order, stack = [], [(node, False)]
+    while stack:
+        n, expanded = stack.pop()
+        if expanded:
+            order.append(n)
+        else:
+            stack.append((n, True))
+            stack.extend((c, False) for c in reversed(list(n.children.values())))
+    return order
+
+
 def node_tokens(node: Node) -> list[int]:
     """The tokens from the root through ``node`` (its blocks' keys gathered, then joined
     once: prepending each would move the whole list per block)."""
