@@ -88,6 +88,9 @@ class Server:
         ratio = f" ({seconds / recompute:.3f}x the recompute)" if recompute else ""
         hits = ("mlx_paged_kv_disk_hit_tokens_total", "mlx_paged_kv_disk_preload_hits_total")
         disk = ", ".join(f"{k[18:]}={after[k]:.0f}" for k in hits if k in after)
+        load = "mlx_paged_kv_disk_load_seconds_total"
+        if load in after:
+            disk += f", the load {1e3 * (after[load] - before.get(load, 0.0)):.1f} ms"
         print(
             f"{name}: {seconds:.3f} s{ratio}, {cached} cached tokens, ready after "
             f"{self.ready_s:.1f} s; {disk}; {phases(before, after)}",

@@ -577,6 +577,37 @@ def test_an_idle_engine_loads_a_whole_prompt_at_once(tmp_path):
     assert engine.stats().disk_hit_tokens == 96 and any(e.uid == uid for e in events)
 
 
+def test_a_loads_upkeep_waits_until_the_steps_first_tokens_are_out(tmp_path, monkeypatch):
+    """Marking the loaded files used, closing them and giving the preload's memory back run
+    at the end of the step, after the first token the load was for: on their threads they
+    would otherwise contend with the prefill it serves."""
+    (a,) = prompts(15, 1)
+    first = PagedEngine(model_of("llama"), block_size=BS, kv_disk_dir=tmp_path, kv_disk_bytes=10**8)
+    run(first, a)
+    assert first.disk.spill_cached() == 5
+    engine = PagedEngine(tiny_model("llama"), block_size=BS, kv_disk_dir=tmp_path,
+                         kv_disk_bytes=10**8, kv_disk_preload_bytes=10**8)  # fmt: skip
+    tier = engine.disk
+    assert tier.preloaded.wait(30) and tier.preloaded.held_bytes > 0
+    seen: list[str] = []
+    for owner, name in ((tier.store, "used"), (tier.store, "close_files"),
+                        (tier.preloaded, "release")):  # fmt: skip
+        real = getattr(owner, name)
+
+        def spy(*args, _real=real, _name=name, **kwargs):
+            seen.append(_name)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, spy)
+    uid = engine.add_request(a, MAX_TOKENS)
+    engine.step(on_event=lambda e: seen.append("token") if e.uid == uid else None)
+    assert engine.stats().disk_hit_tokens == 40
+    assert seen == ["token", "used", "close_files", "release"]
+    assert tier._after == [] and tier.preloaded.held_bytes == 0
+    tier.store.flush()  # the marks are made on the store's thread
+    assert list(tier.store._index.files)[-1] == tier.store._index.locate(chain_keys(a, BS)[4])[0]
+
+
 # ---- sliding-window layers: a block's window K/V go with it while the group holds it ----
 
 SLIDING = ["gemma3_text", "gpt_oss"]

@@ -53,6 +53,7 @@ from ..storage.disk import DiskStore
 from ..storage.disk_entries import (
     STATE,
     block_parts,
+    by_tier,
     cache_layout,
     chain_keys,
     fingerprint,
@@ -62,7 +63,6 @@ from ..storage.disk_entries import (
     pool_arrays,
     run_blocks,
     state_parts,
-    tiers,
     to_host,
     write_blocks,
 )
@@ -148,11 +148,7 @@ def save_prefix(cache: list[Any], tokens: Sequence[int]) -> int:
     held = min(min(t.lengths) for t in tables)
     keys = chain_keys(tokens[: min(len(tokens), held)], bs)
     rows = [(key, [_block(t, i) for t in tables]) for i, key in enumerate(keys)]
-    by_tier: dict[tuple[bool | None, ...], list[tuple[str, list]]] = {}
-    for key, row in rows:
-        if key not in store:
-            by_tier.setdefault(tiers(row), []).append((key, row))
-    for cold, same in by_tier.items():
+    for cold, same in by_tier([(key, row) for key, row in rows if key not in store]).items():
         got = block_parts(disk.pools, cold, [row for _, row in same])
         if got is not None:
             store.put_many_later(list(zip([k for k, _ in same], to_host(*got), strict=True)))

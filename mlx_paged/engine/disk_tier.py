@@ -30,7 +30,9 @@ and prefix index:
   deepest snapshot on disk that ends within the loaded blocks comes back with the
   last part, since a prefix is adopted only up to a snapshot. With ``preload``, the
   newest entries are read into host memory as the tier opens, and a run they hold is
-  taken from there instead of read (``storage/preload.py``).
+  taken from there instead of read (``storage/preload.py``). A load's upkeep (its files
+  marked used and closed, the preload's memory given back) waits for the end of the
+  engine's step (``after_step``), after the first tokens it was for.
 
 Keys chain the prefix's blocks: a block's key hashes its parent's key and its own
 tokens, so one key names the whole prefix. The store's fingerprint names the
@@ -45,7 +47,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import cached_property, partial
 from itertools import count
@@ -60,13 +62,13 @@ from ..storage.disk import DiskStore
 from ..storage.disk_entries import (
     STATE,
     block_parts,
+    by_tier,
     cache_layout,
     chain_keys,
     fingerprint,
     make_room,
     new_blocks,
     state_parts,
-    tiers,
     to_host,
     write_blocks,
 )
@@ -142,6 +144,7 @@ class DiskTier:
         self._spills, self._loads = KeyChain(self.block_size), KeyChain(self.block_size)
         self._ahead: tuple[str, int, Future] | None = None  # (first key, entries, their read)
         self._last_read: Future | None = None  # the read asked for last (``_read``)
+        self._after: list[Callable[[], object]] = []  # a load's upkeep, for ``after_step``
         self._size: int | None = None  # under a group: the entry size runs are planned by
         # Most blocks a step loads while others run, and most bytes of them.
         self.step_blocks, self.step_bytes = STEP_BLOCKS, STEP_BYTES
@@ -189,9 +192,8 @@ class DiskTier:
         found = [(self._spills.key(tokens), blocks, snap) for tokens, blocks, snap in cached]
         for lo in range(0, len(found), SPILL_BATCH):
             self._spill([(key, blocks) for key, blocks, _ in found[lo : lo + SPILL_BATCH]])
-        for key, _, snapshot in found:
-            if snapshot is not None:
-                self._spill_state(key, snapshot)
+        for key, snapshot in [(key, snap) for key, _, snap in found if snap is not None]:
+            self._spill_state(key, snapshot)
         self.store.flush()
         return self.store.counts["writes"] - before
 
@@ -219,15 +221,11 @@ class DiskTier:
         if not items or not self.store.enabled:
             return
         start = time.perf_counter()
-        by_tier: dict[tuple[bool, ...], list[tuple[str, list[int]]]] = {}
-        for key, blocks in items:
-            by_tier.setdefault(tiers(blocks), []).append((key, blocks))
-        for cold, same in by_tier.items():
+        for cold, same in by_tier(items).items():
             got = block_parts(self.pools, cold, [blocks for _, blocks in same])
             if got is None:
                 return  # a layer never written: nothing to keep
-            keys = [key for key, _ in same]
-            self.store.put_many_later(list(zip(keys, to_host(*got), strict=True)))
+            self.store.put_many_later(list(zip([k for k, _ in same], to_host(*got), strict=True)))
         self.seconds["write"] += time.perf_counter() - start
 
     def _spill_state(self, key: str, snapshot: int) -> None:
@@ -253,11 +251,17 @@ class DiskTier:
         if self.states is not None and not more:
             load_snapshot(self.store, self.states, self.scheduler.index, self.ranks, tokens, keys)
         if not more:
-            self.store.close_files()
+            self._after.append(self.store.close_files)
             if self.preloaded is not None:  # once loads asked for all it read (maybe later)
-                self.preloaded.release()
+                self._after.append(self.preloaded.release)
         self.seconds["load"] += time.perf_counter() - start
         return loaded, more
+
+    def after_step(self) -> None:
+        """Run the upkeep this step's loads left, once the step's first tokens are out."""
+        jobs, self._after = self._after, []
+        for job in jobs:
+            job()
 
     def _load(self, tokens: Sequence[int], keys: list[str], busy: bool) -> tuple[int, bool]:
         bs, index, groups = self.block_size, self.scheduler.index, self.scheduler.groups
@@ -315,7 +319,7 @@ class DiskTier:
                     write_blocks(self.pools[g], g, ids[g], arrays, cold[g])
             writes.start(len(run), ok)
         if end > start:
-            self.store.used(keys[: (end - start) // bs])
+            self._after.append(partial(self.store.used, keys[: (end - start) // bs]))
             for table in tables.values():
                 table.lengths[:] = [end] * len(table.lengths)
             spans = [(tables[k].first, tables[k].blocks) for k in kinds]
@@ -349,10 +353,9 @@ class DiskTier:
         """Entries from ``key`` on that make a run, or a step's load: ``blocks`` (``LOAD_BATCH``),
         fewer where they pass ``most`` bytes (``LOAD_BYTES``); one at least. Ranks plan a
         load's runs by the size they agreed on for its first entry."""
-        blocks = LOAD_BATCH if blocks is None else blocks
-        most = LOAD_BYTES if most is None else most
         size = self._size if self.ranks.group is not None else self.store.size(key)
-        return max(1, min(blocks, most // (size or 1)))
+        most = (LOAD_BYTES if most is None else most) // (size or 1)
+        return max(1, min(LOAD_BATCH if blocks is None else blocks, most))
 
     def _read(self, keys: list[str], i: int) -> Future:
         """``read_run(keys)`` into buffer ``i``, or the run ``preloaded`` holds; a bad file
@@ -360,8 +363,7 @@ class DiskTier:
         if self.preloaded is not None and (done := self.preloaded.future(keys)) is not None:
             return done
         last, out = self._last_read, partial(self.staging.buffer, i)
-        payloads = not in_mlx()
-        self._last_read = self._reader.submit(self.store.read_run, keys, out, payloads, last)
+        self._last_read = self._reader.submit(self.store.read_run, keys, out, not in_mlx(), last)
         return self._last_read
 
 

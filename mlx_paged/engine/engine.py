@@ -280,6 +280,8 @@ class PagedEngine:
             self.decoder.in_flight = None  # every request it carried has ended
         if not self.scheduler.running:
             self.runner.masks.wait()  # idle: every constraint has seen its last token
+        if self.disk is not None:
+            self.disk.after_step()
         return events
 
     def stream(self) -> Iterator[Event]:

@@ -79,6 +79,14 @@ def tiers(blocks: Sequence[int | None]) -> tuple[bool | None, ...]:
     return tuple(None if b is None else is_cold(b) for b in blocks)
 
 
+def by_tier(items: Sequence[tuple[str, list[int]]]) -> dict[tuple, list[tuple[str, list[int]]]]:
+    """``(key, block per group)`` items grouped by their blocks' ``tiers``, in order."""
+    groups: dict[tuple, list[tuple[str, list[int]]]] = {}
+    for key, blocks in items:
+        groups.setdefault(tiers(blocks), []).append((key, blocks))
+    return groups
+
+
 def new_blocks(
     pool: KVPool, table: BlockTable, at: int, n: int, cold: bool | None
 ) -> list[int] | None:
