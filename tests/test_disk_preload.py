@@ -16,7 +16,7 @@ from tiny_models import model_of
 from mlx_paged import PagedEngine
 from mlx_paged.engine import disk_tier
 from mlx_paged.engine.disk_tier import chain_keys
-from mlx_paged.storage import disk, preload
+from mlx_paged.storage import disk, disk_entries, preload
 from mlx_paged.storage.preload import Preload
 
 
@@ -149,7 +149,7 @@ def test_a_load_that_begins_inside_a_chunk_takes_the_rows_from_there(tmp_path, m
     assert second.disk.preloaded._runs == []
 
 
-@pytest.mark.parametrize("in_mlx", [True, False])  # payloads checked in MLX, or on the host
+@pytest.mark.parametrize("in_mlx", [True, False])  # loads check payloads in MLX, or on the host
 def test_a_damaged_entry_is_never_loaded_from_a_preload(tmp_path, monkeypatch, in_mlx):
     monkeypatch.setattr(disk_tier, "CHECK_IN_MLX", in_mlx)
     (a,) = prompts(4, 1)
@@ -161,14 +161,29 @@ def test_a_damaged_entry_is_never_loaded_from_a_preload(tmp_path, monkeypatch, i
     second = engine(tmp_path, preload=10**7)
     pre = second.disk.preloaded
     assert pre.wait(30)
-    # Checked on the host, the preload stops at the bad entry and deletes its pack; in
-    # MLX, the load finds it and deletes the pack then.
-    assert pre.entries == (5 if in_mlx else 2) and path.exists() == in_mlx
+    # Wherever loads check, the preload checks the sums as it reads: it stops at the bad
+    # entry and deletes its pack (which held all five) before any request.
+    assert pre.entries == 2 and not path.exists()
     got = run(second, a)
     assert got[0] == expected[0] and np.allclose(got[1], expected[1], atol=1e-5, rtol=0)
-    assert second.stats().disk_hit_tokens == (2 * BS if in_mlx else 0)
-    assert not path.exists()
+    assert second.stats().disk_hit_tokens == 0
     assert pre._runs == []  # the store has none of the rest: nothing left to hold them for
+
+
+@pytest.mark.parametrize("preloaded", [True, False])
+def test_runs_taken_from_a_preload_are_not_checked_again_in_mlx(tmp_path, monkeypatch, preloaded):
+    """Where loads check payloads in MLX (a GPU), a preloaded run was checked as it was
+    read: its load adds no check (and reads no flags back); a run read from disk does."""
+    monkeypatch.setattr(disk_tier, "CHECK_IN_MLX", True)
+    (a,) = prompts(7, 1)
+    expected = spilled(tmp_path, a)
+    second = engine(tmp_path, preload=10**7 if preloaded else 0)
+    assert not preloaded or second.disk.preloaded.wait(30)
+    checks, check = [], disk_entries.payload_ok
+    monkeypatch.setattr(disk_entries, "payload_ok", lambda *a: (checks.append(1), check(*a))[1])
+    got = run(second, a)
+    assert second.stats().disk_hit_tokens == 5 * BS and len(checks) == (0 if preloaded else 1)
+    assert got[0] == expected[0] and np.allclose(got[1], expected[1], atol=1e-6, rtol=0)
 
 
 def test_release_with_force_gives_the_memory_back_at_once(tmp_path):

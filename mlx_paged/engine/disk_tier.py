@@ -30,7 +30,8 @@ and prefix index:
   deepest snapshot on disk that ends within the loaded blocks comes back with the
   last part, since a prefix is adopted only up to a snapshot. With ``preload``, the
   newest entries are read into host memory as the tier opens, and a run they hold is
-  taken from there instead of read (``storage/preload.py``). A load's upkeep (its files
+  taken from there instead of read (``storage/preload.py``); its threads check the
+  sums as they read, wherever loads check them. A load's upkeep (its files
   marked used and closed, the preload's memory given back) waits for the end of the
   engine's step (``after_step``), after the first tokens it was for.
 
@@ -198,9 +199,9 @@ class DiskTier:
         return self.store.counts["writes"] - before
 
     def preload(self, max_bytes: int) -> Preload:
-        """Read the newest entries, up to ``max_bytes``, into host memory in the background
-        for loads to take (``storage/preload.py``); call it on the thread of MLX calls."""
-        self.preloaded = Preload(self.store, max_bytes, LOAD_BYTES, not in_mlx())
+        """Read and check the newest entries, up to ``max_bytes``, into host memory in the
+        background for loads to take (``storage/preload.py``); on the thread of MLX calls."""
+        self.preloaded = Preload(self.store, max_bytes, LOAD_BYTES, payloads=True)
         self._to_mlx = partial(self.preloaded.to_mlx, staging=self.staging)
         return self.preloaded
 

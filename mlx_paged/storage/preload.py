@@ -9,9 +9,11 @@ as soon as the store is open. A load asks it first (``take``): a run that lies
 in one of its chunks needs no read, only the copy into MLX.
 
 The entries are read as any run is (``DiskStore.read_run``: sizes, headers and,
-where the host checks them, the payloads' sums; a bad file is deleted and
-skipped), and a load checks the payloads of a run it takes as it checks one it
-reads (on a GPU, in MLX). A run is taken only for keys the store still has (the
+with ``payloads``, the payloads' sums; a bad file is deleted and skipped). The
+engine's disk tier has the payloads checked here, wherever its loads check them:
+the reads come before any request, so a run taken from here needs no check at
+load time, on a GPU neither the sums in MLX nor their flags read back to the host
+(BENCHMARKS.md, run 406). A run is taken only for keys the store still has (the
 caller asks the store first), and only for keys that follow each other in one
 chunk; ``cut`` ends a load's runs where chunks begin and end. ``release`` (after
 each load, and from an idle server's engine thread) gives every chunk back once loads
