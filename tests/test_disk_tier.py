@@ -430,7 +430,12 @@ def test_block_keys_reused_along_a_walk_equal_the_chain_of_each_prefix(tmp_path)
     walk = [trunk[: i * BS] for i in range(1, 7)] + [branch[: i * BS] for i in range(4, 7)]
     walk += [trunk[:BS], branch + [1] * (BS - 1), trunk[: 2 * BS + 3]]
     for tokens in walk:
-        assert engine.disk._spills.key(tokens) == chain_keys(tokens, BS)[-1]
+        keys = chain_keys(tokens, BS)
+        key, chain = engine.disk._spills.link(tokens)
+        n = len(tokens) // BS
+        assert key == keys[-1] and chain["tokens"].tolist() == tokens[(n - 1) * BS : n * BS]
+        parent = chain["parent"].tobytes().hex()
+        assert parent == (keys[-2] if n > 1 else "0" * 40)
 
 
 @settings(max_examples=60, deadline=None)

@@ -1003,6 +1003,7 @@ def test_server_temperature_applies_when_a_request_gives_none(tmp_path):
         (["--kv-memory", "lots"], "--kv-memory: 'lots' is not a memory size"),
         (["--kv-disk-preload-bytes", "1GB"], "--kv-disk-preload-bytes needs --kv-disk-dir"),
         (["--kv-disk-dir", "d", "--kv-disk-preload-bytes", "x"], "--kv-disk-preload-bytes: 'x'"),
+        (["--kv-disk-dir", "d", "--kv-disk-restore"], "--kv-disk-restore needs --kv-disk-preload"),
         (["--num-blocks", "8", "--kv-memory", "1GB"], "not allowed with argument"),
         (["--block-size", "0"], "--block-size must be a positive integer"),
         (["--max-queue", "-1"], "--max-queue must be a positive integer"),

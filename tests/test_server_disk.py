@@ -30,9 +30,11 @@ def test_a_restarted_server_answers_from_disk_and_survives_bad_files(tmp_path):
     files = sorted(disk.glob("*.kv*"))  # entry files, and packs of several
     assert files, first.log_tail()
 
-    # Restarted with the newest entries read into memory as it starts: every one here.
+    # Restarted with the newest entries read into memory as it starts (every one here),
+    # kept there until a request loads them.
     preload = ("--kv-disk-preload-bytes", "1GB")
-    second = start_server(tmp_path, "second", "--kv-disk-dir", str(disk), *preload, *FLAGS)
+    kept = (*preload, "--no-kv-disk-restore")
+    second = start_server(tmp_path, "second", "--kv-disk-dir", str(disk), *kept, *FLAGS)
     try:
         # Ready once the preload's thread holds them, not only started.
         assert "preloaded 6 disk-tier entries" in second.log_tail()
@@ -47,6 +49,22 @@ def test_a_restarted_server_answers_from_disk_and_survives_bad_files(tmp_path):
     finally:
         second.proc.kill()  # no shutdown: nothing more is written
         second.proc.wait()
+
+    # Restored: loaded into the pool before the server reports ready.
+    restored = start_server(tmp_path, "restored", "--kv-disk-dir", str(disk), *preload, *FLAGS)
+    try:
+        assert "restored 96 cached tokens (1 prefixes)" in restored.log_tail()
+        m = restored.metrics()
+        assert m["mlx_paged_kv_disk_restored_tokens_total"] == 96
+        assert m["mlx_paged_kv_disk_hits_total"] == m["mlx_paged_kv_disk_preload_hits_total"] == 6
+        assert m["mlx_paged_kv_disk_preloaded_bytes"] == 0  # in the pool now, not the host
+        assert ask(restored) == (text, 96)  # all 6 full blocks, from memory
+        m = restored.metrics()
+        assert m["mlx_paged_kv_disk_hit_tokens_total"] == 0  # no load at request time
+        assert m["mlx_paged_kv_disk_hits_total"] == 6
+    finally:
+        restored.proc.kill()
+        restored.proc.wait()
     for f in disk.glob("*.kv*"):  # every file damaged: flipped bytes or cut short
         data = bytearray(f.read_bytes())
         data[len(data) // 3] ^= 0x5A

@@ -26,6 +26,8 @@ from ..storage.disk_entries import (
     STATE,
     Entries,
     block_parts,
+    by_tier,
+    chain_arrays,
     chain_keys,
     host_state,
     pool_arrays,
@@ -76,9 +78,11 @@ class KeyChain:
         self._seen, self._keys = tokens, keys[:same] + chain_keys(tokens[same * bs :], bs, parent)
         return list(self._keys)
 
-    def key(self, tokens: Sequence[int]) -> str:
-        """The key of the last full block of ``tokens``."""
-        return self.keys(tokens)[-1]
+    def link(self, tokens: Sequence[int]) -> tuple[str, dict[str, np.ndarray]]:
+        """The key of the last full block of ``tokens``, and its entry's ``CHAIN`` arrays."""
+        keys, bs = self.keys(tokens), self.block_size
+        parent, n = keys[-2] if len(keys) > 1 else "", len(keys)
+        return keys[-1], chain_arrays(parent, tokens[(n - 1) * bs : n * bs])
 
 
 def pinned_tables(
@@ -114,6 +118,16 @@ def load_room(tokens: int, have: int, scheduler: Scheduler) -> int:
     loaded there stay parked (else taking them evicts and spills others)."""
     bs, recurrent = scheduler.block_size, scheduler.recurrent
     return -(-tokens // bs) - have + 1 + (recurrent.interval // bs if recurrent else 0)
+
+
+def restore_room(scheduler: Scheduler, prefixes: list[list[int]], keys: KeyChain) -> None:
+    """Grow each full-attention group's growable pool once, where it must, so that the
+    blocks of ``prefixes`` (each shared one once) fit beside the cached ones: loaded one
+    prefix after another, they would otherwise evict each other."""
+    blocks = len({key for tokens in prefixes for key in keys.keys(tokens)}) + 1
+    for kind in (k for k in scheduler.kinds if k.window is None):
+        group = scheduler.groups[kind]
+        group.make_room(blocks + group.blocks.num_cached)  # more than the free ones: grows
 
 
 def load_snapshot(
@@ -193,6 +207,29 @@ class Writes:
         mx.eval(ok, [a for p in self.pools for a in pool_arrays(p)])
         self.seconds["load_eval"] += time.perf_counter() - start
         return entries, leading(ok, entries)
+
+
+def spill_blocks(
+    store: DiskStore,
+    pools: list[KVPool],
+    items: list[tuple[str, list[int], dict[str, np.ndarray]]],
+    seconds: dict[str, float],
+) -> None:
+    """Read the blocks of ``(key, block per group, CHAIN arrays)`` items ``store`` lacks
+    out of ``pools``, one evaluation per tier, and queue them on the store's writer (which
+    packs the blocks of one tier that follow each other into one file). Adds the time
+    taken to ``seconds["write"]``."""
+    items = [item for item in items if item[0] not in store]
+    if not items or not store.enabled:
+        return
+    start = time.perf_counter()
+    for cold, same in by_tier(items).items():
+        got = block_parts(pools, cold, [blocks for _, blocks, _ in same])
+        if got is None:
+            return  # a layer never written: nothing to keep
+        rows = zip(same, to_host(*got), strict=True)
+        store.put_many_later([(key, row | chain) for (key, _, chain), row in rows])
+    seconds["write"] += time.perf_counter() - start
 
 
 def rehearse_load(

@@ -46,6 +46,7 @@ the first file that has them.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -62,8 +63,6 @@ from ..storage import KVPool
 from ..storage.disk import DiskStore
 from ..storage.disk_entries import (
     STATE,
-    block_parts,
-    by_tier,
     cache_layout,
     chain_keys,
     fingerprint,
@@ -87,12 +86,16 @@ from .disk_blocks import (
     parked,
     pinned_tables,
     rehearse_load,
+    restore_room,
+    spill_blocks,
     stage,
 )
 from .distributed import Ranks
 from .scheduler import Scheduler
 
 __all__ = ["DiskTier", "chain_keys"]
+
+logger = logging.getLogger("mlx_paged.disk")
 
 #: Blocks ``spill_cached`` reads out of the pools per evaluation.
 SPILL_BATCH = 256
@@ -151,6 +154,7 @@ class DiskTier:
         self.step_blocks, self.step_bytes = STEP_BLOCKS, STEP_BYTES
         self.staging = Staging(READS_AHEAD + 1)  # the host buffers runs are read into
         self.preloaded: Preload | None = None  # the newest entries, read at start (``preload``)
+        self.restored_tokens = 0  # of them loaded into the pools at start (``restore``)
         self._to_mlx = self.staging.to_mlx  # a run's rows into MLX
         scheduler.index.on_spill = self.spill
         scheduler.disk = self
@@ -180,8 +184,8 @@ class DiskTier:
     def spill(self, tokens: Sequence[int], blocks: Sequence[int], snapshot: int | None = None):
         """Write one full block (the last of ``tokens``) and the recurrent-state snapshot
         ending there, if any, unless the disk has them."""
-        key = self._spills.key(tokens)
-        self._spill([(key, list(blocks))])
+        key, chain = self._spills.link(tokens)
+        spill_blocks(self.store, self.pools, [(key, list(blocks), chain)], self.seconds)
         if snapshot is not None:
             self._spill_state(key, snapshot)
 
@@ -189,11 +193,11 @@ class DiskTier:
         """Write every parked full block (and snapshot) the disk lacks and wait for the
         writes; return how many files were written."""
         before = self.store.counts["writes"]
-        cached = parked(self.scheduler.index)
-        found = [(self._spills.key(tokens), blocks, snap) for tokens, blocks, snap in cached]
+        found = [(*self._spills.link(t), b, snap) for t, b, snap in parked(self.scheduler.index)]
         for lo in range(0, len(found), SPILL_BATCH):
-            self._spill([(key, blocks) for key, blocks, _ in found[lo : lo + SPILL_BATCH]])
-        for key, snapshot in [(key, snap) for key, _, snap in found if snap is not None]:
+            items = [(key, b, chain) for key, chain, b, _ in found[lo : lo + SPILL_BATCH]]
+            spill_blocks(self.store, self.pools, items, self.seconds)
+        for key, snapshot in [(key, snap) for key, _, _, snap in found if snap is not None]:
             self._spill_state(key, snapshot)
         self.store.flush()
         return self.store.counts["writes"] - before
@@ -205,6 +209,20 @@ class DiskTier:
         self._to_mlx = partial(self.preloaded.to_mlx, staging=self.staging)
         return self.preloaded
 
+    def restore(self) -> int:
+        """Wait for the preload, and load each prefix it holds whole into the pools as parked
+        blocks (as a load does), oldest first: a restart's first request for it then hits
+        memory. A sharded engine's ranks do not restore. Returns the tokens loaded."""
+        if self.preloaded is None or self.ranks.group is not None or not self.preloaded.wait():
+            return 0
+        start, prefixes = time.perf_counter(), self.preloaded.prefixes()
+        restore_room(self.scheduler, prefixes, self._loads)
+        self.restored_tokens += (loaded := sum(self.load(tokens)[0] for tokens in prefixes))
+        self.after_step()
+        logger.info("mlx_paged: restored %d cached tokens (%d prefixes) from disk in %.2f s",
+                    loaded, len(prefixes), time.perf_counter() - start)  # fmt: skip
+        return loaded
+
     def rehearse(self) -> bool:
         """Pin the staging buffers, start the threads, and run a spill's and a load's MLX work
         on a cached block (no file written) before a first load; whether there was one."""
@@ -213,21 +231,6 @@ class DiskTier:
         start_threads(self._reader, READS_AHEAD)
         load = (self.pools, self.windows, self.staging, self._copies)
         return rehearse_load(self.store.fingerprint, self.scheduler.index, *load)
-
-    def _spill(self, items: list[tuple[str, list[int]]]) -> None:
-        """Read the blocks of ``(key, block per group)`` items the disk lacks out of the
-        pools, one evaluation per tier, and queue them on the store's writer (which packs
-        the blocks of one tier that follow each other into one file)."""
-        items = [(key, blocks) for key, blocks in items if key not in self.store]
-        if not items or not self.store.enabled:
-            return
-        start = time.perf_counter()
-        for cold, same in by_tier(items).items():
-            got = block_parts(self.pools, cold, [blocks for _, blocks in same])
-            if got is None:
-                return  # a layer never written: nothing to keep
-            self.store.put_many_later(list(zip([k for k, _ in same], to_host(*got), strict=True)))
-        self.seconds["write"] += time.perf_counter() - start
 
     def _spill_state(self, key: str, snapshot: int) -> None:
         """Queue the file of a snapshot taken at the end of block ``key``."""

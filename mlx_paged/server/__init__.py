@@ -71,17 +71,21 @@ def build_parser() -> argparse.ArgumentParser:
         "restart too (with recurrent-state snapshots, cold blocks quantized; under "
         "mlx.launch, one subdirectory per rank).",
     )
-    p.add_argument(
-        "--kv-disk-bytes", default="50GB", help="Most bytes the --kv-disk-dir files take."
-    )
+    p.add_argument("--kv-disk-bytes", default="50GB", help="Most bytes of --kv-disk-dir files.")
     p.add_argument(
         "--kv-disk-preload-bytes",
         default=None,
         help="Read the newest --kv-disk-dir entries, up to this many bytes, into host memory "
-        "(pinned on CUDA) as the server starts, before it reports ready, so that a "
-        "restart's first loads of them need no reads; held until each was loaded once, "
-        "or 10 minutes. "
-        "Default: none.",
+        "(pinned on CUDA) before the server reports ready; held until each was loaded once, "
+        "or 10 minutes. Default: none.",
+    )
+    p.add_argument(
+        "--kv-disk-restore",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="Load the prefixes the preloaded entries hold into the KV pool before the "
+        "server reports ready: a restart answers them from memory (default with "
+        "--kv-disk-preload-bytes; --no-kv-disk-restore: a request loads them).",
     )
     p.add_argument("--max-batch-size", type=int, default=64, help="Most requests decoding at once.")
     p.add_argument(
@@ -220,6 +224,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
             parser.error(f"{flag}: {e}")
     if args.kv_disk_dir is None and args.kv_disk_preload_bytes is not None:
         parser.error("--kv-disk-preload-bytes needs --kv-disk-dir.")
+    if args.kv_disk_restore and args.kv_disk_preload_bytes is None:
+        parser.error("--kv-disk-restore needs --kv-disk-preload-bytes (what it restores).")
     bad = {
         "temp": args.temp is not None and not 0 <= args.temp <= 2,
         "top_p": args.top_p is not None and not 0 < args.top_p <= 1,
@@ -292,7 +298,9 @@ def loader(args: argparse.Namespace, group=None):
             log.info("mlx_paged: warming up at batch sizes up to %d", args.max_batch_size)
             log.info("mlx_paged: warmed up in %.2f s", warm_up(engine, sampler=sampler))
         if engine.disk is not None and engine.disk.preloaded is not None:
-            engine.disk.preloaded.wait()  # read beside the warm-up: ready once it holds them
+            # Read beside the warm-up: ready once it holds them (restored: the pool does).
+            disk = engine.disk
+            (disk.preloaded.wait if args.kv_disk_restore is False else disk.restore)()
         # What exists now lives as long as the server: out of the collector's generations,
         # a full collection no longer walks it (one took 60-90 ms in a load from disk).
         gc.collect()

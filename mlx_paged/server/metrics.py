@@ -107,6 +107,7 @@ class EngineCollector:
                 ("kv_disk_load_seconds", "Seconds loading from disk.", disk.seconds["load"]),
                 ("kv_disk_write_seconds", "Seconds writing to disk.", disk.seconds["write"]),
                 ("kv_disk_preload_hits", "Of those, blocks preloaded.", getattr(pre, "taken", 0)),
+                ("kv_disk_restored_tokens", "Tokens restored at start.", disk.restored_tokens),
             ):
                 yield CounterMetricFamily(f"mlx_paged_{name}", doc, value=value)
             doc = "Bytes of disk-tier entries the preload holds in host memory."

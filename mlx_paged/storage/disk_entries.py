@@ -6,6 +6,12 @@ for a full-precision block, and ``"{group}.{layer}.{k|v}{q|s|b}.{dtype}.{model
 dtype}"`` for the packed values, scales and biases of a quantized (cold) one. A
 recurrent-state snapshot is its own entry, ``"s.{layer}.{entry}.{dtype}"``. The
 host arrays hold bytes (their last axis counts bytes): numpy has no bfloat16.
+
+A block's entry also holds its place in its prefix (``CHAIN``): ``"parent"``, the
+key of the block before it (20 zero bytes for a prompt's first block), and
+``"tokens"``, its tokens (int64). A key hashes exactly these (``chain_keys``), so the
+prefixes a directory holds can be rebuilt from its entries and checked against
+their keys (``prefixes``) without any other record.
 """
 
 from __future__ import annotations
@@ -28,6 +34,11 @@ from .states import State
 
 #: What a snapshot's key adds to the key of the block it ends.
 STATE = "s"
+
+#: The arrays of a block's entry that place it in its prefix (the rest are its layers').
+CHAIN = ("parent", "tokens")
+#: Bytes of a key's hash (``chain_keys``).
+KEY_BYTES = 20
 
 #: Per ``(group, layer, name)``: an ``(n, bs, H, ...)`` array and the model's dtype.
 Entries = dict[tuple[int, int, str], tuple[mx.array, mx.Dtype]]
@@ -74,16 +85,71 @@ def chain_keys(tokens: Sequence[int], block_size: int, parent: str = "") -> list
     return keys
 
 
+def chain_arrays(parent: str, tokens: Sequence[int]) -> dict[str, np.ndarray]:
+    """A block entry's ``CHAIN`` arrays: its parent's key (``""`` for a prompt's first
+    block) and its ``tokens``."""
+    parent_bytes = bytes.fromhex(parent) if parent else bytes(KEY_BYTES)
+    return {
+        "parent": np.frombuffer(parent_bytes, dtype=np.uint8),
+        "tokens": np.asarray(tokens, dtype=np.int64),
+    }
+
+
+def run_links(keys: Sequence[str], run: Run) -> dict[str, tuple[str, list[int]]]:
+    """``{key: (parent key, tokens)}`` of a run's block entries (under ``keys``) whose
+    ``CHAIN`` arrays hash to their key; none for entries written without them."""
+    specs = {spec.name: spec for spec in run.specs}
+    if any(name not in specs for name in CHAIN):
+        return {}
+    p, t = (specs[name] for name in CHAIN)
+    if p.shape != (KEY_BYTES,) or len(t.shape) != 1 or np.dtype(t.dtype) != np.int64:
+        return {}
+    rows = run.data[:, run.payload :]
+    parents = rows[:, p.start : p.start + p.size]
+    tokens = np.ascontiguousarray(rows[:, t.start : t.start + t.size]).view("<i8")
+    links = {}
+    for key, parent_bytes, toks in zip(keys, parents, tokens.tolist(), strict=True):
+        parent = parent_bytes.tobytes().hex() if parent_bytes.any() else ""
+        if chain_keys(toks, len(toks), parent) == [key]:
+            links[key] = (parent, toks)
+    return links
+
+
+def prefixes(links: dict[str, tuple[str, list[int]]]) -> list[list[int]]:
+    """The token prefixes that ``links`` (``run_links``, in the order of their use) hold
+    whole, every block from a prompt's first: one per deepest block, oldest first."""
+    whole: dict[str, bool] = {"": True}
+    for key in links:
+        path = []
+        while key not in whole:  # up to a block known whole or not (or a missing one)
+            path.append(key)
+            key = links[key][0]
+            if key and key not in links:
+                whole[key] = False
+        for k in path:
+            whole[k] = whole[key]
+    parents = {links[k][0] for k in links if whole[k]}
+    out = []
+    for key in links:
+        if whole[key] and key not in parents:
+            blocks = []
+            while key:
+                key, tokens = links[key]
+                blocks.append(tokens)
+            out.append([t for tokens in reversed(blocks) for t in tokens])
+    return out
+
+
 def tiers(blocks: Sequence[int | None]) -> tuple[bool | None, ...]:
     """Per group: whether the block is cold, or ``None`` for none."""
     return tuple(None if b is None else is_cold(b) for b in blocks)
 
 
-def by_tier(items: Sequence[tuple[str, list[int]]]) -> dict[tuple, list[tuple[str, list[int]]]]:
-    """``(key, block per group)`` items grouped by their blocks' ``tiers``, in order."""
-    groups: dict[tuple, list[tuple[str, list[int]]]] = {}
-    for key, blocks in items:
-        groups.setdefault(tiers(blocks), []).append((key, blocks))
+def by_tier(items: Sequence[tuple]) -> dict[tuple, list[tuple]]:
+    """``(key, block per group, ...)`` items grouped by their blocks' ``tiers``, in order."""
+    groups: dict[tuple, list[tuple]] = {}
+    for item in items:
+        groups.setdefault(tiers(item[1]), []).append(item)
     return groups
 
 
@@ -166,7 +232,7 @@ def run_blocks(
     layout. The copy and the sums go on ``stream`` (default: the default stream); the
     entries are views of the copy, on the default stream."""
     parsed = {}
-    for spec in run.specs:
+    for spec in (spec for spec in run.specs if spec.name not in CHAIN):
         group, layer, which, dtype, model = spec.name.split(".")
         parsed[(int(group), int(layer), which)] = (spec, getattr(mx, dtype), getattr(mx, model))
     cold = [

@@ -35,7 +35,7 @@ import mlx.core as mx
 import numpy as np
 
 from .disk import DiskStore, Run
-from .disk_entries import STATE
+from .disk_entries import STATE, prefixes, run_links
 from .pinned import Staging
 
 logger = logging.getLogger("mlx_paged.disk")
@@ -146,6 +146,16 @@ class Preload:
                 return None
             self.taken += len(keys)
         return Run(run.data[lo : lo + len(keys)], run.specs, run.payload, run.checked)
+
+    def prefixes(self) -> list[list[int]]:
+        """The token prefixes that the entries read so far hold whole, every block from a
+        prompt's first (``disk_entries.prefixes``), oldest first."""
+        with self._lock:
+            runs = list(self._runs)
+        links: dict[str, tuple[str, list[int]]] = {}
+        for keys, run in runs:
+            links.update(run_links(keys, run))
+        return prefixes(links)
 
     def future(self, keys: Sequence[str]) -> Future | None:
         """``take(keys)`` as a done future (a read's), or ``None``."""
