@@ -10,9 +10,12 @@ prompt is ``--tokens`` random token ids.
 2. A server with ``--kv-disk-dir`` answers the prompt and is stopped with SIGTERM: its
    shutdown writes the cached blocks to the directory.
 3. ``--restarts`` times: a server on that directory answers the prompt as its first request
-   (plain), and, with ``--kv-disk-preload-bytes``, so does one that preloads. Each is
-   killed (SIGKILL), so the directory stays as the shutdown left it. The time each took to
-   report ready (load, warm-up and, preloading, the preload) is printed too.
+   (plain), and, with ``--kv-disk-preload-bytes``, so do one that preloads and keeps the
+   entries in host memory for the request to load (``--no-kv-disk-restore``), and one that
+   preloads and restores them into its pool before it reports ready (the default). Each
+   is killed (SIGKILL), so the directory stays as the shutdown left it. The time each took
+   to report ready (load, warm-up and, preloading, the preload and the restore) is
+   printed too, and a restore's tokens and seconds.
 
 Usage:
     python benchmarks/server_restart.py --model /root/l1b32 --tokens 32768 \\
@@ -89,6 +92,9 @@ class Server:
         hits = ("mlx_paged_kv_disk_hit_tokens_total", "mlx_paged_kv_disk_preload_hits_total")
         disk = ", ".join(f"{k[18:]}={after[k]:.0f}" for k in hits if k in after)
         load = "mlx_paged_kv_disk_load_seconds_total"
+        restored = "mlx_paged_kv_disk_restored_tokens_total"
+        if before.get(restored):
+            disk += f", {before[restored]:.0f} tokens restored in {before[load]:.3f} s"
         if load in after:
             disk += f", the load {1e3 * (after[load] - before.get(load, 0.0)):.1f} ms"
         print(
@@ -136,7 +142,9 @@ def main() -> None:
         preload = args.kv_disk_preload_bytes
         kinds = [("plain", [])]
         if preload:
-            kinds.append((f"preloaded {preload}", ["--kv-disk-preload-bytes", preload]))
+            flag = ["--kv-disk-preload-bytes", preload]
+            kinds.append((f"preloaded {preload}", [*flag, "--no-kv-disk-restore"]))
+            kinds.append((f"preloaded {preload} and restored", flag))
         for r in range(args.restarts):
             for name, extra in kinds:
                 server = Server(args, [*tier, *extra])
