@@ -88,9 +88,9 @@ class PagedEngine:
         kv_disk_preload_bytes: Read the newest entries on disk, up to this many bytes,
             into host memory (pinned on CUDA) in the background as the engine starts, so a
             restart's first loads of them need no reads (``DiskTier.preload``); 0: none.
-            The memory is held until every entry read was loaded once, or for
-            ``preload.HOLD_SECONDS`` (600) after the preload ends, at a load's end or when
-            an idle server's engine thread asks (``Preload.release``).
+            Held until every entry read was loaded once, or ``preload.HOLD_SECONDS`` (600)
+            after the preload ends (``Preload.release``). ``engine.disk.restore()`` loads
+            the prefixes they hold into the pool before a first request for them.
         state_snapshot_interval: For models with recurrent layers: a long prefill
             snapshots the recurrent state every this many tokens (a multiple of
             ``block_size``), so a later request sharing the prefix recomputes less than

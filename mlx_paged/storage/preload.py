@@ -13,7 +13,9 @@ with ``payloads``, the payloads' sums; a bad file is deleted and skipped). The
 engine's disk tier has the payloads checked here, wherever its loads check them:
 the reads come before any request, so a run taken from here needs no check at
 load time, on a GPU neither the sums in MLX nor their flags read back to the host
-(BENCHMARKS.md, run 406). A run is taken only for keys the store still has (the
+(in BENCHMARKS.md's run 406 a restart's time changed no more than its noise). A
+restore (``DiskTier.restore``) loads the prefixes the entries read hold whole
+(``prefixes``) into the pool at start. A run is taken only for keys the store still has (the
 caller asks the store first), and only for keys that follow each other in one
 chunk; ``cut`` ends a load's runs where chunks begin and end. ``release`` (after
 each load, and from an idle server's engine thread) gives every chunk back once loads
