@@ -279,11 +279,17 @@ def test_a_load_before_the_preload_is_done_reads_and_a_later_load_gives_the_memo
     assert pre._runs == [] and pre.staging._buffers == [None] * len(pre.staging)
 
 
-def test_a_hybrid_preloads_its_blocks_and_reads_its_snapshot(tmp_path, monkeypatch):
-    (a,) = prompts(9, 1)
-    first = hybrid_engine("qwen3_5", tmp_path)
+def hybrid_spilled(path, seed: int) -> tuple[list[int], tuple[list[int], list[float]]]:
+    """A prompt served by a Qwen3.5-shaped hybrid over ``path``, written, and its output."""
+    (a,) = prompts(seed, 1)
+    first = hybrid_engine("qwen3_5", path)
     expected = run(first, a)
     assert first.disk.spill_cached() == 5 + 3  # 5 blocks, 3 snapshots
+    return a, expected
+
+
+def test_a_hybrid_preloads_its_blocks_and_reads_its_snapshot(tmp_path, monkeypatch):
+    a, expected = hybrid_spilled(tmp_path, 9)
     second = hybrid_engine("qwen3_5", tmp_path, kv_disk_preload_bytes=10**7)
     pre = second.disk.preloaded
     assert pre.wait(30) and set(pre._where) == set(chain_keys(a, BS))  # no snapshot

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_disk_preload import counted_reads, engine, spilled
+from test_disk_preload import counted_reads, engine, hybrid_spilled, spilled
 from test_disk_tier import BS, COLD_KW, cold_model, hybrid_engine, prompts, run
 from tiny_models import VOCAB, model_of
 
@@ -136,10 +136,7 @@ def test_a_restore_takes_no_more_than_the_pool_holds(tmp_path):
 
 
 def test_a_hybrid_restore_loads_the_blocks_and_the_deepest_snapshot(tmp_path, monkeypatch):
-    (a,) = prompts(24, 1)
-    first = hybrid_engine("qwen3_5", tmp_path)
-    expected = run(first, a)
-    assert first.disk.spill_cached() == 5 + 3  # 5 blocks, 3 snapshots
+    a, expected = hybrid_spilled(tmp_path, 24)
     second = hybrid_engine("qwen3_5", tmp_path, kv_disk_preload_bytes=10**7)
     assert second.disk.restore() == 40
     reads = counted_reads(monkeypatch, second)
