@@ -130,6 +130,19 @@ def test_sharded_disk_tier_loads_what_every_rank_has(ranks, case):
         assert got["dirs"] == ["rank-0-of-2", "rank-1-of-2"]
 
 
+def test_sharded_ranks_restore_together_or_not_at_all(ranks):
+    # Engine 1 writes 7 full blocks (the prompt and 5 tokens fed back); engine 2 restores
+    # them on both ranks and answers from memory; with rank 1's files gone, engine 3's
+    # ranks find different prefixes and restore nothing, and load nothing either.
+    alone = ranks[0]["llama"]["alone"]["tokens"][0]
+    for rank in ranks:
+        got = rank["disk"]["restore"]
+        assert got["restored"] == [0, 28, 0]
+        assert got["disk_hit_tokens"] == [0, 0, 0]
+        assert got["prefix_hit_tokens"] == [0, 22, 0]  # every prompt token but the last
+        assert got["tokens"] == [alone] * 3
+
+
 def test_rank_zeros_inputs_reach_every_rank(ranks):
     assert ranks[0]["shared"] == ranks[1]["shared"]
     assert ranks[1]["shared"]["rank"] == 0

@@ -12,6 +12,7 @@ its own, and ``Writes`` keeps one run's pool writes in flight beside the next co
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable, Sequence
 
@@ -120,14 +121,26 @@ def load_room(tokens: int, have: int, scheduler: Scheduler) -> int:
     return -(-tokens // bs) - have + 1 + (recurrent.interval // bs if recurrent else 0)
 
 
-def restore_room(scheduler: Scheduler, prefixes: list[list[int]], keys: KeyChain) -> None:
-    """Grow each full-attention group's growable pool once, where it must, so that the
-    blocks of ``prefixes`` (each shared one once) fit beside the cached ones: loaded one
-    prefix after another, they would otherwise evict each other."""
+def restore_plan(
+    ranks: Ranks, scheduler: Scheduler, prefixes: list[list[int]], keys: KeyChain
+) -> list[list[int]]:
+    """The prefixes a restore loads: ``prefixes`` if every rank of a sharded engine found
+    the same ones (their loads, collectives, then come in one order), else none. Each
+    full-attention group's growable pool grows once, where it must, so that their blocks
+    (each shared one once) fit beside the cached ones: loaded one prefix after another,
+    they would otherwise evict each other."""
+    if ranks.group is not None:
+        digest = hashlib.blake2b(digest_size=8)
+        for tokens in prefixes:
+            digest.update(np.asarray([len(tokens), *tokens], dtype=np.int64).tobytes())
+        words = np.frombuffer(digest.digest(), dtype=np.int32)
+        rows = ranks.gather([len(prefixes), *(int(w) for w in words)])
+        prefixes = prefixes if all(row == rows[0] for row in rows) else []
     blocks = len({key for tokens in prefixes for key in keys.keys(tokens)}) + 1
     for kind in (k for k in scheduler.kinds if k.window is None):
         group = scheduler.groups[kind]
         group.make_room(blocks + group.blocks.num_cached)  # more than the free ones: grows
+    return prefixes
 
 
 def load_snapshot(

@@ -86,7 +86,7 @@ from .disk_blocks import (
     parked,
     pinned_tables,
     rehearse_load,
-    restore_room,
+    restore_plan,
     spill_blocks,
     stage,
 )
@@ -211,12 +211,12 @@ class DiskTier:
 
     def restore(self) -> int:
         """Wait for the preload, and load each prefix it holds whole into the pools as parked
-        blocks (as a load does), oldest first: a restart's first request for it then hits
-        memory. A sharded engine's ranks do not restore. Returns the tokens loaded."""
-        if self.preloaded is None or self.ranks.group is not None or not self.preloaded.wait():
+        blocks (as a load does), oldest first, so that a restart's first request for it hits
+        memory (a sharded engine's ranks: what all found, together). The tokens loaded."""
+        if self.preloaded is None or not self.preloaded.wait():
             return 0
         start, prefixes = time.perf_counter(), self.preloaded.prefixes()
-        restore_room(self.scheduler, prefixes, self._loads)
+        prefixes = restore_plan(self.ranks, self.scheduler, prefixes, self._loads)
         self.restored_tokens += (loaded := sum(self.load(tokens)[0] for tokens in prefixes))
         self.after_step()
         logger.info("mlx_paged: restored %d cached tokens (%d prefixes) from disk in %.2f s",

@@ -84,6 +84,33 @@ def restarts(family: str, group, root: Path, pipeline: bool = False, **tier) -> 
     return out
 
 
+def restores(group, root: Path) -> dict:
+    """Restores under ``group``, in three engines over one directory: the first writes every
+    cached block; the second, preloading, restores them on every rank; then rank 1's files
+    are deleted, so the ranks find different prefixes and the third restores none. Each
+    engine's tokens restored, greedy tokens, and disk and prefix hit tokens."""
+    prompt = PROMPTS[0]
+    out: dict = {"restored": [], "tokens": [], "disk_hit_tokens": [], "prefix_hit_tokens": []}
+    for i in range(3):
+        engine = PagedEngine(
+            shard_model(tiny_model("llama"), group), block_size=4, max_batch_size=4, group=group,
+            kv_disk_dir=root, kv_disk_bytes=10**8, kv_disk_preload_bytes=10**7 if i else 0,
+        )  # fmt: skip
+        out["restored"].append(engine.disk.restore())
+        out["tokens"].append(engine.generate([prompt], 6)[0])
+        stats = engine.stats()
+        out["disk_hit_tokens"].append(stats.disk_hit_tokens)
+        out["prefix_hit_tokens"].append(stats.prefix_hit_tokens)
+        engine.check_invariants()
+        if i == 0:
+            engine.disk.spill_cached()
+        if i == 1 and group.rank() == 1:
+            engine.disk.store.flush()
+            for path in engine.disk.store.path.iterdir():
+                path.unlink()
+    return out
+
+
 def main() -> None:
     out_dir = Path(sys.argv[1])
     group = mx.distributed.init()
@@ -119,6 +146,7 @@ def main() -> None:
         "mlx": restarts("llama", group, disk_root / "b", CHECK_IN_MLX=True),
         "runs of 2": restarts("llama", group, disk_root / "c", LOAD_BATCH=2),
         "qwen3_5-pipeline": restarts("qwen3_5", group, disk_root / "d", pipeline=True),
+        "restore": restores(group, disk_root / "e"),
     }
     # Rank 0's requests reach every rank.
     result["shared"] = share({"prompt": PROMPTS[0], "rank": group.rank()}, group)
