@@ -33,7 +33,8 @@ ones after ask the kernel to drop its page cache first
 restart pays the process's first-use work at the prompt's length. With
 ``--kv-disk-preload-bytes N`` each restart runs twice: as above, then with N bytes of the
 newest entries read into host memory as the engine starts (``kv_disk_preload_bytes``),
-waited for before the request.
+waited for before the request; with ``--restore`` too, a third time, with the prefixes those
+entries hold restored into the pool before the request (``DiskTier.restore``).
 
 ``--shape qwen3_5`` is the Qwen3.5-shaped hybrid of ``benchmarks/engine.py`` (about 1B
 parameters, three GatedDeltaNet layers to one of attention): its restarts load blocks and
@@ -179,10 +180,13 @@ def while_decoding(
             return now - start, gap, steps
 
 
-def restart(model, path: str, freeze: bool, preload: int = 0, **kw) -> PagedEngine:
+def restart(
+    model, path: str, freeze: bool, preload: int = 0, restore: bool = False, **kw
+) -> PagedEngine:
     """A new engine over ``path``, ready as a server's warm-up leaves it: its staging
     buffers made and pinned (``DiskTier.rehearse``), its ``preload`` bytes of entries read
-    (``kv_disk_preload_bytes``) and, with ``freeze``, every object so far out of the
+    (``kv_disk_preload_bytes``), with ``restore`` the prefixes they hold loaded into the
+    pool (``DiskTier.restore``) and, with ``freeze``, every object so far out of the
     garbage collector's generations (``gc.freeze``)."""
     gc.unfreeze()  # the last engine's objects can go
     gc.collect()
@@ -192,6 +196,11 @@ def restart(model, path: str, freeze: bool, preload: int = 0, **kw) -> PagedEngi
     engine.disk.rehearse()
     if preload:
         engine.disk.preloaded.wait()
+    if restore:
+        start = time.perf_counter()
+        engine.disk.restore()
+        seconds = engine.disk.seconds  # from here on, the request's load alone
+        seconds.update(dict.fromkeys(seconds, 0.0), restore=time.perf_counter() - start)
     if freeze:
         gc.collect()
         gc.freeze()
@@ -288,6 +297,12 @@ def main() -> None:
         "request (kv_disk_preload_bytes), after the same restart without",
     )
     ap.add_argument(
+        "--restore",
+        action="store_true",
+        help="with --kv-disk-preload-bytes, also time each restart with the preloaded "
+        "prefixes restored into the pool before the request (DiskTier.restore)",
+    )
+    ap.add_argument(
         "--no-gc-freeze",
         action="store_true",
         help="leave the objects made before a restart's request in the collector's "
@@ -364,10 +379,11 @@ def main() -> None:
             "into one reused buffer (as a load reads)",
             flush=True,
         )
-        preloads = [0] + ([args.kv_disk_preload_bytes] if args.kv_disk_preload_bytes else [])
-        for i, preload in ((i, p) for i in range(args.restarts) for p in preloads):
+        n = args.kv_disk_preload_bytes
+        kinds = [(0, False)] + [(n, False), (n, True)][: (n > 0) * (1 + args.restore)]
+        for i, (preload, restore) in ((i, k) for i in range(args.restarts) for k in kinds):
             dropped = drop_page_cache() if i >= 2 else False
-            restarted = restart(model, path, not args.no_gc_freeze, preload, **kw)
+            restarted = restart(model, path, not args.no_gc_freeze, preload, restore, **kw)
             pre = restarted.disk.preloaded
             disk = first_token(restarted, prompt)
             tier, phases = restarted.disk, restarted.clock.seconds
@@ -377,6 +393,11 @@ def main() -> None:
                 if pre
                 else ""
             )
+            if restore:
+                preloaded += (
+                    f"{restarted.disk.restored_tokens} tokens restored in "
+                    f"{restarted.disk.seconds['restore']:.3f} s before the request; "
+                )
             say(
                 f"{tag} restart {i + 1}: {preloaded}from disk {disk:.3f} s; "
                 f"admission {phases['admit']:.3f} s (the load in it), the first token's "
