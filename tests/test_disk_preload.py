@@ -279,9 +279,11 @@ def test_a_load_before_the_preload_is_done_reads_and_a_later_load_gives_the_memo
     assert pre._runs == [] and pre.staging._buffers == [None] * len(pre.staging)
 
 
-def hybrid_spilled(path, seed: int) -> tuple[list[int], tuple[list[int], list[float]]]:
+def hybrid_spilled(
+    path, seed: int, length: int = 41
+) -> tuple[list[int], tuple[list[int], list[float]]]:
     """A prompt served by a Qwen3.5-shaped hybrid over ``path``, written, and its output."""
-    (a,) = prompts(seed, 1)
+    (a,) = prompts(seed, 1, length)
     first = hybrid_engine("qwen3_5", path)
     expected = run(first, a)
     assert first.disk.spill_cached() == 5 + 3  # 5 blocks, 3 snapshots

@@ -135,13 +135,18 @@ def test_a_restore_takes_no_more_than_the_pool_holds(tmp_path):
     assert second.stats().prefix_hit_tokens == 40
 
 
-def test_a_hybrid_restore_loads_the_blocks_and_the_deepest_snapshot(tmp_path, monkeypatch):
-    a, expected = hybrid_spilled(tmp_path, 24)
+@pytest.mark.parametrize("length", [41, 40])  # past the last full block, or ending on it
+def test_a_hybrid_restore_loads_the_blocks_and_the_snapshots_a_resend_adopts(
+    tmp_path, monkeypatch, length
+):
+    a, expected = hybrid_spilled(tmp_path, 24, length)
     second = hybrid_engine("qwen3_5", tmp_path, kv_disk_preload_bytes=10**7)
     assert second.disk.restore() == 40
     reads = counted_reads(monkeypatch, second)
     got = run(second, a)
-    assert reads == [] and second.stats().prefix_hit_tokens == 40
+    # 40 tokens ending in a snapshot; a 40-token prompt adopts the one at 32 (its last
+    # token computed), which came back too.
+    assert reads == [] and second.stats().prefix_hit_tokens == (40 if length == 41 else 32)
     assert got[0] == expected[0] and np.allclose(got[1], expected[1], atol=1e-5, rtol=0)
 
 

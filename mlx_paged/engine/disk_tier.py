@@ -217,7 +217,7 @@ class DiskTier:
             return 0
         start, prefixes = time.perf_counter(), self.preloaded.prefixes()
         prefixes = restore_plan(self.ranks, self.scheduler, prefixes, self._loads)
-        self.restored_tokens += (loaded := sum(self.load(tokens)[0] for tokens in prefixes))
+        self.restored_tokens += (loaded := sum(restore_prefix(self, t) for t in prefixes))
         self.after_step()
         logger.info("mlx_paged: restored %d cached tokens (%d prefixes) from disk in %.2f s",
                     loaded, len(prefixes), time.perf_counter() - start)  # fmt: skip
@@ -369,6 +369,18 @@ class DiskTier:
         last, out = self._last_read, partial(self.staging.buffer, i)
         self._last_read = self._reader.submit(self.store.read_run, keys, out, not in_mlx(), last)
         return self._last_read
+
+
+def restore_prefix(tier: DiskTier, tokens: list[int]) -> int:
+    """``tier.load(tokens)``, and for a hybrid model also the deepest snapshot before the
+    prefix's end: its load brings the one at the end, which a request of exactly these
+    tokens cannot adopt (its last token is computed). The tokens loaded."""
+    loaded = tier.load(tokens)[0]
+    if tier.states is not None and len(tokens) > 1:
+        head = tokens[:-1]
+        index, keys = tier.scheduler.index, chain_keys(head, tier.block_size)
+        load_snapshot(tier.store, tier.states, index, tier.ranks, head, keys)
+    return loaded
 
 
 def in_mlx() -> bool:
