@@ -126,10 +126,11 @@ def test_a_restore_takes_no_more_than_the_pool_holds(tmp_path):
     spilled(tmp_path, a)
     expected = spilled(tmp_path, b)
     second = restored(tmp_path, num_blocks=7)  # room for one prompt's five blocks
-    assert second.disk.restore() == 80  # a's, then b's, which evict three of a's
+    assert second.disk.restore() == 40  # b's, the newest: a's would not fit beside them
     second.check_invariants()
-    index = second.scheduler.index
-    assert index.full_blocks_matched(a) == 2 * BS and index.full_blocks_matched(b) == 5 * BS
+    index, store = second.scheduler.index, second.disk.store
+    assert index.full_blocks_matched(a) == 0 and index.full_blocks_matched(b) == 5 * BS
+    assert store.counts["hits"] == 5 and second.stats().free_blocks == 2
     got = run(second, b)  # the newest: its blocks were restored last
     assert got[0] == expected[0] and np.allclose(got[1], expected[1], atol=1e-6, rtol=0)
     assert second.stats().prefix_hit_tokens == 40

@@ -124,11 +124,14 @@ def load_room(tokens: int, have: int, scheduler: Scheduler) -> int:
 def restore_plan(
     ranks: Ranks, scheduler: Scheduler, prefixes: list[list[int]], keys: KeyChain
 ) -> list[list[int]]:
-    """The prefixes a restore loads: ``prefixes`` if every rank of a sharded engine found
-    the same ones (their loads, collectives, then come in one order), else none. Each
-    full-attention group's growable pool grows once, where it must, so that their blocks
-    (each shared one once) fit beside the cached ones: loaded one prefix after another,
-    they would otherwise evict each other."""
+    """The prefixes a restore loads (of ``prefixes``, oldest first), and room for them.
+
+    - Under a sharded engine, none unless every rank found the same ones: their loads,
+      collectives, must come in one order.
+    - A fixed pool takes the newest that fit its free blocks (each shared block once):
+      loaded one after another, more would only evict each other.
+    - A growable pool grows once, where it must, so that all of them fit beside the
+      cached blocks."""
     if ranks.group is not None:
         digest = hashlib.blake2b(digest_size=8)
         for tokens in prefixes:
@@ -136,11 +139,18 @@ def restore_plan(
         words = np.frombuffer(digest.digest(), dtype=np.int32)
         rows = ranks.gather([len(prefixes), *(int(w) for w in words)])
         prefixes = prefixes if all(row == rows[0] for row in rows) else []
-    blocks = len({key for tokens in prefixes for key in keys.keys(tokens)}) + 1
-    for kind in (k for k in scheduler.kinds if k.window is None):
-        group = scheduler.groups[kind]
-        group.make_room(blocks + group.blocks.num_cached)  # more than the free ones: grows
-    return prefixes
+    groups = [scheduler.groups[k] for k in scheduler.kinds if k.window is None]
+    room = min((g.blocks.num_free for g in groups if not g.blocks.growable), default=None)
+    kept: list[list[int]] = []
+    held: set[str] = set()  # the blocks of those kept
+    for tokens in reversed(prefixes):
+        new = set(keys.keys(tokens)) - held
+        if room is None or len(held) + len(new) < room:  # and a block for the request
+            kept.append(tokens)
+            held |= new
+    for group in groups:
+        group.make_room(len(held) + 1 + group.blocks.num_cached)  # past the free: grows
+    return kept[::-1]
 
 
 def load_snapshot(
