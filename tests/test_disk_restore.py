@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_disk_preload import counted_reads, engine, hybrid_spilled, spilled
-from test_disk_tier import BS, COLD_KW, cold_model, hybrid_engine, prompts, run
+from test_disk_tier import BS, COLD_KW, SLIDING, cold_model, hybrid_engine, prompts, run
 from tiny_models import VOCAB, model_of
 
 from mlx_paged import PagedEngine
@@ -189,3 +189,20 @@ def test_a_restart_restores_cold_blocks_into_the_cold_tier(tmp_path, monkeypatch
     got = run(second, a)
     assert reads == [] and second.stats().disk_hit_tokens == 0
     assert got[0] == expected[0] and np.allclose(got[1], expected[1], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("family", SLIDING)
+def test_a_sliding_window_model_restores_its_windows_too(tmp_path, monkeypatch, family):
+    (a,) = prompts(28, 1, length=97)  # 12 full blocks; windows of 24 and 20 tokens
+    first = PagedEngine(model_of(family), block_size=BS, kv_disk_dir=tmp_path,
+                        kv_disk_bytes=10**8)  # fmt: skip
+    expected = run(first, a)
+    assert first.disk.spill_cached() == 12
+    second = PagedEngine(model_of(family), block_size=BS, kv_disk_dir=tmp_path,
+                         kv_disk_bytes=10**8, kv_disk_preload_bytes=10**8)  # fmt: skip
+    assert second.disk.restore() == 96
+    reads = counted_reads(monkeypatch, second)
+    got = run(second, a)
+    assert reads == [] and second.stats().disk_hit_tokens == 0
+    assert second.stats().prefix_hit_tokens == 96
+    assert got[0] == expected[0] and np.allclose(got[1], expected[1], atol=1e-5, rtol=0)
