@@ -9,8 +9,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_disk_preload import counted_reads, engine, hybrid_spilled, spilled
-from test_disk_tier import BS, COLD_KW, SLIDING, cold_model, hybrid_engine, prompts, run
-from tiny_models import VOCAB, model_of
+from test_disk_tier import (
+    BS,
+    COLD_KW,
+    MAX_TOKENS,
+    SLIDING,
+    cold_model,
+    hybrid_engine,
+    prompts,
+    run,
+)
+from tiny_models import VOCAB, model_of, solo
 
 from mlx_paged import PagedEngine
 from mlx_paged.engine import disk_blocks
@@ -103,6 +112,7 @@ def test_a_restored_prefix_is_answered_from_memory_as_recomputed(tmp_path, monke
     for prompt, (tokens, logprobs) in zip((a, b), expected, strict=True):
         got = run(second, prompt)
         assert got[0] == tokens and np.allclose(got[1], logprobs, atol=1e-6, rtol=0)
+        assert got[0] == solo("llama", tuple(prompt), MAX_TOKENS)  # mlx-lm's own cache
     assert reads == [] and store.counts["hits"] == 8  # no load at request time
     stats = second.stats()
     assert stats.disk_hit_tokens == 0 and stats.prefix_hit_tokens == 80
@@ -206,3 +216,4 @@ def test_a_sliding_window_model_restores_its_windows_too(tmp_path, monkeypatch, 
     assert reads == [] and second.stats().disk_hit_tokens == 0
     assert second.stats().prefix_hit_tokens == 96
     assert got[0] == expected[0] and np.allclose(got[1], expected[1], atol=1e-5, rtol=0)
+    assert got[0] == solo(family, tuple(a), MAX_TOKENS)
