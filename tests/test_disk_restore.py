@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_disk_preload import counted_reads, engine, hybrid_spilled, spilled
+from test_disk_preload import counted_reads, engine, entry_bytes, hybrid_spilled, spilled
 from test_disk_tier import (
     BS,
     COLD_KW,
@@ -25,7 +25,8 @@ from mlx_paged import PagedEngine
 from mlx_paged.engine import disk_blocks
 from mlx_paged.engine.disk_tier import chain_keys
 from mlx_paged.storage.disk_entries import chain_arrays, prefixes, run_links
-from mlx_paged.storage.disk_format import Run
+from mlx_paged.storage.disk_format import Run, parse_head
+from mlx_paged.storage.preload import file_link
 
 FINGERPRINT = "restore-test"
 
@@ -87,6 +88,12 @@ def served(path, prompt: list[int]) -> tuple[list[int], list[float]]:
     out = run(first, prompt)
     first.disk.spill_cached()
     return out
+
+
+def restored_with(path, preload: int) -> PagedEngine:
+    e = engine(path, preload=preload)
+    assert e.disk.preloaded.wait(30)
+    return e
 
 
 def restored(path, **kw) -> PagedEngine:
@@ -217,3 +224,44 @@ def test_a_sliding_window_model_restores_its_windows_too(tmp_path, monkeypatch, 
     assert second.stats().prefix_hit_tokens == 96
     assert got[0] == expected[0] and np.allclose(got[1], expected[1], atol=1e-5, rtol=0)
     assert got[0] == solo(family, tuple(a), MAX_TOKENS)
+
+
+def test_a_prompt_larger_than_the_preload_is_restored_with_its_first_blocks_read(
+    tmp_path, monkeypatch
+):
+    """The preload takes a prompt's last blocks (the most recently used); the places of its
+    first ones are read from their files, and the load reads their arrays."""
+    (a,) = prompts(29, 1)
+    expected = spilled(tmp_path, a)
+    second = restored_with(tmp_path, 3 * entry_bytes(tmp_path))
+    keys = chain_keys(a, BS)[:5]
+    assert set(second.disk.preloaded._where) == set(keys[2:])
+    reads = counted_reads(monkeypatch, second)
+    assert second.disk.restore() == 40
+    assert [k for run in reads for k in run] == keys[:2]  # the first two, then no more
+    got = run(second, a)
+    assert len(reads) == 1 and second.stats().disk_hit_tokens == 0
+    assert got[0] == expected[0] and np.allclose(got[1], expected[1], atol=1e-6, rtol=0)
+
+
+def test_first_blocks_past_the_preloads_bytes_again_or_damaged_leave_the_prompt_unrestored(
+    tmp_path,
+):
+    (a,) = prompts(30, 1)
+    expected = spilled(tmp_path, a)
+    one = restored_with(tmp_path, entry_bytes(tmp_path))  # the last block; 4 more to read
+    assert one.disk.restore() == 0
+    keys = chain_keys(a, BS)[:5]
+    path, offset, size = one.disk.store.location(keys[0])
+    data = bytearray(path.read_bytes())
+    specs, payload, _ = parse_head(
+        np.frombuffer(bytes(data[offset:]), np.uint8), one.disk.store.fingerprint
+    )
+    tokens = next(s for s in specs if s.name == "tokens")
+    data[offset + payload + tokens.start] ^= 0x01  # the first block's first token
+    path.write_bytes(bytes(data))
+    assert file_link(one.disk.store, keys[0]) is None and file_link(one.disk.store, keys[1])
+    damaged = restored_with(tmp_path, 3 * entry_bytes(tmp_path))
+    assert damaged.disk.restore() == 0  # the chain ends at the damaged block
+    got = run(damaged, a)  # the load finds the damaged pack and recomputes
+    assert got[0] == expected[0] and damaged.stats().disk_hit_tokens == 0

@@ -28,7 +28,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from ..blocks import COLD, BlockTable, is_cold
-from .disk_format import Run
+from .disk_format import ArraySpec, Run
 from .kv_pool import KVPool
 from .states import State
 
@@ -95,23 +95,43 @@ def chain_arrays(parent: str, tokens: Sequence[int]) -> dict[str, np.ndarray]:
     }
 
 
+def chain_specs(specs: Sequence[ArraySpec]) -> tuple[ArraySpec, ArraySpec] | None:
+    """Where an entry of ``specs`` holds its ``CHAIN`` arrays (parent, tokens) in its
+    payload; ``None`` for an entry without them."""
+    named = {spec.name: spec for spec in specs}
+    if any(name not in named for name in CHAIN):
+        return None
+    p, t = (named[name] for name in CHAIN)
+    if p.shape != (KEY_BYTES,) or len(t.shape) != 1 or np.dtype(t.dtype) != np.int64:
+        return None
+    return p, t
+
+
+def chain_link(key: str, parent: bytes, tokens: bytes) -> tuple[str, list[int]] | None:
+    """An entry's ``(parent key, tokens)`` from its ``CHAIN`` arrays' bytes, if they hash
+    to its ``key`` (``chain_keys``); else ``None``."""
+    parent_key = parent.hex() if any(parent) else ""
+    toks = np.frombuffer(tokens, dtype="<i8").tolist()
+    return (parent_key, toks) if chain_keys(toks, len(toks), parent_key) == [key] else None
+
+
 def run_links(keys: Sequence[str], run: Run) -> dict[str, tuple[str, list[int]]]:
     """``{key: (parent key, tokens)}`` of a run's block entries (under ``keys``) whose
     ``CHAIN`` arrays hash to their key; none for entries written without them."""
-    specs = {spec.name: spec for spec in run.specs}
-    if any(name not in specs for name in CHAIN):
+    found = chain_specs(run.specs)
+    if found is None:
         return {}
-    p, t = (specs[name] for name in CHAIN)
-    if p.shape != (KEY_BYTES,) or len(t.shape) != 1 or np.dtype(t.dtype) != np.int64:
-        return {}
+    p, t = found
     rows = run.data[:, run.payload :]
-    parents = rows[:, p.start : p.start + p.size]
-    tokens = np.ascontiguousarray(rows[:, t.start : t.start + t.size]).view("<i8")
     links = {}
-    for key, parent_bytes, toks in zip(keys, parents, tokens.tolist(), strict=True):
-        parent = parent_bytes.tobytes().hex() if parent_bytes.any() else ""
-        if chain_keys(toks, len(toks), parent) == [key]:
-            links[key] = (parent, toks)
+    for key, row in zip(keys, rows, strict=True):
+        got = chain_link(
+            key,
+            row[p.start : p.start + p.size].tobytes(),
+            row[t.start : t.start + t.size].tobytes(),
+        )
+        if got is not None:
+            links[key] = got
     return links
 
 

@@ -27,6 +27,7 @@ after the preload ended: the memory, at most ``max_bytes``, is held until then.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -37,7 +38,9 @@ import mlx.core as mx
 import numpy as np
 
 from .disk import DiskStore, Run
-from .disk_entries import STATE, prefixes, run_links
+from .disk_entries import STATE, chain_link, chain_specs, prefixes, run_links
+from .disk_files import HEAD_BYTES
+from .disk_format import parse_head
 from .pinned import Staging
 
 logger = logging.getLogger("mlx_paged.disk")
@@ -151,12 +154,28 @@ class Preload:
 
     def prefixes(self) -> list[list[int]]:
         """The token prefixes that the entries read so far hold whole, every block from a
-        prompt's first (``disk_entries.prefixes``), oldest first."""
+        prompt's first (``disk_entries.prefixes``), oldest first. A load marks a prompt's
+        files used from its first block on, so a prompt larger than ``max_bytes`` has its
+        first blocks left unread: their places in the chain (not their arrays) are read
+        from their files (``file_link``), up to ``max_bytes`` of entries more."""
         with self._lock:
             runs = list(self._runs)
         links: dict[str, tuple[str, list[int]]] = {}
         for keys, run in runs:
             links.update(run_links(keys, run))
+        todo, tried, spent = [parent for parent, _ in links.values() if parent], set(links), 0
+        while todo:
+            key = todo.pop()
+            size = self.store.size(key) if key not in tried else None
+            tried.add(key)
+            if size is None or spent + size > self.max_bytes:
+                continue
+            spent += size
+            link = file_link(self.store, key)
+            if link is not None:
+                links[key] = link
+                if link[0]:
+                    todo.append(link[0])
         return prefixes(links)
 
     def future(self, keys: Sequence[str]) -> Future | None:
@@ -269,6 +288,27 @@ class Preload:
                     self.entries += len(run)
                     self.bytes += run.data.nbytes
                 pos += len(run)
+
+
+def file_link(store: DiskStore, key: str) -> tuple[str, list[int]] | None:
+    """The ``(parent key, tokens)`` that ``key``'s entry holds, read from its file (its
+    header and its ``CHAIN`` arrays, not its layers), if they hash to ``key``; ``None``
+    for a missing, unreadable or foreign entry, or one without them."""
+    where = store.location(key)
+    if where is None:
+        return None
+    path, offset, size = where
+    try:
+        with open(path, "rb", buffering=0) as f:
+            head = np.frombuffer(os.pread(f.fileno(), min(size, HEAD_BYTES), offset), np.uint8)
+            specs, payload, _ = parse_head(head, store.fingerprint)
+            found = chain_specs(specs)
+            if found is None:
+                return None
+            p, t = (os.pread(f.fileno(), s.size, offset + payload + s.start) for s in found)
+        return chain_link(key, p, t)
+    except (OSError, ValueError, KeyError, TypeError):  # cut short, or not an entry
+        return None
 
 
 def _rows_at(rows: np.ndarray, at: int, n: int, size: int) -> np.ndarray:
