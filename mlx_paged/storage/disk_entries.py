@@ -7,11 +7,9 @@ dtype}"`` for the packed values, scales and biases of a quantized (cold) one. A
 recurrent-state snapshot is its own entry, ``"s.{layer}.{entry}.{dtype}"``. The
 host arrays hold bytes (their last axis counts bytes): numpy has no bfloat16.
 
-A block's entry also holds its place in its prefix (``CHAIN``): ``"parent"``, the
-key of the block before it (20 zero bytes for a prompt's first block), and
-``"tokens"``, its tokens (int64). A key hashes exactly these (``chain_keys``), so the
-prefixes a directory holds can be rebuilt from its entries and checked against
-their keys (``prefixes``) without any other record.
+A block's entry also holds its place in its prefix (``CHAIN``): its parent's key
+(zeros for a prompt's first block) and its tokens, which its key hashes (``chain_keys``):
+the prefixes a directory holds are rebuilt from its entries alone (``prefixes``).
 """
 
 from __future__ import annotations
