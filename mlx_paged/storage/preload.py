@@ -13,15 +13,19 @@ with ``payloads``, the payloads' sums; a bad file is deleted and skipped). The
 engine's disk tier has the payloads checked here, wherever its loads check them:
 the reads come before any request, so a run taken from here needs no check at
 load time, on a GPU neither the sums in MLX nor their flags read back to the host
-(in BENCHMARKS.md's run 406 a restart's time changed no more than its noise). A
-restore (``DiskTier.restore``) loads the prefixes the entries read hold whole
-(``prefixes``) into the pool at start. A run is taken only for keys the store still has (the
-caller asks the store first), and only for keys that follow each other in one
-chunk; ``cut`` ends a load's runs where chunks begin and end. ``release`` (after
-each load, and from an idle server's engine thread) gives every chunk back once loads
-have asked for every entry read that the store still has, whether they took it from
-here or read it (a load that came before the preload was done), or ``HOLD_SECONDS``
-after the preload ended: the memory, at most ``max_bytes``, is held until then.
+(in BENCHMARKS.md's run 406 a restart's time changed no more than its noise).
+
+A restore (``DiskTier.restore``) loads the prefixes the entries read hold whole
+(``prefixes``) into the pool at start; the first blocks of a prompt larger than the
+preload are placed from their files (``file_link``).
+
+A run is taken only for keys the store still has (the caller asks the store first),
+and only for keys that follow each other in one chunk; ``cut`` ends a load's runs
+where chunks begin and end. ``release`` (after each load, and from an idle server's
+engine thread) gives every chunk back once loads have asked for every entry read
+that the store still has, whether they took it from here or read it (a load that
+came before the preload was done), or ``HOLD_SECONDS`` after the preload ended: the
+memory, at most ``max_bytes``, is held until then.
 """
 
 from __future__ import annotations
