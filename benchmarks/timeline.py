@@ -42,9 +42,9 @@ def record(path: str) -> None:
         events.append(["step", t, now(), running, waiting])
         return out
 
-    def timed_forward(self, reqs, n, logits=False, counts=None):
+    def timed_forward(self, reqs, n, *args, **kwargs):
         t = now()
-        out = forward(self, reqs, n, logits, counts)
+        out = forward(self, reqs, n, *args, **kwargs)
         events.append(["forward", t, now(), len(reqs), n])
         return out
 

@@ -30,14 +30,22 @@ next process's warm-up would load them instead of running its prefills).
 
 from __future__ import annotations
 
+import ctypes
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
+import mlx.core as mx
+import mlx.nn as nn
+
 from ..attention.kernels import prebuild_kernels
+from ..attention.prefill import on_cuda
 from .engine import PagedEngine
 from .request import Sampler
-from .scheduler import COUNTERS
+from .scheduler import COUNTERS, Scheduler
+
+#: cuBLASLt cache entries kept beyond the warmed matmuls: the decode's, the head's and others.
+HEURISTICS_SPARE = 8192
 
 
 def warm_up(
@@ -62,6 +70,7 @@ def warm_up(
         _bursts(engine, sizes, hybrid, batch_sizes is None, sampler)
         _wide_forwards(engine, engine.vocab_size or 256)
     prebuild_kernels()
+    warm_matmuls(engine.runner.model, engine.scheduler, engine.vocab_size)
     if engine.disk is not None:
         engine.disk.rehearse()
     engine.scheduler.index.clear()
@@ -70,6 +79,63 @@ def warm_up(
     if engine.runner.compiled is not None:  # its traces stay counted: they were made
         engine.runner.compiled.steps = 0
     return time.perf_counter() - start
+
+
+def warm_matmuls(model: nn.Module, scheduler: Scheduler, vocab: int | None) -> int:
+    """On CUDA, run each distinct linear layer of ``model`` (its head left out) once at
+    every row count a forward can give it, 1 to the scheduler's widest forward; return the
+    matmuls run (0 on other devices, or for a sharded model).
+
+    MLX's CUDA matmul asks cuBLASLt for an algorithm at every call. cuBLASLt answers a shape
+    it has met from its cache, and a new one in 1–2 ms (BENCHMARKS.md, run 71). A forward's
+    matmuls have as many rows as its tokens, so each new prompt remainder or burst shape
+    paid that on the request path, about 10 ms a forward; this takes about 3 s once. The
+    cache holds 8,192 shapes by default, which this raises to hold them all (where the
+    library that MLX loaded can be found). Sharded layers are left out: their calls talk to
+    the other ranks.
+    """
+    if not on_cuda():
+        return 0
+    layers: dict[tuple, nn.Module] = {}
+    for _, module in model.named_modules():
+        if type(module) not in (nn.Linear, nn.QuantizedLinear):  # sharded ones talk to peers
+            continue
+        dims, weight = _input_dims(module), module.weight
+        if vocab is not None and weight.shape[0] == vocab:
+            continue  # the head runs over one position a row: a decode's shapes
+        dtype = weight.dtype if type(module) is nn.Linear else module.scales.dtype
+        bias = "bias" in module
+        layers.setdefault((type(module), dims, tuple(weight.shape), dtype, bias), module)
+    most = max(scheduler.prefill_step_size, scheduler.prefill_batch_tokens)
+    _hold_heuristics(most * len(layers) + HEURISTICS_SPARE)
+    for rows in range(1, most + 1):
+        mx.eval([m(mx.zeros((rows, key[1]), key[3])) for key, m in layers.items()])
+    return most * len(layers)
+
+
+def _hold_heuristics(shapes: int) -> bool:
+    """Let cuBLASLt's cache of chosen algorithms hold at least ``shapes`` entries; False if
+    the library MLX loaded is not found."""
+    try:
+        with open("/proc/self/maps") as f:
+            path = next(line.split()[-1] for line in f if "libcublasLt.so" in line)
+        lib = ctypes.CDLL(path)  # the library already loaded: the same handle
+    except (OSError, StopIteration):
+        return False
+    held = ctypes.c_size_t()
+    if lib.cublasLtHeuristicsCacheGetCapacity(ctypes.byref(held)) != 0:
+        return False
+    if held.value < shapes:
+        return lib.cublasLtHeuristicsCacheSetCapacity(ctypes.c_size_t(shapes)) == 0
+    return True
+
+
+def _input_dims(module: nn.Module) -> int:
+    """The features a linear layer takes (its packed words hold ``32 / bits`` each when
+    quantized)."""
+    if type(module) is nn.QuantizedLinear:
+        return module.weight.shape[1] * 32 // module.bits
+    return module.weight.shape[1]
 
 
 @contextmanager

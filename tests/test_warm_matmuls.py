@@ -1,0 +1,94 @@
+"""The warm-up's matmuls: every linear layer's shape at every row count a forward can give it.
+
+On CUDA each new row count costs a cuBLASLt algorithm search on the request path, so the
+warm-up runs them all while starting. These tests run on the CPU with the CUDA check
+forced, and record which layers were called with how many rows.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from tiny_models import VOCAB, tiny_model
+
+from mlx_paged import PagedEngine
+from mlx_paged.engine import warmup
+
+BS = 8
+
+
+@pytest.fixture
+def calls(monkeypatch) -> list[tuple[str, tuple[int, ...], int]]:
+    """(layer type, weight shape, rows) of every linear layer call; CUDA's path forced."""
+    seen: list[tuple[str, tuple[int, ...], int]] = []
+    for cls in (nn.Linear, nn.QuantizedLinear):
+        inner = cls.__call__
+
+        def spy(self, x, inner=inner):
+            seen.append((type(self).__name__, tuple(self.weight.shape), x.shape[0]))
+            return inner(self, x)
+
+        monkeypatch.setattr(cls, "__call__", spy)
+    monkeypatch.setattr(warmup, "on_cuda", lambda: True)
+    return seen
+
+
+def _shapes(model: nn.Module, vocab: int) -> set[tuple[int, ...]]:
+    return {
+        tuple(m.weight.shape)
+        for _, m in model.named_modules()
+        if type(m) in (nn.Linear, nn.QuantizedLinear) and m.weight.shape[0] != vocab
+    }
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_the_warm_up_runs_each_layer_shape_at_every_row_count(calls, monkeypatch, quantized):
+    model = tiny_model("llama", tie_word_embeddings=False)
+    if quantized:
+        nn.quantize(model, group_size=32, bits=4)
+    held: list[int] = []
+    monkeypatch.setattr(warmup, "_hold_heuristics", lambda n: held.append(n) or True)
+    engine = PagedEngine(
+        model, block_size=BS, max_batch_size=2, prefill_step_size=24, prefill_batch_tokens=16
+    )
+    assert "lm_head" in model, "an untied head, which the warm-up leaves to the decode"
+    shapes = _shapes(model, VOCAB)
+    assert len(shapes) == 4  # q and o, k and v, gate and up, down
+    warmup.warm_up(engine)
+    kind = "QuantizedLinear" if quantized else "Linear"
+    warmed = {(s, rows) for k, s, rows in calls if k == kind and rows > 0}
+    assert warmed >= {(s, rows) for s in shapes for rows in range(1, 25)}
+    assert held == [24 * 4 + warmup.HEURISTICS_SPARE]
+    engine.check_invariants()
+    assert engine.stats().live_blocks == 0
+
+
+def test_warm_matmuls_counts_and_leaves_out_the_head_and_sharded_layers(calls, monkeypatch):
+    class Sharded(nn.Linear):  # as mlx-lm's sharded layers subclass nn.Linear
+        pass
+
+    model = nn.Module()
+    model.a = nn.Linear(8, 16)
+    model.b = nn.Linear(8, 16)  # the same shape: run once
+    model.c = nn.Linear(16, 8, bias=False)
+    model.head = nn.Linear(8, 40)
+    model.peer = Sharded(8, 16)
+    mx.eval(model.parameters())
+    monkeypatch.setattr(warmup, "_hold_heuristics", lambda n: True)
+    scheduler = SimpleNamespace(prefill_step_size=5, prefill_batch_tokens=3)
+    assert warmup.warm_matmuls(model, scheduler, 40) == 5 * 2
+    assert sorted({(shape, rows) for _, shape, rows in calls}) == sorted(
+        {((16, 8), r) for r in range(1, 6)} | {((8, 16), r) for r in range(1, 6)}
+    )
+    assert not any(kind == "Sharded" for kind, _, _ in calls)
+
+
+def test_warm_matmuls_runs_nothing_off_cuda(monkeypatch):
+    model = tiny_model("llama")
+    scheduler = SimpleNamespace(prefill_step_size=8, prefill_batch_tokens=8)
+    assert warmup.warm_matmuls(model, scheduler, VOCAB) == 0
+    if not mx.cuda.is_available():  # no cuBLASLt in this process: nothing to resize
+        assert warmup._hold_heuristics(1) is False
