@@ -78,8 +78,13 @@ def test_warm_matmuls_counts_and_leaves_out_the_head_and_sharded_layers(calls, m
     model.peer = Sharded(8, 16)
     mx.eval(model.parameters())
     monkeypatch.setattr(warmup, "_hold_heuristics", lambda n: True)
+    limits, set_limit = [], mx.set_cache_limit
+    monkeypatch.setattr(mx, "set_cache_limit", lambda n: limits.append(n) or set_limit(n))
+    before = set_limit(123_456_789)
     scheduler = SimpleNamespace(prefill_step_size=5, prefill_batch_tokens=3)
     assert warmup.warm_matmuls(model, scheduler, 40) == 5 * 2
+    assert limits == [warmup.WARM_CACHE_BYTES, 123_456_789], "the buffer cache's limit restored"
+    set_limit(before)
     assert sorted({(shape, rows) for _, shape, rows in calls}) == sorted(
         {((16, 8), r) for r in range(1, 6)} | {((8, 16), r) for r in range(1, 6)}
     )
