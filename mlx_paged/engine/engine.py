@@ -79,34 +79,31 @@ class PagedEngine:
             ``hot_tokens`` tokens are quantized to ``kv_bits`` and shared from there.
             ``num_blocks`` then counts full-precision blocks.
         cold_blocks: Cold-tier capacity in blocks, or ``None`` to grow it on demand.
-        kv_disk_dir, kv_disk_bytes: A disk tier (``engine/disk_tier.py``): full blocks
-            the prefix index evicts go to files in this directory, at most this many
-            bytes, and come back when a prompt needs them, in this process or a later
-            one; with them, a hybrid model's snapshots, a sliding window's blocks, and
-            cold blocks quantized. Under a ``group``: each rank's shard in ``DIR/rank-R-of-N``
-            with 1/N of the bytes; the ranks load only what all of them have.
-        kv_disk_preload_bytes: Read the newest entries on disk, up to this many bytes,
-            into host memory (pinned on CUDA) in the background as the engine starts, so a
-            restart's first loads of them need no reads (``DiskTier.preload``); 0: none.
-            Held until every entry read was loaded once, or ``preload.HOLD_SECONDS`` (600)
-            after the preload ends (``Preload.release``). ``engine.disk.restore()`` loads
+        kv_disk_dir, kv_disk_bytes: A disk tier (``engine/disk_tier.py``): full blocks the
+            prefix index evicts go to files in this directory, at most this many bytes, and
+            come back when a prompt needs them, in this process or a later one; so do a
+            hybrid model's snapshots, a sliding window's blocks and cold blocks. Under a
+            ``group``: each rank's shard in ``DIR/rank-R-of-N`` with 1/N of the bytes; the
+            ranks load only what all of them have.
+        kv_disk_preload_bytes: Read the newest entries on disk, up to this many bytes, into
+            host memory (pinned on CUDA) in the background as the engine starts
+            (``DiskTier.preload``; 0: none), held until each was loaded once or for
+            ``preload.HOLD_SECONDS`` (``Preload.release``); ``engine.disk.restore()`` loads
             the prefixes they hold into the pool before a first request for them.
-        state_snapshot_interval: For models with recurrent layers: a long prefill
-            snapshots the recurrent state every this many tokens (a multiple of
-            ``block_size``), so a later request sharing the prefix recomputes less than
-            this many of its tokens. ``None``: the multiple of ``block_size`` nearest
-            ``DEFAULT_SNAPSHOT_INTERVAL``.
+        state_snapshot_interval: For models with recurrent layers: a long prefill snapshots
+            the recurrent state every this many tokens (a multiple of ``block_size``), so a
+            later request sharing the prefix recomputes fewer of its tokens. ``None``: the
+            multiple of ``block_size`` nearest ``DEFAULT_SNAPSHOT_INTERVAL``.
         num_state_snapshots: Most recurrent-state snapshots kept (least recently used evicted
             first); ``None``: ``max(MIN_STATE_SNAPSHOTS, 2 * max_batch_size)``.
-        group: The ranks of a model sharded across processes (``shard_model``):
-            every rank must add the same requests and aborts in the same order;
-            before each step their states are compared (``Agreement``).
-        overlap: Dispatch each decode step before reading the previous one's tokens, so
-            the host builds step t+1 while the device runs step t (as mlx-lm's
-            ``generate_step`` does), while no running request has a constraint. A step's
-            tokens come out with the next step's events; a stop token costs one row.
-            Batched prefill forwards overlap the same way: each is dispatched before the
-            first tokens of the one before it are sampled.
+        group: The ranks of a model sharded across processes (``shard_model``): every rank
+            adds the same requests and aborts in the same order; each step compares their
+            states first (``Agreement``).
+        overlap: Dispatch each decode step before reading the previous one's tokens (the
+            host builds step t+1 while the device runs step t, as in mlx-lm's
+            ``generate_step``) while no running request has a constraint: a step's tokens
+            come with the next step's events, a stop token costs one row. Each batched
+            prefill forward is dispatched before the previous one's first tokens are read.
         compile_decode: Replay each decode step's graph, built once per step shape
             (``engine/compiled.py``); ``None``: on unless ``MLX_PAGED_COMPILE=off``.
     """
@@ -250,21 +247,22 @@ class PagedEngine:
 
     def request(self, request_id: int) -> Request | None:
         """The waiting or running request with this uid, or ``None``."""
-        for req in (*self.scheduler.running, *self.scheduler.waiting):
-            if req.uid == request_id:
-                return req
-        return None
+        reqs = (*self.scheduler.running, *self.scheduler.waiting)
+        return next((req for req in reqs if req.uid == request_id), None)
 
-    def step(self, on_event: Callable[[Event], None] | None = None) -> list[Event]:
+    def step(
+        self,
+        on_event: Callable[[Event], None] | None = None,
+        admit_more: Callable[[], object] | None = None,
+    ) -> list[Event]:
         """Admit and prefill what fits, then decode one token for every running request.
 
-        Returns the step's events. ``on_event`` hears each one as soon as it
-        exists: a new request's first token right after its own prefill (with
-        ``overlap``, once the next batched prefill is dispatched), before the step's
-        decode. With ``overlap``, a decode's
-        tokens come out in the next step, once its successor is dispatched. It
-        must not call ``abort`` (the step is under way); abort after ``step``
-        returns.
+        Returns the step's events; ``on_event`` hears each as soon as it exists (a new
+        request's first token after its prefill, with ``overlap`` once the next batched
+        prefill is dispatched; a decode's tokens, with ``overlap``, in the next step). It
+        must not call ``abort``. ``admit_more`` is called once the step's admissions are
+        dispatched: requests it adds are admitted and prefilled in this step, before its
+        decode (a sharded engine ignores it: its ranks add requests between steps).
         """
         events: list[Event] = []
         if self.agreement is not None and (self.scheduler.waiting or self.scheduler.running):
@@ -272,7 +270,8 @@ class PagedEngine:
         clock = self.clock
         clock.start()
         tell = partial(_tell, on_event=on_event, clock=clock, phase="prefill")
-        events += self.prefiller.run(self.scheduler.admit(), tell)
+        more = admit_more if self.agreement is None else None
+        events += self.prefiller.run(_admissions(self.scheduler, more), tell)
         clock.lap("admit")
         if self.scheduler.running:
             events += _tell(self.decoder.step(), on_event, clock, "emit")
@@ -307,6 +306,15 @@ class PagedEngine:
     def check_invariants(self) -> None:
         """Assert refcounts equal holders in every group and the index agrees with the pools."""
         self.scheduler.check_invariants()
+
+
+def _admissions(scheduler: Scheduler, admit_more: Callable[[], object] | None):
+    """A step's prefill work: the scheduler's admissions, then, once they are dispatched,
+    those of the requests ``admit_more`` adds."""
+    yield from scheduler.admit()
+    if admit_more is not None:
+        admit_more()
+        yield from scheduler.admit()
 
 
 def snapshot_interval(interval: object, block_size: int) -> int:

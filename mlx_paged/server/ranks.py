@@ -50,6 +50,8 @@ class RankWorker(EngineWorker):
             hung, answers its requests with an error and exits.
     """
 
+    admits_mid_step = False  # every rank adds the same jobs, between steps
+
     def __init__(
         self,
         load: Callable[[], tuple[PagedEngine, TokenizerWrapper]],

@@ -1,6 +1,9 @@
-"""Text out of tokens: stop strings held back as they form, and reasoning markers."""
+"""Text out of tokens: stop strings held back as they form, reasoning markers, and tool calls
+parsed by the tokenizer's own parser."""
 
 from __future__ import annotations
+
+import json
 
 from mlx_lm.generate import TextStateMachine
 from mlx_lm.tokenizer_utils import TokenizerWrapper
@@ -71,3 +74,16 @@ def initial_state(tokenizer: TokenizerWrapper, prompt: list[int]) -> str:
     ):
         state = "reasoning"
     return tokenizer.response_initial_state or state
+
+
+def parse_call(
+    tokenizer: TokenizerWrapper, text: str, tools: list[dict] | None
+) -> list[tuple[str, str]] | None:
+    """A generated call's ``(name, arguments JSON)`` pairs, parsed by the tokenizer's own
+    mlx-lm parser; ``None`` when it does not parse (it stays text)."""
+    try:
+        parsed = tokenizer.tool_parser(text, tools)
+        parsed = parsed if isinstance(parsed, list) else [parsed]
+        return [(c["name"], json.dumps(c.get("arguments", {}), ensure_ascii=False)) for c in parsed]
+    except Exception:  # the model's text, in any shape: never a 500
+        return None

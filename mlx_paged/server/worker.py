@@ -8,7 +8,6 @@ job's ``deliver`` callback, which the server points at its event loop.
 
 from __future__ import annotations
 
-import json
 import logging
 import queue
 import threading
@@ -23,7 +22,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from ..engine import EngineStats, Event, PagedEngine
 from ..engine.request import Request, TokenConstraint, check_tokens
 from .grammar import parse_forced_calls
-from .text import TextStream, initial_state, thinking_machine
+from .text import TextStream, initial_state, parse_call, thinking_machine
 
 logger = logging.getLogger("mlx_paged.server")
 
@@ -96,6 +95,9 @@ class EngineWorker:
         load: Builds ``(engine, tokenizer)``; the tokenizer's EOS ids stop generation.
     """
 
+    #: Jobs that come during a step join its prefill (``PagedEngine.step``'s ``admit_more``).
+    admits_mid_step = True
+
     def __init__(self, load: Callable[[], tuple[PagedEngine, TokenizerWrapper]]):
         self._load = load
         self.engine: PagedEngine | None = None
@@ -110,6 +112,7 @@ class EngineWorker:
         self._stopping = threading.Event()
         self._done = threading.Event()  # the engine loop has ended
         self.fatal_steps = False  # whether a failed step ends the loop (sharded models)
+        self._held: list[tuple[str, Job | None]] = []  # commands seen during a step
 
     # ---- any thread -------------------------------------------------------
 
@@ -151,9 +154,9 @@ class EngineWorker:
             self.engine, self.tokenizer = self._load()
             self.stop_tokens = frozenset(self.tokenizer.eos_token_ids)
             self.thinking = thinking_machine(self.tokenizer)
-            self.agent = None  # reasoning and tool-call markers, as mlx_lm.server splits them
-            if self.tokenizer.has_tool_calling:
-                self.agent = make_text_state_machine(self.tokenizer)
+            # Reasoning and tool-call markers, as mlx_lm.server splits them.
+            tools = self.tokenizer.has_tool_calling
+            self.agent = make_text_state_machine(self.tokenizer) if tools else None
             self._update_stats()
         except BaseException as e:  # reported by start()
             self.load_error = e
@@ -164,10 +167,9 @@ class EngineWorker:
             self._run()
         finally:
             self._done.set()
-        # The thread never ends: MLX frees its per-thread state (the compile cache)
-        # when a thread ends, taking the GIL; at interpreter exit that would abort the
-        # process ("terminate called without an active exception"). Parked, the daemon
-        # thread ends with the process instead.
+        # The thread never ends: MLX frees its per-thread state (the compile cache) when a
+        # thread ends, taking the GIL; at interpreter exit that would abort the process
+        # ("terminate called without an active exception"). Parked, it ends with it.
         threading.Event().wait()
 
     def _run(self) -> None:
@@ -192,7 +194,8 @@ class EngineWorker:
     def _step(self) -> None:
         try:
             # First tokens go out as soon as their prefill ends.
-            self.engine.step(on_event=self._on_event)
+            more = self._admit_more if self.admits_mid_step else None
+            self.engine.step(on_event=self._on_event, admit_more=more)
         except Exception as e:  # a forward failed: end what it carried, keep serving
             logger.exception("mlx_paged: an engine step failed")
             self._fail_all(f"the engine step failed: {type(e).__name__}: {e}")
@@ -202,10 +205,20 @@ class EngineWorker:
             self.engine.abort(uid)
         self._stopped.clear()
 
+    def _admit_more(self) -> None:
+        """During a step, once its admissions are dispatched: add the jobs queued since, so
+        the step prefills them too; other commands wait for the step's end."""
+        while not self._inbox.empty():  # this thread alone takes from it
+            kind, job = self._inbox.get_nowait()
+            if kind == "add":
+                self._add(job)
+            else:
+                self._held.append((kind, job))
+
     def _drain(self, block: bool) -> bool:
         """Apply queued commands (waiting for one if ``block``); False once asked to stop."""
         try:
-            kind, job = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+            kind, job = self._next(block)
         except queue.Empty:
             return not self._stopping.is_set()
         while True:
@@ -217,9 +230,15 @@ class EngineWorker:
                 self.engine.abort(job.uid)
                 self._finish(job, "abort")
             try:
-                kind, job = self._inbox.get_nowait()
+                kind, job = self._next(False)
             except queue.Empty:
                 return True
+
+    def _next(self, block: bool) -> tuple[str, Job | None]:
+        """The next command, held ones first; ``queue.Empty`` if none (in 0.5 s if ``block``)."""
+        if self._held:
+            return self._held.pop(0)
+        return self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
 
     def _add(self, job: Job) -> None:
         try:
@@ -368,16 +387,3 @@ def split_output(
             content.append(f"{tokenizer.tool_call_start}{text}{end}")
         calls += parsed or []
     return "".join(content), "".join(reasoning), tuple(calls)
-
-
-def parse_call(
-    tokenizer: TokenizerWrapper, text: str, tools: list[dict] | None
-) -> list[tuple[str, str]] | None:
-    """A generated call's ``(name, arguments JSON)`` pairs, parsed by the tokenizer's own
-    mlx-lm parser; ``None`` when it does not parse (it stays text)."""
-    try:
-        parsed = tokenizer.tool_parser(text, tools)
-        parsed = parsed if isinstance(parsed, list) else [parsed]
-        return [(c["name"], json.dumps(c.get("arguments", {}), ensure_ascii=False)) for c in parsed]
-    except Exception:  # the model's text, in any shape: never a 500
-        return None
