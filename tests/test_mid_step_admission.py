@@ -58,6 +58,15 @@ def test_admit_more_is_asked_once_a_step_and_may_add_nothing():
     assert len(out[uids[0]]) <= 4
 
 
+def test_a_prefill_budget_leaves_arrivals_for_the_next_step():
+    """The budget bounds a step's prompt tokens: no second admission is asked for."""
+    engine = PagedEngine(model_of("llama"), block_size=BS, max_batch_size=4, prefill_budget=64)
+    engine.add_request(mixed_prompts(seed=6)[0], 2)
+    calls: list[int] = []
+    engine.step(admit_more=lambda: calls.append(1))
+    assert calls == []
+
+
 class _Engine:
     """What ``EngineWorker`` asks of an engine while it drains: aborts, counted."""
 

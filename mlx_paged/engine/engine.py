@@ -262,7 +262,7 @@ class PagedEngine:
         prefill is dispatched; a decode's tokens, with ``overlap``, in the next step). It
         must not call ``abort``. ``admit_more`` is called once the step's admissions are
         dispatched: requests it adds are admitted and prefilled in this step, before its
-        decode (a sharded engine ignores it: its ranks add requests between steps).
+        decode (not asked under a ``prefill_budget``, nor by a sharded engine).
         """
         events: list[Event] = []
         if self.agreement is not None and (self.scheduler.waiting or self.scheduler.running):
@@ -310,9 +310,10 @@ class PagedEngine:
 
 def _admissions(scheduler: Scheduler, admit_more: Callable[[], object] | None):
     """A step's prefill work: the scheduler's admissions, then, once they are dispatched,
-    those of the requests ``admit_more`` adds."""
+    those of the requests ``admit_more`` adds (not asked under a ``prefill_budget``, which
+    bounds a step's prompt tokens)."""
     yield from scheduler.admit()
-    if admit_more is not None:
+    if admit_more is not None and scheduler.prefill_budget is None:
         admit_more()
         yield from scheduler.admit()
 
