@@ -86,10 +86,10 @@ def warm_up(
 def warm_matmuls(model: nn.Module, scheduler: Scheduler, vocab: int | None) -> int:
     """On CUDA, run each distinct linear layer of ``model`` (its head left out) once at
     every row count a forward can give it, 1 to the scheduler's widest forward; return the
-    matmuls run (0 on other devices, or for a sharded model).
+    matmuls run (0 on other devices).
 
     MLX's CUDA matmul asks cuBLASLt for an algorithm at every call. cuBLASLt answers a shape
-    it has met from its cache, and a new one in 1–2 ms (BENCHMARKS.md, run 71). A forward's
+    it has met from its cache, and a new one in 1–2 ms (BENCHMARKS.md, runs 415–417). A forward's
     matmuls have as many rows as its tokens, so each new prompt remainder or burst shape
     paid that on the request path, about 10 ms a forward; this takes about 3 s once. The
     cache holds 8,192 shapes by default, which this raises to hold them all (where the
