@@ -89,6 +89,10 @@ def test_warm_matmuls_counts_and_leaves_out_the_head_and_sharded_layers(calls, m
         {((16, 8), r) for r in range(1, 6)} | {((8, 16), r) for r in range(1, 6)}
     )
     assert not any(kind == "Sharded" for kind, _, _ in calls)
+    calls.clear()
+    monkeypatch.setattr(warmup, "WARM_ROWS", 4)
+    assert warmup.warm_matmuls(model, scheduler, 40) == 4 * 2, "rows up to WARM_ROWS only"
+    assert max(rows for _, _, rows in calls) == 4
 
 
 def test_warm_matmuls_runs_nothing_off_cuda(monkeypatch):

@@ -48,6 +48,8 @@ from .scheduler import COUNTERS, Scheduler
 HEURISTICS_SPARE = 8192
 #: MLX's buffer cache while the matmuls are warmed (its limit is restored after).
 WARM_CACHE_BYTES = 1 << 30
+#: Most rows warmed: a wider forward takes tens of ms, beside which a search is small.
+WARM_ROWS = 4096
 
 
 def warm_up(
@@ -85,8 +87,8 @@ def warm_up(
 
 def warm_matmuls(model: nn.Module, scheduler: Scheduler, vocab: int | None) -> int:
     """On CUDA, run each distinct linear layer of ``model`` (its head left out) once at
-    every row count a forward can give it, 1 to the scheduler's widest forward; return the
-    matmuls run (0 on other devices).
+    every row count a forward can give it, 1 to the scheduler's widest forward (at most
+    ``WARM_ROWS``); return the matmuls run (0 on other devices).
 
     MLX's CUDA matmul asks cuBLASLt for an algorithm at every call. cuBLASLt answers a shape
     it has met from its cache, and a new one in 1–2 ms (BENCHMARKS.md, runs 415–417). A forward's
@@ -108,7 +110,7 @@ def warm_matmuls(model: nn.Module, scheduler: Scheduler, vocab: int | None) -> i
         dtype = weight.dtype if type(module) is nn.Linear else module.scales.dtype
         bias = "bias" in module
         layers.setdefault((type(module), dims, tuple(weight.shape), dtype, bias), module)
-    most = max(scheduler.prefill_step_size, scheduler.prefill_batch_tokens)
+    most = min(WARM_ROWS, max(scheduler.prefill_step_size, scheduler.prefill_batch_tokens))
     _hold_heuristics(most * len(layers) + HEURISTICS_SPARE)
     # Each row count's buffers have sizes of their own, which MLX's cache would keep: 76 GB
     # of a llama-1B's, where the process held 6 GB without them (run 419).
