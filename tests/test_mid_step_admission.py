@@ -7,6 +7,7 @@ import queue
 import threading
 from types import SimpleNamespace
 
+import pytest
 from test_engine import BS, mixed_prompts, solo
 from tiny_models import model_of
 
@@ -56,6 +57,15 @@ def test_admit_more_is_asked_once_a_step_and_may_add_nothing():
     _finish(engine, out)
     assert out[late[0]] == solo("llama", tuple(c), 4)
     assert len(out[uids[0]]) <= 4
+
+
+def test_admit_more_must_be_callable_and_a_refusal_admits_nothing():
+    engine = PagedEngine(model_of("llama"), block_size=BS, max_batch_size=2)
+    engine.add_request(mixed_prompts(seed=7)[0], 2)
+    with pytest.raises(ValueError, match="admit_more must be a callable"):
+        engine.step(admit_more=3)
+    assert len(engine.waiting) == 1 and not engine.running
+    engine.check_invariants()
 
 
 def test_a_prefill_budget_leaves_arrivals_for_the_next_step():

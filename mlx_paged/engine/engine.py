@@ -312,6 +312,8 @@ def _admissions(scheduler: Scheduler, admit_more: Callable[[], object] | None):
     """A step's prefill work: the scheduler's admissions, then, once they are dispatched,
     those of the requests ``admit_more`` adds (not asked under a ``prefill_budget``, which
     bounds a step's prompt tokens)."""
+    if admit_more is not None and not callable(admit_more):  # before any admission
+        raise ValueError(f"admit_more must be a callable or None, got {admit_more!r}.")
     yield from scheduler.admit()
     if admit_more is not None and scheduler.prefill_budget is None:
         admit_more()
