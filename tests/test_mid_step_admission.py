@@ -12,7 +12,6 @@ from test_engine import BS, mixed_prompts, solo
 from tiny_models import model_of
 
 from mlx_paged import PagedEngine
-from mlx_paged.engine.engine import MID_STEP_ROUNDS
 from mlx_paged.server.ranks import RankWorker
 from mlx_paged.server.worker import EngineWorker, Job
 
@@ -31,9 +30,8 @@ def test_a_request_added_during_a_step_gets_its_first_token_in_it():
     added: list[int] = []
 
     def more() -> None:
-        if not added:  # once: a second call adds nothing
-            added.append(engine.add_request(b, 5))
-            added.append(engine.add_request(c, 5))
+        added.append(engine.add_request(b, 5))
+        added.append(engine.add_request(c, 5))
 
     out: dict[int, list[int]] = {}
     for e in engine.step(admit_more=more):
@@ -59,37 +57,6 @@ def test_admit_more_is_asked_once_a_step_and_may_add_nothing():
     _finish(engine, out)
     assert out[late[0]] == solo("llama", tuple(c), 4)
     assert len(out[uids[0]]) <= 4
-
-
-def test_admit_more_is_asked_again_while_its_rounds_admit_some():
-    """Arrivals during a mid-step prefill join the step too, up to ``MID_STEP_ROUNDS``
-    calls; the first call that admits nothing ends the asking."""
-    assert MID_STEP_ROUNDS == 3
-    prompts = mixed_prompts(seed=5)
-    engine = PagedEngine(model_of("llama"), block_size=BS, max_batch_size=8)
-    first = engine.add_request(prompts[0], 3)
-    arrivals = [[prompts[1]], [prompts[2], prompts[3]], [], [prompts[4]]]
-    added: list[int] = []
-
-    def more() -> None:
-        added.extend(engine.add_request(p, 3) for p in arrivals.pop(0))
-
-    out: dict[int, list[int]] = {}
-    for e in engine.step(admit_more=more):
-        out.setdefault(e.uid, []).append(e.token)
-    assert len(arrivals) == 1, "asked three times: the third call added nothing"
-    assert set(out) == {first, *added} and len(added) == 3
-    _finish(engine, out)
-    for uid, prompt in zip([first, *added], prompts, strict=False):
-        assert out[uid] == solo("llama", tuple(prompt), 3)
-
-    # A caller that always adds is asked MID_STEP_ROUNDS times, then the step decodes.
-    engine = PagedEngine(model_of("llama"), block_size=BS, max_batch_size=8)
-    first = engine.add_request(prompts[0], 2)
-    late: list[int] = []
-    events = engine.step(admit_more=lambda: late.append(engine.add_request(prompts[1], 2)))
-    assert len(late) == MID_STEP_ROUNDS and not engine.waiting
-    assert sorted(e.uid for e in events) == [first, *late], "first tokens (decode's: next step)"
 
 
 def test_admit_more_must_be_callable_and_a_refusal_admits_nothing():

@@ -55,10 +55,6 @@ DEFAULT_SNAPSHOT_INTERVAL = 512
 #: one at its last whole block and one at its end, so ``2 * max_batch_size`` alone, at one
 #: stream, evicted a shared prefix's snapshot before the next request came.
 MIN_STATE_SNAPSHOTS = 8
-#: The most times a step asks ``admit_more`` for requests. A round that admits some adds
-#: a batched prefill, which the step's decode (its running requests' next tokens) waits
-#: for; a round that admits none ends the asking.
-MID_STEP_ROUNDS = 3
 
 
 class PagedEngine:
@@ -265,9 +261,8 @@ class PagedEngine:
         request's first token after its prefill, with ``overlap`` once the next batched
         prefill is dispatched; a decode's tokens, with ``overlap``, in the next step). It
         must not call ``abort``. ``admit_more`` is called once the step's admissions are
-        dispatched, then after each round that admitted some (``MID_STEP_ROUNDS``): the
-        requests it adds are prefilled in this step, before its decode (not asked under a
-        ``prefill_budget``, nor by a sharded engine).
+        dispatched: requests it adds are admitted and prefilled in this step, before its
+        decode (not asked under a ``prefill_budget``, nor by a sharded engine).
         """
         events: list[Event] = []
         if self.agreement is not None and (self.scheduler.waiting or self.scheduler.running):
@@ -315,22 +310,14 @@ class PagedEngine:
 
 def _admissions(scheduler: Scheduler, admit_more: Callable[[], object] | None):
     """A step's prefill work: the scheduler's admissions, then, once they are dispatched,
-    those of the requests ``admit_more`` adds, again while a round admits some, at most
-    ``MID_STEP_ROUNDS`` (not asked under a ``prefill_budget``, which bounds a step's
-    prompt tokens)."""
+    those of the requests ``admit_more`` adds (not asked under a ``prefill_budget``, which
+    bounds a step's prompt tokens)."""
     if admit_more is not None and not callable(admit_more):  # before any admission
         raise ValueError(f"admit_more must be a callable or None, got {admit_more!r}.")
     yield from scheduler.admit()
-    if admit_more is None or scheduler.prefill_budget is not None:
-        return
-    for _ in range(MID_STEP_ROUNDS):
+    if admit_more is not None and scheduler.prefill_budget is None:
         admit_more()
-        admitted = False
-        for work in scheduler.admit():
-            admitted = True
-            yield work
-        if not admitted:
-            return
+        yield from scheduler.admit()
 
 
 def snapshot_interval(interval: object, block_size: int) -> int:
