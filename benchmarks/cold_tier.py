@@ -157,8 +157,9 @@ def decode_turns(model, args, n: int, rounds: int, warm: int = 16) -> dict:
     One engine per tier holds n requests of W at once (prefilled, ``warm`` steps
     run, blocks moved into the cold tier); then each round runs an equal share of
     the rest of ``--gen``'s decode steps (a round's worth kept as room) of every engine in turn.
-    Returns ``{tier: (best, median)}`` over the rounds; taking turns keeps the host's
-    and the GPU's swings from deciding which tier looks faster.
+    Returns ``{tier: (best, median, phases)}`` over the rounds, ``phases`` the engine's
+    host ms a step by phase (``StepClock``) over all of them; taking turns keeps the
+    host's and the GPU's swings from deciding which tier looks faster.
     """
     tiers = [None, 8, 4]
     steps = (args.gen - warm) // (rounds + 1)  # a round's worth of room for admission
@@ -173,6 +174,7 @@ def decode_turns(model, args, n: int, rounds: int, warm: int = 16) -> dict:
             engine.step()
         for _ in range(warm):  # past the first moves into the tier
             engine.step()
+        engine.clock.reset()
         engines[bits] = engine
     times: dict = {bits: [] for bits in tiers}
     for _ in range(rounds):
@@ -183,7 +185,12 @@ def decode_turns(model, args, n: int, rounds: int, warm: int = 16) -> dict:
             mx.synchronize()
             times[bits].append(1e3 * (time.perf_counter() - start) / steps)
             assert len(engine.running) == n and not engine.stats().preemptions
-    return {bits: (min(t), sorted(t)[len(t) // 2]) for bits, t in times.items()}
+    out = {}
+    for bits, t in times.items():
+        clock = engines[bits].clock
+        phases = {k: round(1e3 * v / clock.decode_steps, 2) for k, v in clock.seconds.items() if v}
+        out[bits] = (min(t), sorted(t)[len(t) // 2], phases)
+    return out
 
 
 def attention_time(engine: PagedEngine, args, iters: int = 20) -> float:
@@ -251,12 +258,13 @@ def main() -> None:
     print(f"full precision: largest N {base}; at N={base}: {fp}", flush=True)
     if args.decode_rounds:
         turns = decode_turns(model, args, base, args.decode_rounds)
-        for bits, (best, median) in turns.items():
+        for bits, (best, median, phases) in turns.items():
             ratio = turns[None][1] / median
             print(
                 f"decode steps at N={base}, {bits or 'full precision'}"
                 f"{'-bit cold' if bits else ''}: best {best:.2f} ms, median {median:.2f} ms, "
-                f"{base / median * 1e3:.0f} tok/s ({ratio:.2f}x full precision's median)",
+                f"{base / median * 1e3:.0f} tok/s ({ratio:.2f}x full precision's median); "
+                f"host ms a step {phases}",
                 flush=True,
             )
     for hot in hot_choices:

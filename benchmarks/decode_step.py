@@ -8,12 +8,14 @@ is the step's graph, ``dispatch`` the picks and ``mx.async_eval``, ``wait`` the
 previous step's read). ``dense``: mlx-lm's ``KVCache`` of the same prompts
 merged into one ``BatchKVCache``, one synchronous step at a time (argmax read
 each step). ``--graph`` prints the primitives of one step's graph by kind
-instead of timing. ``--profile`` brackets three timed steps with
+instead of timing; ``--kv-bits`` gives the paged engine a quantized cold tier
+behind ``--hot-tokens``. ``--profile`` brackets three timed steps with
 ``cuProfilerStart``/``Stop``, for ``ncu --profile-from-start off``.
 
 Usage:
     python benchmarks/decode_step.py --model /root/l1b --batch 64 32 --cases paged dense
     python benchmarks/decode_step.py --model /root/l1b --batch 64 --cases paged --graph
+    python benchmarks/decode_step.py --model /root/l1b --batch 1 --cases paged --kv-bits 8
     ncu --clock-control none --profile-from-start off --metrics gpu__time_duration.sum \\
         python benchmarks/decode_step.py --model /root/l1b --batch 64 --cases paged --profile
 """
@@ -73,7 +75,11 @@ def spread(times: list[float]) -> str:
 
 def paged(model, prompts: list[list[int]], args) -> None:
     b = len(prompts)
-    engine = PagedEngine(model, max_batch_size=b, prefill_step_size=2048)
+    tier = {}
+    if args.kv_bits:
+        tier = {"kv_bits": args.kv_bits, "kv_group_size": args.kv_group_size}
+        tier["hot_tokens"] = args.hot_tokens
+    engine = PagedEngine(model, max_batch_size=b, prefill_step_size=2048, **tier)
     engine.generate([prompts[0]], max_tokens=1)  # caches the shared prompt
     for p in prompts:
         engine.add_request(p, args.steps + 40)
@@ -139,6 +145,9 @@ def main() -> None:
     parser.add_argument("--unique", type=int, default=64)
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--graph", action="store_true", help="count one step's primitives")
+    parser.add_argument("--kv-bits", type=int, choices=[4, 8], help="paged: a quantized cold tier")
+    parser.add_argument("--kv-group-size", type=int, default=64, help="with --kv-bits")
+    parser.add_argument("--hot-tokens", type=int, default=64, help="with --kv-bits")
     parser.add_argument("--profile", action="store_true", help="three steps in a profiler range")
     args = parser.parse_args()
     model, _ = load(args.model)
