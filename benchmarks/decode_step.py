@@ -77,8 +77,9 @@ def paged(model, prompts: list[list[int]], args) -> None:
     b = len(prompts)
     tier = {}
     if args.kv_bits:
-        tier = {"kv_bits": args.kv_bits, "kv_group_size": args.kv_group_size}
-        tier["hot_tokens"] = args.hot_tokens
+        tier = dict(
+            kv_bits=args.kv_bits, kv_group_size=args.kv_group_size, hot_tokens=args.hot_tokens
+        )
     engine = PagedEngine(model, max_batch_size=b, prefill_step_size=2048, **tier)
     engine.generate([prompts[0]], max_tokens=1)  # caches the shared prompt
     for p in prompts:
