@@ -2,6 +2,7 @@
 
     python benchmarks/timeline.py OUT.json [mlx_paged.server flags]   # serve, recording
     python benchmarks/timeline.py --show OUT.json [--rows 4]          # what it recorded
+    python benchmarks/timeline.py --show OUT.json --window 8700 8900  # every event in a span
 
 Recording runs ``mlx_paged.server`` with the engine's steps, its prefill forwards
 (batched and alone), each job's hand-over to the engine thread (``submit``, then
@@ -12,7 +13,9 @@ and writes the events to ``OUT.json`` when the server exits (SIGINT or SIGTERM).
 ``--show`` prints how long jobs waited to be handed over, then every prefill
 forward of at least ``--rows`` requests: when it started (ms from the first
 event), how long it took, its rows and tokens per row, and whether the process
-had run that shape before.
+had run that shape before. ``--window FROM_MS TO_MS`` prints every event of that span
+instead (steps with their running and waiting requests, forwards, and runs of
+hand-overs and first tokens), in ms from ``FROM_MS``: one wave of a served level.
 """
 
 from __future__ import annotations
@@ -111,13 +114,54 @@ def show(path: str, rows: int) -> None:
             )
 
 
+def window(path: str, start_ms: float, end_ms: float) -> None:
+    """Print every event from ``start_ms`` to ``end_ms`` (ms from the first event), in ms
+    from ``start_ms``; a run of hand-overs or first tokens on one line."""
+    with open(path) as f:
+        events = sorted(json.load(f), key=lambda e: e[1])
+    if not events:
+        print("no events")
+        return
+    base = events[0][1] + start_ms / 1e3
+    rows = [e for e in events if 0 <= e[1] - base <= (end_ms - start_ms) / 1e3]
+    i = 0
+    while i < len(rows):
+        kind, at = rows[i][0], 1e3 * (rows[i][1] - base)
+        if kind in ("submit", "add", "first"):
+            j = i
+            while j + 1 < len(rows) and rows[j + 1][0] == kind:
+                j += 1
+            n, last = j - i + 1, 1e3 * (rows[j][1] - base)
+            span = f"{at:.1f}" if n == 1 else f"{at:.1f}-{last:.1f}"
+            print(f"{span:>15} ms  {n} {kind}")
+            i = j + 1
+            continue
+        took = 1e3 * (rows[i][2] - rows[i][1])
+        if kind == "step":
+            what = f"step: {rows[i][3]} running, {rows[i][4]} waiting"
+        else:
+            what = f"{kind}: {rows[i][3]} x {rows[i][4]} tokens"
+        print(f"{at:15.1f} ms  {what}, {took:.1f} ms")
+        i += 1
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--show":
         ap = argparse.ArgumentParser(description="Show a recorded timeline.")
         ap.add_argument("--show", required=True, metavar="OUT.json")
         ap.add_argument("--rows", type=int, default=4, help="forwards of at least this many")
+        ap.add_argument(
+            "--window",
+            type=float,
+            nargs=2,
+            metavar=("FROM_MS", "TO_MS"),
+            help="instead, every event in this span (ms from the first event)",
+        )
         args = ap.parse_args()
-        show(args.show, args.rows)
+        if args.window:
+            window(args.show, *args.window)
+        else:
+            show(args.show, args.rows)
         return
     if len(sys.argv) < 2:
         raise SystemExit(__doc__)
