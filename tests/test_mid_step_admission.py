@@ -4,12 +4,13 @@
 from __future__ import annotations
 
 import queue
+import random
 import threading
 from types import SimpleNamespace
 
 import pytest
 from test_engine import BS, mixed_prompts, solo
-from tiny_models import model_of
+from tiny_models import VOCAB, model_of
 
 from mlx_paged import PagedEngine
 from mlx_paged.server.ranks import RankWorker
@@ -57,6 +58,26 @@ def test_admit_more_is_asked_once_a_step_and_may_add_nothing():
     _finish(engine, out)
     assert out[late[0]] == solo("llama", tuple(c), 4)
     assert len(out[uids[0]]) <= 4
+
+
+def test_the_first_admissions_tokens_are_out_before_more_are_asked_for():
+    """A batched prefill's first tokens are read once the next work is dispatched; the
+    requests added mid-step would be that work, so those tokens are read first."""
+    rng = random.Random(11)
+    a, b, c = ([rng.randrange(VOCAB) for _ in range(40)] for _ in range(3))
+    engine = PagedEngine(model_of("llama"), block_size=BS, max_batch_size=4)
+    assert engine.prefiller.overlap, "the case at stake: overlapped batched prefills"
+    firsts = [engine.add_request(a, 3), engine.add_request(b, 3)]
+    told: list[int] = []
+    told_when_asked: list[list[int]] = []
+
+    def more() -> None:
+        told_when_asked.append(list(told))
+        engine.add_request(c, 3)
+
+    engine.step(on_event=lambda e: told.append(e.uid), admit_more=more)
+    assert told_when_asked == [firsts], "both first tokens were out when more were asked for"
+    assert len(told) == 3
 
 
 def test_admit_more_must_be_callable_and_a_refusal_admits_nothing():

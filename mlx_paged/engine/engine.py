@@ -261,8 +261,9 @@ class PagedEngine:
         request's first token after its prefill, with ``overlap`` once the next batched
         prefill is dispatched; a decode's tokens, with ``overlap``, in the next step). It
         must not call ``abort``. ``admit_more`` is called once the step's admissions are
-        dispatched: requests it adds are admitted and prefilled in this step, before its
-        decode (not asked under a ``prefill_budget``, nor by a sharded engine).
+        dispatched and their first tokens read: requests it adds are admitted and
+        prefilled in this step, before its decode (not asked under a ``prefill_budget``,
+        nor by a sharded engine).
         """
         events: list[Event] = []
         if self.agreement is not None and (self.scheduler.waiting or self.scheduler.running):
@@ -309,13 +310,14 @@ class PagedEngine:
 
 
 def _admissions(scheduler: Scheduler, admit_more: Callable[[], object] | None):
-    """A step's prefill work: the scheduler's admissions, then, once they are dispatched,
-    those of the requests ``admit_more`` adds (not asked under a ``prefill_budget``, which
-    bounds a step's prompt tokens)."""
+    """A step's prefill work: the scheduler's admissions, then, once they are dispatched
+    and their first tokens read (``None``), those of the requests ``admit_more`` adds (not
+    asked under a ``prefill_budget``, which bounds a step's prompt tokens)."""
     if admit_more is not None and not callable(admit_more):  # before any admission
         raise ValueError(f"admit_more must be a callable or None, got {admit_more!r}.")
     yield from scheduler.admit()
     if admit_more is not None and scheduler.prefill_budget is None:
+        yield None  # the first tokens so far are read before the requests added are built
         admit_more()
         yield from scheduler.admit()
 

@@ -73,13 +73,19 @@ class Prefiller:
             )
 
     def run(
-        self, works: Iterable[Prefill], tell: Callable[[list[Event]], list[Event]]
+        self, works: Iterable[Prefill | None], tell: Callable[[list[Event]], list[Event]]
     ) -> list[Event]:
         """Run ``works`` in order; hand each work's first-token events to ``tell`` as they
-        are read and return them all. Admission time (between works) counts as ``admit``."""
+        are read and return them all. A ``None`` among the works reads the first tokens
+        still pending. Admission time (between works) counts as ``admit``."""
         events: list[Event] = []
         pending: tuple[Prefill, Picks] | None = None  # first tokens dispatched, not read
         for work in works:
+            if work is None:  # read what is dispatched before any more admissions
+                if pending is not None:
+                    events += tell(self.first_tokens(*pending))
+                    pending = None
+                continue
             self.clock.lap("admit")
             first = self.prefill(work)
             if pending is not None:  # read while this work's forwards run
