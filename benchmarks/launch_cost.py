@@ -13,7 +13,15 @@ evaluated between groups, and the median microseconds per call are printed:
 - ``compiled x + 1``: an ``mx.compile``'d function of six arrays with one op, the floor
   of a compiled replay.
 
-Usage: ``python benchmarks/launch_cost.py [--context 1024] [--calls 2000]``
+With ``--kv-bits 8|4``, ``compiled launch, cold`` is the same call over a batch whose
+blocks lie in a quantized cold tier (two of every three, as ``random_paged_batch``
+leaves them), the six cold arrays as more inputs. Then, for the two compiled launches,
+``--chains`` chains of 16 calls (a model's layers) are built and dispatched with
+``mx.async_eval``, each chain waited for outside the clock, and the median microseconds
+per call of each part are printed: where a cold launch's host time goes, beside the
+step around it.
+
+Usage: ``python benchmarks/launch_cost.py [--context 1024] [--calls 2000] [--kv-bits 8]``
 """
 
 from __future__ import annotations
@@ -41,10 +49,28 @@ def per_call_us(make_call, calls: int) -> float:
     return statistics.median(times[1:]) * 1e6
 
 
+def build_and_dispatch_us(make_call, chains: int, layers: int = 16) -> tuple[float, float]:
+    """Median microseconds per call to build a chain of ``layers`` calls and to dispatch
+    it (``mx.async_eval``); each chain is waited for outside the clock."""
+    build, dispatch = [], []
+    for _ in range(chains):
+        tic = time.perf_counter()
+        outs = [make_call() for _ in range(layers)]
+        built = time.perf_counter()
+        mx.async_eval(outs)
+        done = time.perf_counter()
+        mx.synchronize()
+        build.append((built - tic) / layers)
+        dispatch.append((done - built) / layers)
+    return statistics.median(build[1:]) * 1e6, statistics.median(dispatch[1:]) * 1e6
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--kv-bits", type=int, choices=[4, 8], help="also a cold-tier launch")
+    ap.add_argument("--chains", type=int, default=200, help="with --kv-bits: chains of 16")
     args = ap.parse_args()
     if not (mx.cuda.is_available() and mx.default_device() == mx.gpu):
         raise SystemExit("launch_cost.py needs MLX's CUDA backend on a GPU.")
@@ -72,11 +98,19 @@ def main() -> None:
         "precompiled, direct": lambda: direct(q, view, None),
         "compiled x + 1": lambda: plus_one(*six),
     }
+    if args.kv_bits:
+        c = random_paged_batch([args.context], 32, 8, 64, 64, 16, mx.float16, kv_bits=args.kv_bits)
+        cold = cuda.decode_launch(c.queries, c.view, scale, None)
+        cases["compiled launch, cold"] = lambda: cold(c.queries, c.view, None)
     mx.eval([f() for f in cases.values()])  # compile and trace outside the clock
     print(f"device={mx.default_device()} context={args.context} splits={splits}")
     for _ in range(2):  # two rounds, taking turns
         for name, f in cases.items():
             print(f"{name:22s} {per_call_us(f, args.calls):7.2f} us per call", flush=True)
+        if args.kv_bits:
+            for name in ("compiled launch", "compiled launch, cold"):
+                built, sent = build_and_dispatch_us(cases[name], args.chains)
+                print(f"{name:22s} chained: build {built:6.2f}, dispatch {sent:6.2f} us a call")
 
 
 if __name__ == "__main__":
