@@ -11,6 +11,8 @@ each step). ``--graph`` prints the primitives of one step's graph by kind
 instead of timing; ``--kv-bits`` gives the paged engine a quantized cold tier
 behind ``--hot-tokens``. ``--profile`` brackets three timed steps with
 ``cuProfilerStart``/``Stop``, for ``ncu --profile-from-start off``.
+``--fuse-projections`` runs both cases on the model with its q/k/v and gate/up
+projections fused (``fused_projections.py``): fewer matmuls a layer.
 
 Usage:
     python benchmarks/decode_step.py --model /root/l1b --batch 64 32 --cases paged dense
@@ -33,6 +35,7 @@ import statistics
 import time
 
 import mlx.core as mx
+from fused_projections import fuse_projections
 from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 
@@ -150,8 +153,13 @@ def main() -> None:
     parser.add_argument("--kv-group-size", type=int, default=64, help="with --kv-bits")
     parser.add_argument("--hot-tokens", type=int, default=64, help="with --kv-bits")
     parser.add_argument("--profile", action="store_true", help="three steps in a profiler range")
+    parser.add_argument(
+        "--fuse-projections", action="store_true", help="q/k/v and gate/up as one matmul each"
+    )
     args = parser.parse_args()
     model, _ = load(args.model)
+    if args.fuse_projections:
+        print(f"fused {fuse_projections(model)} projection groups")
     rng = random.Random(0)
     vocab = model.args.vocab_size
     system = [rng.randrange(vocab) for _ in range(args.system)]
