@@ -26,6 +26,8 @@ Usage:
         --cases batchgen+prefix paged          # W three times, the cases taking turns
     python benchmarks/engine.py --dtype float16 --n 64 --mixed 0 --first-batch --cases paged
         # a fresh process's first batch (one case per process)
+    python benchmarks/engine.py --dtype float16 --n 64 --mixed 0 --cases paged --fuse-projections
+        # the model's q/k/v and gate/up as one matmul each (fused_projections.py)
     python benchmarks/engine.py --dtype float16 --shape qwen3_5 --hidden 1536 --layers 24 \
         --vocab 151936 --n 64 --mixed 0 --cases batchgen+prefix-warm paged-warm   # hybrid
 """
@@ -42,6 +44,7 @@ import time
 from collections.abc import Callable
 
 import mlx.core as mx
+from fused_projections import fuse_projections
 from mlx.utils import tree_flatten
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models import llama
@@ -369,9 +372,16 @@ def main() -> None:
         "(kernel compiles and self-checks included); run one case per process",
     )
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument(
+        "--fuse-projections",
+        action="store_true",
+        help="every case's model with q/k/v and gate/up as one matmul each",
+    )
     args = parser.parse_args()
 
     model = build_model(args)
+    if args.fuse_projections:
+        print(f"fused {fuse_projections(model)} projection groups")
     weights_gb = sum(v.nbytes for _, v in tree_flatten(model.parameters())) / 1e9
     print(
         f"device={mx.default_device()} shape={args.shape} dtype={args.dtype} layers={args.layers} "
