@@ -11,13 +11,13 @@ architecture and the NVRTC version, and launches it with
 ``mx.fast.precompiled_cuda_kernel``. With ``MLX_PAGED_KERNEL_CACHE=off``, where
 NVRTC or the driver cannot be found, or where a build fails, it launches
 through ``mx.fast.cuda_kernel`` as before; a folder it cannot write keeps the
-cubins for this process only.
+cubins for this process only. Where nvFatbin is found, a launch hands MLX the cubin
+inside a compressed fatbin instead (``fatbin.py``).
 """
 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import hashlib
 import logging
 import os
@@ -29,6 +29,8 @@ from pathlib import Path
 import mlx.core as mx
 
 from ...paths import cache_root
+from . import fatbin
+from .libs import driver, open_library
 from .plan import placeholder
 
 logger = logging.getLogger("mlx_paged.kernels")
@@ -47,32 +49,9 @@ TemplateArg = tuple[str, "int | bool | mx.Dtype"]
 # ---- the compiler and the GPU ------------------------------------------------
 
 
-def _loaded_library(stem: str) -> str | None:
-    """Path of a shared library this process already mapped (MLX's own NVRTC), if any."""
-    try:
-        with open("/proc/self/maps") as f:
-            for line in f:
-                path = line.rsplit(" ", 1)[-1].strip()
-                if os.path.basename(path).startswith(stem):
-                    return path
-    except OSError:
-        pass
-    return None
-
-
-def _open(stem: str, name: str) -> ctypes.CDLL | None:
-    for path in (_loaded_library(stem), ctypes.util.find_library(name)):
-        if path:
-            try:
-                return ctypes.CDLL(path)
-            except OSError:
-                continue
-    return None
-
-
 @cache
 def _nvrtc() -> ctypes.CDLL | None:
-    lib = _open("libnvrtc.so", "nvrtc")
+    lib = open_library("libnvrtc.so", "nvrtc")
     if lib is not None:
         lib.nvrtcGetErrorString.restype = ctypes.c_char_p
     return lib
@@ -84,7 +63,7 @@ def architecture() -> str | None:
     cuda = getattr(mx, "cuda", None)
     if cuda is None or not cuda.is_available():
         return None
-    drv = _open("libcuda.so", "cuda")
+    drv = driver()
     if drv is None:
         return None
     dev, major, minor = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
@@ -347,7 +326,9 @@ class CudaKernel:
                 {n: CTYPES.get(t, t) for n, t in self.absent.items()},
             )
             try:
-                self._built[key] = (name, cubin(source, name), shaped)
+                data = cubin(source, name)
+                packed = fatbin.pack(data, architecture(), name) if fatbin.enabled() else None
+                self._built[key] = (name, packed or data, shaped)
             except (RuntimeError, OSError, AttributeError) as e:
                 # Our build failed where MLX's may not: hand the body to MLX from now on.
                 logger.warning("mlx_paged: %s; using mx.fast.cuda_kernel instead.", e)
