@@ -9,6 +9,8 @@ os.environ.setdefault("MLX_ENABLE_TF32", "0")
 import mlx.core as mx
 import pytest
 
+from mlx_paged.attention.kernels import cubin, fatbin
+
 # Make tests/tiny_models.py importable as a plain module.
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -32,3 +34,21 @@ def _device(request):
     mx.set_default_device(want)
     yield
     mx.set_default_device(before)
+
+
+@pytest.fixture
+def kernel_cache(tmp_path, monkeypatch):
+    """A cache folder of its own, an architecture and an NVRTC version without a GPU, and
+    a compiler that records its calls."""
+    monkeypatch.setenv("MLX_PAGED_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setattr(fatbin, "enabled", lambda: False)  # cubins launched as they are
+    monkeypatch.setattr(cubin, "architecture", lambda: "sm_90")
+    monkeypatch.setattr(cubin, "_nvrtc_version", lambda: "13.0")
+    monkeypatch.setattr(cubin, "_cubins", {})
+    calls = []
+
+    def compile_fn(src, name, options):
+        calls.append((name, options))
+        return f"cubin of {name} for {options[0]}".encode()
+
+    return tmp_path, calls, compile_fn

@@ -6,10 +6,9 @@ from __future__ import annotations
 import re
 
 import mlx.core as mx
-import pytest
 from test_kernels import cuda_only
 
-from mlx_paged.attention.kernels import cubin, cuda, fatbin, read, source
+from mlx_paged.attention.kernels import cubin, cuda, read, source
 from mlx_paged.attention.kernels.cuda import paged_decode_cuda
 from mlx_paged.attention.kernels.read import read_blocks
 from mlx_paged.attention.kernels.reference import reference_paged_decode
@@ -71,24 +70,6 @@ def test_render_of_the_block_read_passes_the_slots_shape():
     )
     assert shaped == [2]
     assert "const __nv_bfloat16* keys" in src and "int slots_shape_1" in src
-
-
-@pytest.fixture
-def kernel_cache(tmp_path, monkeypatch):
-    """A cache folder of its own, an architecture and an NVRTC version without a GPU, and
-    a compiler that records its calls."""
-    monkeypatch.setenv("MLX_PAGED_KERNEL_CACHE", str(tmp_path))
-    monkeypatch.setattr(fatbin, "enabled", lambda: False)  # cubins launched as they are
-    monkeypatch.setattr(cubin, "architecture", lambda: "sm_90")
-    monkeypatch.setattr(cubin, "_nvrtc_version", lambda: "13.0")
-    monkeypatch.setattr(cubin, "_cubins", {})
-    calls = []
-
-    def compile_fn(src, name, options):
-        calls.append((name, options))
-        return f"cubin of {name} for {options[0]}".encode()
-
-    return tmp_path, calls, compile_fn
 
 
 def test_cubins_are_compiled_once_then_read_from_disk(kernel_cache, monkeypatch):
@@ -288,111 +269,3 @@ def test_a_failed_build_hands_the_kernel_to_mlx(kernel_cache, monkeypatch):
     assert made == ["k"] and len(launched) == 2
     opt = launched[0]["inputs"][1]
     assert opt.shape == (1,) and opt.dtype == mx.float16  # the placeholder, in T
-
-
-# ---- packed images ---------------------------------------------------------------------
-
-
-def _launch_one(kernel):
-    a, b = mx.zeros((4,), dtype=mx.float16), mx.zeros((2, 3), dtype=mx.int32)
-    kernel(
-        inputs=[a, b, None],
-        template=[("T", mx.float16)],
-        grid=(32, 1, 1),
-        threadgroup=(32, 1, 1),
-        output_shapes=[(1,)],
-        output_dtypes=[mx.float16],
-    )
-
-
-@pytest.mark.parametrize("loads", [True, False])
-def test_a_call_launches_the_packed_image_where_one_loads(kernel_cache, monkeypatch, loads):
-    """With nvFatbin found, each template set's cubin is packed once and the packed image
-    launched; where no packed image loads, the cubin itself."""
-    folder, calls, compile_fn = kernel_cache
-    monkeypatch.setattr(cubin, "available", lambda: True)
-    monkeypatch.setattr(cubin, "nvrtc_compile", compile_fn)
-    monkeypatch.setattr(fatbin, "enabled", lambda: True)
-    packed = []
-
-    def pack(data, arch, name):
-        packed.append((data, arch, name))
-        return b"packed " + data if loads else None
-
-    monkeypatch.setattr(fatbin, "pack", pack)
-    launched = []
-
-    def precompiled(**kw):
-        launched.append(kw)
-        shapes, dtypes = kw["output_shapes"], kw["output_dtypes"]
-        return [mx.zeros(s, dtype=d) for s, d in zip(shapes, dtypes, strict=True)]
-
-    monkeypatch.setattr(mx.fast, "precompiled_cuda_kernel", precompiled)
-    kernel = cubin.CudaKernel("k", ["a", "b", "opt"], ["out"], "out[0] = a[0];", "", {"opt": "T"})
-    for _ in range(3):
-        _launch_one(kernel)
-    name = launched[0]["name"]
-    data = f"cubin of {name} for --gpu-architecture=sm_90".encode()
-    assert packed == [(data, "sm_90", name)]  # once for the template set
-    want = b"packed " + data if loads else data
-    assert [kw["compiled_source"] for kw in launched] == [want] * 3
-    assert [p.read_bytes() for p in folder.glob("*.cubin")] == [data]  # the cache keeps cubins
-
-
-def test_pack_takes_the_first_options_whose_smaller_image_loads(monkeypatch):
-    made, checked = [], []
-
-    def make(data, arch, options):
-        made.append(options)
-        if options == fatbin.OPTIONS[0]:
-            raise RuntimeError("nvFatbinCreate failed: unrecognized option")
-        return b"image of " + arch.encode()
-
-    monkeypatch.setattr(fatbin, "fatbin", make)
-    monkeypatch.setattr(fatbin, "loads", lambda image, kernel: checked.append(kernel) or True)
-    cubin_data = b"x" * 64
-    assert fatbin.pack(cubin_data, "sm_90", "k") == b"image of sm_90"
-    assert made == list(fatbin.OPTIONS) and checked == ["k"]
-    monkeypatch.setattr(fatbin, "loads", lambda image, kernel: False)  # the driver refuses it
-    assert fatbin.pack(cubin_data, "sm_90", "k") is None
-    monkeypatch.setattr(fatbin, "loads", lambda image, kernel: True)
-    assert fatbin.pack(b"tiny", "sm_90", "k") is None  # no smaller than the cubin
-
-
-def test_packing_is_on_where_nvfatbin_is_found_unless_turned_off(monkeypatch):
-    monkeypatch.setattr(fatbin, "_nvfatbin", lambda: None)
-    monkeypatch.delenv("MLX_PAGED_KERNEL_COMPRESS", raising=False)
-    assert not fatbin.enabled()
-    monkeypatch.setattr(fatbin, "_nvfatbin", lambda: object())
-    assert fatbin.enabled()
-    monkeypatch.setenv("MLX_PAGED_KERNEL_COMPRESS", "off")
-    assert not fatbin.enabled()
-
-
-@cuda_only
-@pytest.mark.parametrize("bits", [None, 8])
-def test_packed_kernels_are_smaller_and_match_the_cubins(tmp_path, monkeypatch, bits):
-    """On a GPU with nvFatbin: the decode kernel launched from its packed image gives the
-    cubin's output bit for bit, and the image is smaller than the cubin kept on disk."""
-    monkeypatch.setenv("MLX_PAGED_KERNEL_CACHE", str(tmp_path))
-    if not fatbin.enabled():
-        pytest.skip("libnvfatbin not found")
-    batch = random_paged_batch(
-        [300, 17], n_heads=8, n_kv_heads=2, dk=64, dv=64, block_size=16, kv_bits=bits
-    )
-    outs = []
-    for setting in ("on", "off"):
-        monkeypatch.setenv("MLX_PAGED_KERNEL_COMPRESS", setting)
-        monkeypatch.setattr(cuda, "_kernel_obj", [])
-        monkeypatch.setattr(cuda, "_launches", cuda.LaunchCache())
-        outs.append(paged_decode_cuda(batch.queries, batch.view, 0.125, None, num_splits=2))
-        ((name, image, _),) = cuda._kernel()._built.values()
-        (path,) = tmp_path.glob(f"{name}-*.cubin")
-        if setting == "on":
-            assert image[:4] == bytes.fromhex("50ed55ba")  # a fatbin
-            assert len(image) < path.stat().st_size / 2
-        else:
-            assert image == path.read_bytes()
-    assert mx.array_equal(outs[0], outs[1]).item()
-    want = reference_paged_decode(batch.queries, batch.view, 0.125, None)
-    assert mx.allclose(outs[0], want, atol=2e-3).item()
