@@ -52,3 +52,18 @@ def kernel_cache(tmp_path, monkeypatch):
         return f"cubin of {name} for {options[0]}".encode()
 
     return tmp_path, calls, compile_fn
+
+
+@pytest.fixture
+def launched(monkeypatch):
+    """The keyword arguments of each ``mx.fast.precompiled_cuda_kernel`` call, which returns
+    zeros of the output shapes instead of launching anything."""
+    calls = []
+
+    def precompiled(**kw):
+        calls.append(kw)
+        shapes, dtypes = kw["output_shapes"], kw["output_dtypes"]
+        return [mx.zeros(s, dtype=d) for s, d in zip(shapes, dtypes, strict=True)]
+
+    monkeypatch.setattr(mx.fast, "precompiled_cuda_kernel", precompiled)
+    return calls

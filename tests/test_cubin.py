@@ -174,19 +174,13 @@ def test_inputs_a_template_set_does_not_read_are_left_out_of_the_signature():
     assert src.index("using T = __half;") < src.index("const T* cold_kscales = nullptr;")
 
 
-def test_a_call_launches_the_cached_cubin_with_only_the_inputs_it_reads(kernel_cache, monkeypatch):
+def test_a_call_launches_the_cached_cubin_with_only_the_inputs_it_reads(
+    kernel_cache, monkeypatch, launched
+):
     """``CudaKernel.__call__`` without a GPU: MLX's launch replaced by a recorder."""
     folder, calls, compile_fn = kernel_cache
     monkeypatch.setattr(cubin, "available", lambda: True)
     monkeypatch.setattr(cubin, "nvrtc_compile", compile_fn)
-    launched = []
-
-    def precompiled(**kw):
-        launched.append(kw)
-        shapes, dtypes = kw["output_shapes"], kw["output_dtypes"]
-        return [mx.zeros(s, dtype=d) for s, d in zip(shapes, dtypes, strict=True)]
-
-    monkeypatch.setattr(mx.fast, "precompiled_cuda_kernel", precompiled)
     kernel = cubin.CudaKernel(
         "k", ["a", "b", "opt"], ["out"], "out[0] = a[b_shape[1]];", "", {"opt": "T"}
     )

@@ -26,7 +26,9 @@ def _launch_one(kernel):
 
 
 @pytest.mark.parametrize("loads", [True, False])
-def test_a_call_launches_the_packed_image_where_one_loads(kernel_cache, monkeypatch, loads):
+def test_a_call_launches_the_packed_image_where_one_loads(
+    kernel_cache, monkeypatch, launched, loads
+):
     """With nvFatbin found, each template set's cubin is packed once and the packed image
     launched; where no packed image loads, the cubin itself."""
     folder, calls, compile_fn = kernel_cache
@@ -40,14 +42,6 @@ def test_a_call_launches_the_packed_image_where_one_loads(kernel_cache, monkeypa
         return b"packed " + data if loads else None
 
     monkeypatch.setattr(fatbin, "pack", pack)
-    launched = []
-
-    def precompiled(**kw):
-        launched.append(kw)
-        shapes, dtypes = kw["output_shapes"], kw["output_dtypes"]
-        return [mx.zeros(s, dtype=d) for s, d in zip(shapes, dtypes, strict=True)]
-
-    monkeypatch.setattr(mx.fast, "precompiled_cuda_kernel", precompiled)
     kernel = cubin.CudaKernel("k", ["a", "b", "opt"], ["out"], "out[0] = a[0];", "", {"opt": "T"})
     for _ in range(3):
         _launch_one(kernel)
