@@ -67,6 +67,12 @@ def test_pack_takes_the_first_options_whose_smaller_image_loads(monkeypatch):
     cubin_data = b"x" * 64
     assert fatbin.pack(cubin_data, "sm_90", "k") == b"image of sm_90"
     assert made == list(fatbin.OPTIONS) and checked == ["k"]
+
+    def old_driver(image, kernel):
+        raise AttributeError("cuCtxPushCurrent")
+
+    monkeypatch.setattr(fatbin, "loads", old_driver)  # a driver without an entry point
+    assert fatbin.pack(cubin_data, "sm_90", "k") is None
     monkeypatch.setattr(fatbin, "loads", lambda image, kernel: False)  # the driver refuses it
     assert fatbin.pack(cubin_data, "sm_90", "k") is None
     monkeypatch.setattr(fatbin, "loads", lambda image, kernel: True)

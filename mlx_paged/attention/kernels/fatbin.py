@@ -98,9 +98,8 @@ def pack(cubin: bytes, arch: str, kernel: str) -> bytes | None:
     for options in OPTIONS:
         try:
             image = fatbin(cubin, arch, options)
-        except RuntimeError as e:
+            if len(image) < len(cubin) and loads(image, kernel):
+                return image
+        except (RuntimeError, OSError, AttributeError) as e:  # a refusal or an old library
             logger.info("mlx_paged: nvFatbin %s: %s", " ".join(options), e)
-            continue
-        if len(image) < len(cubin) and loads(image, kernel):
-            return image
     return None
