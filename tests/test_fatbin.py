@@ -25,32 +25,53 @@ def _launch_one(kernel):
     )
 
 
-@pytest.mark.parametrize("loads", [True, False])
-def test_a_call_launches_the_packed_image_where_one_loads(
-    kernel_cache, monkeypatch, launched, loads
+@pytest.mark.parametrize("packs", [True, False])
+def test_a_call_launches_the_packed_image_kept_beside_the_cubin(
+    kernel_cache, monkeypatch, launched, packs
 ):
-    """With nvFatbin found, each template set's cubin is packed once and the packed image
-    launched; where no packed image loads, the cubin itself."""
+    """With nvFatbin found, a template set's cubin is packed once per machine, the image kept
+    beside the cubin and launched; each process checks that it loads. Where nothing packs
+    or the driver refuses the kept image, the cubin itself is launched."""
     folder, calls, compile_fn = kernel_cache
     monkeypatch.setattr(cubin, "available", lambda: True)
     monkeypatch.setattr(cubin, "nvrtc_compile", compile_fn)
     monkeypatch.setattr(fatbin, "enabled", lambda: True)
-    packed = []
+    monkeypatch.setattr(fatbin, "version", lambda: "13.0")
+    packed, checked, driver_loads = [], [], [True]
 
     def pack(data, arch, name):
         packed.append((data, arch, name))
-        return b"packed " + data if loads else None
+        return b"packed " + data if packs else None
+
+    def loads(image, name):
+        checked.append((image, name))
+        return driver_loads[0]
 
     monkeypatch.setattr(fatbin, "pack", pack)
-    kernel = cubin.CudaKernel("k", ["a", "b", "opt"], ["out"], "out[0] = a[0];", "", {"opt": "T"})
-    for _ in range(3):
-        _launch_one(kernel)
+    monkeypatch.setattr(fatbin, "loads", loads)
+
+    def new_process():
+        monkeypatch.setattr(cubin, "_cubins", {})
+        kernel = cubin.CudaKernel("k", ["a", "b", "opt"], ["out"], "x", "", {"opt": "T"})
+        for _ in range(2):
+            _launch_one(kernel)
+        return launched[-1]["compiled_source"]
+
+    first = new_process()
     name = launched[0]["name"]
     data = f"cubin of {name} for --gpu-architecture=sm_90".encode()
+    image = b"packed " + data
     assert packed == [(data, "sm_90", name)]  # once for the template set
-    want = b"packed " + data if loads else data
-    assert [kw["compiled_source"] for kw in launched] == [want] * 3
-    assert [p.read_bytes() for p in folder.glob("*.cubin")] == [data]  # the cache keeps cubins
+    assert [kw["compiled_source"] for kw in launched] == [image if packs else data] * 2
+    assert [p.read_bytes() for p in folder.glob("*.cubin")] == [data]
+    assert [p.read_bytes() for p in folder.glob("*.fatbin")] == ([image] if packs else [])
+    assert first == (image if packs else data)
+    checked.clear()
+    assert new_process() == first and len(calls) == 1  # nothing compiled again
+    assert len(packed) == (1 if packs else 2)  # an image is kept, a failure is not
+    assert checked == ([(image, name)] if packs else [])  # the kept image checked once
+    driver_loads[0] = False  # a driver that refuses the kept image
+    assert new_process() == data
 
 
 def test_pack_takes_the_first_options_whose_smaller_image_loads(monkeypatch):

@@ -155,20 +155,41 @@ def cubin(source: str, name: str, compile_fn: Callable | None = None) -> bytes:
     else from the cache folder, else compiled and written there (atomically)."""
     options = [f"--gpu-architecture={architecture()}", "--std=c++17", *_include_options()]
     key = hashlib.sha256("\0".join([source, *options, _nvrtc_version()]).encode()).hexdigest()
-    if key in _cubins:
-        return _cubins[key]
+    return _kept(
+        f"{name}-{key[:32]}.cubin", lambda: (compile_fn or nvrtc_compile)(source, name, options)
+    )
+
+
+def launch_image(data: bytes, name: str) -> bytes:
+    """What a launch of the cubin ``data`` (kernel ``name``) hands MLX: its packed image
+    (``fatbin.py``), kept in the cache folder beside it and checked to load in every
+    process, else ``data`` itself."""
+    if not fatbin.enabled():
+        return data
+    key = hashlib.sha256(data + fatbin.version().encode()).hexdigest()
+    image = _kept(
+        f"{name}-{key[:32]}.fatbin", lambda: fatbin.pack(data, architecture(), name) or b""
+    )
+    return image if image and fatbin.loads(image, name) else data
+
+
+def _kept(file: str, make: Callable[[], bytes]) -> bytes:
+    """The bytes kept as ``file``: from this process, else from the cache folder, else
+    made and, unless empty, written there (atomically)."""
+    if file in _cubins:
+        return _cubins[file]
     folder = cache_dir()
-    path = None if folder is None else folder / f"{name}-{key[:32]}.cubin"
+    path = None if folder is None else folder / file
     data = b""
     if path is not None and path.is_file():
         try:
             data = path.read_bytes()
         except OSError:
-            pass  # unreadable: compile it again
+            pass  # unreadable: make it again
     if not data:
-        logger.info("mlx_paged: compiling CUDA kernel %s (kept in %s).", name, folder)
-        data = (compile_fn or nvrtc_compile)(source, name, options)
-        if path is not None:
+        logger.info("mlx_paged: building %s (kept in %s).", file, folder)
+        data = make()
+        if path is not None and data:
             try:
                 folder.mkdir(parents=True, exist_ok=True)
                 with tempfile.NamedTemporaryFile(dir=folder, delete=False) as f:
@@ -176,7 +197,7 @@ def cubin(source: str, name: str, compile_fn: Callable | None = None) -> bytes:
                 os.replace(f.name, path)
             except OSError as e:  # a read-only home: keep it for this process only
                 logger.info("mlx_paged: cannot keep compiled kernels in %s (%s).", folder, e)
-    _cubins[key] = data
+    _cubins[file] = data
     return data
 
 
@@ -326,9 +347,7 @@ class CudaKernel:
                 {n: CTYPES.get(t, t) for n, t in self.absent.items()},
             )
             try:
-                data = cubin(source, name)
-                packed = fatbin.pack(data, architecture(), name) if fatbin.enabled() else None
-                self._built[key] = (name, packed or data, shaped)
+                self._built[key] = (name, launch_image(cubin(source, name), name), shaped)
             except (RuntimeError, OSError, AttributeError) as e:
                 # Our build failed where MLX's may not: hand the body to MLX from now on.
                 logger.warning("mlx_paged: %s; using mx.fast.cuda_kernel instead.", e)

@@ -40,6 +40,14 @@ def enabled() -> bool:
     return os.environ.get("MLX_PAGED_KERNEL_COMPRESS") != "off" and _nvfatbin() is not None
 
 
+@cache
+def version() -> str:
+    """nvFatbin's version, such as ``"13.0"`` (images are kept per version)."""
+    major, minor = ctypes.c_uint(), ctypes.c_uint()
+    _nvfatbin().nvFatbinVersion(ctypes.byref(major), ctypes.byref(minor))
+    return f"{major.value}.{minor.value}"
+
+
 def _check(lib: ctypes.CDLL, result: int, what: str) -> None:
     if result:
         raise RuntimeError(f"{what} failed: {lib.nvFatbinGetErrorString(result).decode()}")
