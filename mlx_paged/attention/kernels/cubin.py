@@ -12,7 +12,7 @@ architecture and the NVRTC version, and launches it with
 NVRTC or the driver cannot be found, or where a build fails, it launches
 through ``mx.fast.cuda_kernel`` as before; a folder it cannot write keeps the
 cubins for this process only. Where nvFatbin is found, a launch hands MLX the cubin
-inside a compressed fatbin instead (``fatbin.py``).
+inside a compressed fatbin instead (``fatbin.py``), kept beside it.
 """
 
 from __future__ import annotations
