@@ -11,6 +11,9 @@ each step). ``--graph`` prints the primitives of one step's graph by kind
 instead of timing; ``--kv-bits`` gives the paged engine a quantized cold tier
 behind ``--hot-tokens``. ``--profile`` brackets three timed steps with
 ``cuProfilerStart``/``Stop``, for ``ncu --profile-from-start off``.
+``--tiers ROUNDS`` (with ``--kv-bits``) times the full-precision and the
+cold-tier engines in one process, taking turns, and prints the ratio of their
+tokens/s per round: the lent host changes speed between and within processes.
 ``--fuse-projections`` runs both cases on the model with its q/k/v and gate/up
 projections fused (``fused_projections.py``): fewer matmuls a layer.
 
@@ -18,6 +21,8 @@ Usage:
     python benchmarks/decode_step.py --model /root/l1b --batch 64 32 --cases paged dense
     python benchmarks/decode_step.py --model /root/l1b --batch 64 --cases paged --graph
     python benchmarks/decode_step.py --model /root/l1b --batch 1 --cases paged --kv-bits 8
+    python benchmarks/decode_step.py --model /root/l1b --batch 1 14 --cases paged --kv-bits 8 \\
+        --tiers 8 --steps 200
     ncu --clock-control none --profile-from-start off --metrics gpu__time_duration.sum \\
         python benchmarks/decode_step.py --model /root/l1b --batch 64 --cases paged --profile
 """
@@ -76,21 +81,29 @@ def spread(times: list[float]) -> str:
     )
 
 
-def paged(model, prompts: list[list[int]], args) -> None:
-    b = len(prompts)
+def ready_engine(model, prompts: list[list[int]], args, kv_bits: int | None) -> PagedEngine:
+    """A ``PagedEngine`` whose requests all decode (their step's shapes traced), with enough
+    tokens left for every timed step."""
     tier = {}
-    if args.kv_bits:
-        tier = dict(
-            kv_bits=args.kv_bits, kv_group_size=args.kv_group_size, hot_tokens=args.hot_tokens
-        )
-    engine = PagedEngine(model, max_batch_size=b, prefill_step_size=2048, **tier)
+    if kv_bits:
+        tier = dict(kv_bits=kv_bits, kv_group_size=args.kv_group_size, hot_tokens=args.hot_tokens)
+    engine = PagedEngine(model, max_batch_size=len(prompts), prefill_step_size=2048, **tier)
     engine.generate([prompts[0]], max_tokens=1)  # caches the shared prompt
     for p in prompts:
-        engine.add_request(p, args.steps + 40)
+        engine.add_request(p, args.steps * max(args.tiers, 1) + 40)
     while engine.waiting or any(not r.generated for r in engine.running):
         engine.step()
     for _ in range(10):  # the step's shapes traced
         engine.step()
+    return engine
+
+
+def paged(model, prompts: list[list[int]], args) -> None:
+    b = len(prompts)
+    if args.tiers:
+        tiers(model, prompts, args)
+        return
+    engine = ready_engine(model, prompts, args, args.kv_bits)
     if args.graph:
         decode = engine.runner.decode
 
@@ -109,6 +122,31 @@ def paged(model, prompts: list[list[int]], args) -> None:
     steps = engine.clock.decode_steps
     phases = {k: round(v / steps * 1e3, 2) for k, v in engine.clock.seconds.items() if v}
     print(f"paged B={b}: step {spread(times)}; host ms/step {phases}", flush=True)
+
+
+def tiers(model, prompts: list[list[int]], args) -> None:
+    """The full-precision engine and the ``--kv-bits`` one in one process, taking turns for
+    ``--tiers`` rounds of ``--steps`` steps (the first to go alternates), so that each
+    round's pair meets the same host speed."""
+    b = len(prompts)
+    engines = [ready_engine(model, prompts, args, bits) for bits in (None, args.kv_bits)]
+    p50s: list[list[float]] = [[], []]
+    for r in range(args.tiers):
+        for i in (0, 1) if r % 2 == 0 else (1, 0):
+            mx.synchronize()
+            p50s[i].append(statistics.median(timed_steps(engines[i].step, args.steps, False)))
+        full, cold = p50s[0][-1], p50s[1][-1]
+        print(
+            f"tiers B={b} round {r + 1}: step p50 full {full * 1e3:.2f} ms, "
+            f"{args.kv_bits}-bit cold {cold * 1e3:.2f} ms, cold/full tok/s {full / cold:.2f}x",
+            flush=True,
+        )
+    ratios = sorted(f / c for f, c in zip(*p50s, strict=True))
+    print(
+        f"tiers B={b}: cold/full tok/s median {statistics.median(ratios):.2f}x "
+        f"(range {ratios[0]:.2f}x-{ratios[-1]:.2f}x over {args.tiers} rounds)",
+        flush=True,
+    )
 
 
 def dense(model, prompts: list[list[int]], args) -> None:
@@ -154,9 +192,19 @@ def main() -> None:
     parser.add_argument("--hot-tokens", type=int, default=64, help="with --kv-bits")
     parser.add_argument("--profile", action="store_true", help="three steps in a profiler range")
     parser.add_argument(
+        "--tiers",
+        type=int,
+        default=0,
+        metavar="ROUNDS",
+        help="paged, with --kv-bits: the full-precision and cold-tier engines in one process, "
+        "taking turns for ROUNDS rounds of --steps steps",
+    )
+    parser.add_argument(
         "--fuse-projections", action="store_true", help="q/k/v and gate/up as one matmul each"
     )
     args = parser.parse_args()
+    if args.tiers and not args.kv_bits:
+        parser.error("--tiers needs --kv-bits")
     model, _ = load(args.model)
     if args.fuse_projections:
         print(f"fused {fuse_projections(model)} projection groups")

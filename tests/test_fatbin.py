@@ -114,7 +114,8 @@ def test_packing_is_on_where_nvfatbin_is_found_unless_turned_off(monkeypatch):
 @pytest.mark.parametrize("bits", [None, 8])
 def test_packed_kernels_are_smaller_and_match_the_cubins(tmp_path, monkeypatch, bits):
     """On a GPU with nvFatbin: the decode kernel launched from its packed image gives the
-    cubin's output bit for bit, and the image is smaller than the cubin kept on disk."""
+    cubin's output bit for bit, and the image is smaller than the cubin kept on disk; a
+    later process launches the image kept beside it without packing again."""
     monkeypatch.setenv("MLX_PAGED_KERNEL_CACHE", str(tmp_path))
     if not fatbin.enabled():
         pytest.skip("libnvfatbin not found")
@@ -122,19 +123,25 @@ def test_packed_kernels_are_smaller_and_match_the_cubins(tmp_path, monkeypatch, 
         [300, 17], n_heads=8, n_kv_heads=2, dk=64, dv=64, block_size=16, kv_bits=bits
     )
     outs = []
-    for setting in ("on", "off"):
-        monkeypatch.setenv("MLX_PAGED_KERNEL_COMPRESS", setting)
+    for setting in ("on", "off", "kept"):
+        monkeypatch.setenv("MLX_PAGED_KERNEL_COMPRESS", "off" if setting == "off" else "on")
+        if setting == "kept":  # what a later process finds: the files alone
+            monkeypatch.setattr(cubin, "_cubins", {})
+            monkeypatch.setattr(fatbin, "pack", lambda *a: pytest.fail("packed again"))
         monkeypatch.setattr(cuda, "_kernel_obj", [])
         monkeypatch.setattr(cuda, "_launches", cuda.LaunchCache())
         outs.append(paged_decode_cuda(batch.queries, batch.view, 0.125, None, num_splits=2))
         ((name, image, _),) = cuda._kernel()._built.values()
         (path,) = tmp_path.glob(f"{name}-*.cubin")
-        if setting == "on":
+        if setting == "off":
+            assert image == path.read_bytes()
+        else:
             assert image[:4] == bytes.fromhex("50ed55ba")  # a fatbin
             assert len(image) < path.stat().st_size / 2
-        else:
-            assert image == path.read_bytes()
+            (kept,) = tmp_path.glob(f"{name}-*.fatbin")
+            assert image == kept.read_bytes()
     assert mx.array_equal(outs[0], outs[1]).item()
+    assert mx.array_equal(outs[2], outs[1]).item()
     want = reference_paged_decode(batch.queries, batch.view, 0.125, None)
     assert mx.allclose(outs[0], want, atol=2e-3).item()
 
