@@ -131,10 +131,15 @@ def tiers(model, prompts: list[list[int]], args) -> None:
     b = len(prompts)
     engines = [ready_engine(model, prompts, args, bits) for bits in (None, args.kv_bits)]
     p50s: list[list[float]] = [[], []]
+    phases: list[list[dict[str, float]]] = [[], []]  # per round: host ms a step, by phase
     for r in range(args.tiers):
         for i in (0, 1) if r % 2 == 0 else (1, 0):
+            engine = engines[i]
             mx.synchronize()
-            p50s[i].append(statistics.median(timed_steps(engines[i].step, args.steps, False)))
+            engine.clock.reset()
+            p50s[i].append(statistics.median(timed_steps(engine.step, args.steps, False)))
+            n = engine.clock.decode_steps
+            phases[i].append({k: v / n * 1e3 for k, v in engine.clock.seconds.items()})
         full, cold = p50s[0][-1], p50s[1][-1]
         print(
             f"tiers B={b} round {r + 1}: step p50 full {full * 1e3:.2f} ms, "
@@ -147,6 +152,9 @@ def tiers(model, prompts: list[list[int]], args) -> None:
         f"(range {ratios[0]:.2f}x-{ratios[-1]:.2f}x over {args.tiers} rounds)",
         flush=True,
     )
+    for name, rounds in zip(("full", f"{args.kv_bits}-bit cold"), phases, strict=True):
+        medians = {k: round(statistics.median(r[k] for r in rounds), 2) for k in rounds[0]}
+        print(f"tiers B={b} {name}: host ms/step, median of rounds {medians}", flush=True)
 
 
 def dense(model, prompts: list[list[int]], args) -> None:
