@@ -3,6 +3,7 @@ mlx-lm alone: the same tokens, one trace per step shape, and the models it leave
 
 from __future__ import annotations
 
+import io
 import random
 from collections import Counter
 
@@ -14,6 +15,7 @@ from tiny_models import solo as dense_solo
 
 from mlx_paged import PagedEngine
 from mlx_paged.attention import path_counts
+from mlx_paged.cache import DecodeBatch
 from mlx_paged.engine.compiled import batch_bucket, width_bucket
 
 BS = 8
@@ -103,7 +105,7 @@ def record_shapes(engine: PagedEngine) -> tuple[list[tuple], list[list[int] | No
     forward, shapes, slots = decode._forward, [], []
 
     def recorded(cold, *args):
-        gathered = len(args) > 1 + 5 * len(decode.kinds)
+        gathered = len(args) > 1 + DecodeBatch.STEP_ARRAYS * len(decode.kinds)
         slots.append(args[-1].tolist() if gathered else None)
         arrays = [a for pool in pools for a in (*pool.keys, *pool.values)]
         state = [a.shape for a in arrays if a is not None]  # mamba2 has no attention
@@ -131,6 +133,28 @@ def test_a_steady_batch_replays_without_tracing_again():
         engine.step()
     assert engine.runner.compiled.traces == traces
     assert len(engine.running) == 3
+
+
+def test_a_compiled_steps_tables_and_write_positions_hold_no_ops():
+    """The block tables and write positions a compiled step takes are arrays made on the
+    host, padded to the width bucket there: a pad, or write slots worked out by ops before
+    the trace, would add to every step's graph and launches."""
+    engine = PagedEngine(model_of("llama"), block_size=BS, num_blocks=64, compile_decode=True)
+    decode = engine.runner.compiled
+    forward, seen = decode._forward, []
+
+    def recorded(cold, tokens, *arrays):
+        dots = [io.StringIO() for _ in arrays]
+        for dot, a in zip(dots, arrays, strict=True):
+            mx.export_to_dot(dot, a)
+        blocks = max(len(t.blocks) for r in engine.running for t in r.tables.values())
+        seen.append((sum(d.getvalue().count("label =") for d in dots), arrays[0].shape[1], blocks))
+        return forward(cold, tokens, *arrays)
+
+    decode._forward = recorded
+    run(engine, prompts(3, 2), [MAX_TOKENS, 6])  # tables of 3-5 blocks, width buckets 4 and 8
+    assert seen and [ops for ops, _, _ in seen] == [0] * len(seen)
+    assert any(width > blocks for _, width, blocks in seen), seen  # some tables were padded
 
 
 def test_a_shrinking_batch_traces_once_per_row_bucket():

@@ -11,6 +11,8 @@ K/V moving: only the small block-table arrays are rebuilt.
 
 from __future__ import annotations
 
+from functools import cached_property
+
 import mlx.core as mx
 
 from ..attention import (
@@ -47,6 +49,9 @@ class DecodeBatch:
         counts: Real new tokens per sequence (default: ``n_new`` each).
     """
 
+    #: How many arrays ``arrays()`` gives and ``of_arrays`` takes.
+    STEP_ARRAYS = 4
+
     def __init__(
         self,
         pool: KVPool,
@@ -71,9 +76,7 @@ class DecodeBatch:
             write_rows.extend(range(i * n_new, i * n_new + c))
         width = max(len(r) for r in rows)
         # Pad rows with a real id; the mask (and kernels, by ``lengths``) ignore them.
-        table = [r + [r[-1] if r else 0] * (width - len(r)) for r in rows]
-        self.block_tables = mx.array(table, dtype=mx.int32)  # (B, width)
-        self._rows = table  # for the tier plan
+        self._rows = [r + [r[-1] if r else 0] * (width - len(r)) for r in rows]  # (B, width)
         self.has_cold = any(map(pool.has_cold, tables))
         self._plan: TierPlan | None = None
         self._pool = pool
@@ -88,23 +91,31 @@ class DecodeBatch:
             self.write_ids = mx.array([b for ids in write_ids for b in ids], dtype=mx.int32)
             pos = [p for n, c in zip(lengths, counts, strict=True) for p in range(n, n + c)]
             self.write_slots = mx.array(pos, dtype=mx.int32) % bs
-        else:
+        else:  # write_slots (B, n_new) made when first read
             self.write_rows = None
             self.write_ids = mx.array(write_ids, dtype=mx.int32)  # (B, n_new)
-            self.write_slots = (self.offset[:, None] + mx.arange(n_new)[None]) % bs  # (B, n_new)
         self.width = width * bs
         self.masks: dict[int | None, mx.array] = {}
         self._slots: mx.array | None = None
         self._stand_ins: dict[tuple, tuple[mx.array, mx.array]] = {}
         self._view_tables: mx.array | None = None
 
+    @cached_property
+    def block_tables(self) -> mx.array:
+        """``(B, width)`` block ids each row's queries read."""
+        return mx.array(self._rows, dtype=mx.int32)
+
+    @cached_property
+    def write_slots(self) -> mx.array:
+        """``(B, n_new)`` slots in their blocks of the new tokens (of an unpadded step)."""
+        return (self.offset[:, None] + mx.arange(self.n_new)[None]) % self.block_size
+
     def arrays(self, width: int | None = None) -> list[mx.array]:
         """What ``of_arrays`` rebuilds a decode step from (``n_new`` 1, no padding): the
-        block tables padded to the kernels' width or to ``width`` (``pad_tables``), starts,
-        offsets, and where the new tokens go."""
+        block tables padded to the kernels' width or to ``width``, starts, offsets, and the
+        new tokens' blocks (their slots follow from the offsets)."""
         assert self.n_new == 1 and not self.padded, "only an unpadded decode step"
-        tables = pad_tables(self.block_tables, width)
-        return [tables, self.starts, self.offset, self.write_ids, self.write_slots]
+        return [self._padded_tables(width), self.starts, self.offset, self.write_ids]
 
     @classmethod
     def of_arrays(cls, pool: KVPool, arrays: list[mx.array], has_cold: bool = False) -> DecodeBatch:
@@ -112,7 +123,7 @@ class DecodeBatch:
         step's Python runs once per shape); its tables are padded, which the kernels and
         the masks ignore. It has no tables to ``finish``. With ``has_cold``, its tables
         may name cold blocks, which a gather reads through a plan made from the tables."""
-        tables, starts, offset, write_ids, write_slots = arrays
+        tables, starts, offset, write_ids = arrays
         self = cls.__new__(cls)
         self.block_size, self._pool = pool.block_size, pool
         self.tables, self.n_new, self._rows = [None] * offset.shape[0], 1, []
@@ -124,7 +135,7 @@ class DecodeBatch:
         self.counts = mx.ones_like(offset)
         self.lengths = offset + 1
         self.padded, self.write_rows = False, None
-        self.write_ids, self.write_slots = write_ids, write_slots
+        self.write_ids, self.write_slots = write_ids, (offset % self.block_size)[:, None]
         self.width = tables.shape[1] * self.block_size
         self.masks, self._slots, self._stand_ins = {}, None, {}
         return self
@@ -170,8 +181,17 @@ class DecodeBatch:
     def view_tables(self) -> mx.array:
         """``block_tables`` padded to ``table_width`` with each row's last id, for kernels."""
         if self._view_tables is None:
-            self._view_tables = pad_tables(self.block_tables)
+            self._view_tables = self._padded_tables()
         return self._view_tables
+
+    def _padded_tables(self, to: int | None = None) -> mx.array:
+        """``block_tables`` padded as ``pad_tables`` pads them, made on the host from the rows
+        (no pad in the step's graph)."""
+        width = self.width // self.block_size
+        extra = max(table_width(width), to or 0) - width
+        if not extra:
+            return self.block_tables
+        return mx.array([r + (r[-1:] or [0]) * extra for r in self._rows], dtype=mx.int32)
 
     def stand_ins(self, h: int, dk: int, dv: int, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
         """``(B, h, width, dk|dv)`` stand-ins for deferred reads, made once per step."""

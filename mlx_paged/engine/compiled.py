@@ -5,7 +5,8 @@ block tables' width bucket stay the same; only the arrays' contents move. On
 the engine's host-bound steps (one stream above all) building that graph in
 Python costs as much as running it. ``CompiledDecode`` traces the model's
 forward over ``DecodeBatch.of_arrays`` (token ids, block tables padded to a
-width bucket, positions, write slots) with every pool array as compiled state, and
+width bucket on the host, positions, the new tokens' blocks; their slots follow
+from the positions inside the trace) with every pool array as compiled state, and
 replays the trace for later steps of that shape (BENCHMARKS.md, run 262). A fused
 kernel never reads the padded blocks; the portable gather path reads and masks
 them. A batch is padded to a row bucket with copies of its last row, which
@@ -110,7 +111,7 @@ class CompiledDecode:
         batches = [
             DecodeBatch(runner.pools[k], [r.tables[k] for r in rows], k.window) for k in self.kinds
         ]
-        arrays = [a for b in batches for a in b.arrays(width_bucket(b.block_tables.shape[1]))]
+        arrays = [a for b in batches for a in b.arrays(width_bucket(b.width // b.block_size))]
         for pool in runner.pools.values():  # the trace reads the arrays' lists directly
             pool.flush_copies()
         if states is not None:
@@ -179,14 +180,14 @@ class CompiledDecode:
 
     def _trace(self, cold: tuple[bool, ...], tokens: mx.array, *arrays: mx.array) -> mx.array:
         self.traces += 1
-        runner = self.runner
+        runner, n = self.runner, DecodeBatch.STEP_ARRAYS
         batches = {
-            k: DecodeBatch.of_arrays(runner.pools[k], list(arrays[5 * i : 5 * i + 5]), cold[i])
+            k: DecodeBatch.of_arrays(runner.pools[k], list(arrays[n * i : n * i + n]), cold[i])
             for i, k in enumerate(self.kinds)
         }
         views = []
         if runner.states is not None:  # the requests' slots, or the first B rows
-            rows = arrays[-1] if len(arrays) > 5 * len(self.kinds) else tokens.shape[0]
+            rows = arrays[-1] if len(arrays) > n * len(self.kinds) else tokens.shape[0]
             views = [
                 StepStateCache(runner.states, i, rows) for i in range(runner.states.num_layers)
             ]
