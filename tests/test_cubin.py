@@ -55,6 +55,20 @@ def test_render_writes_mlxs_signature_with_shapes_as_trailing_ints():
     assert src.endswith(f"\n{cuda.DECODE_SOURCE}\n}}\n")  # the body, unchanged, closes it
 
 
+def test_render_passes_scalars_after_the_shapes_or_declares_them_zero():
+    template = [("T", mx.float16)]
+    args = ("k", "", "out[0] = a[n] + b_shape[0];", ["a", "b"], [mx.float16, mx.int32], [1, 2])
+    src, shaped = cubin.render(*args, ["out"], [mx.float16], template, None, {"n": True})
+    params = re.search(r'extern "C" __global__ void k\(([^)]*)\)', src).group(1)
+    names = [p.split()[-1].lstrip("*") for p in params.split(",")]
+    assert names == ["a", "b", "out", "b_shape_0", "b_shape_1", "n"] and shaped == [1]
+    assert "int n" in params and "constexpr int n" not in src
+    src, _ = cubin.render(*args, ["out"], [mx.float16], template, None, {"n": False})
+    params = re.search(r'extern "C" __global__ void k\(([^)]*)\)', src).group(1)
+    assert "n" not in [p.split()[-1] for p in params.split(",")]
+    assert "  constexpr int n = 0;" in src
+
+
 def test_render_of_the_block_read_passes_the_slots_shape():
     header, body = source.block_read_source("cuda")
     src, shaped = cubin.render(
@@ -215,6 +229,34 @@ def test_a_call_launches_the_cached_cubin_with_only_the_inputs_it_reads(
     assert first["output_shapes"] == [(1,)] and first["output_dtypes"] == [mx.float16]
 
 
+def test_a_launchs_scalars_follow_its_shapes_and_share_one_binary(
+    kernel_cache, monkeypatch, launched
+):
+    """A scalar's value is an argument of the launch, not part of the binary: launches
+    with different values share one build; one that passes none is another build, which
+    reads the scalar as 0."""
+    folder, calls, compile_fn = kernel_cache
+    monkeypatch.setattr(cubin, "available", lambda: True)
+    monkeypatch.setattr(cubin, "nvrtc_compile", compile_fn)
+    kernel = cubin.CudaKernel("k", ["a"], ["out"], "out[0] = a[a_shape[0] - 1 + n];", "", {}, ["n"])
+    a = mx.zeros((4,), dtype=mx.float16)
+    call = dict(
+        inputs=[a],
+        template=[("T", mx.float16)],
+        grid=(32, 1, 1),
+        threadgroup=(32, 1, 1),
+        output_shapes=[(1,)],
+        output_dtypes=[mx.float16],
+    )
+    for n in (5, 9):
+        kernel(**call, scalars={"n": n})
+    kernel(**call)
+    assert len(calls) == 2
+    five, nine, none = launched
+    assert five["scalars"] == [4, 5] and nine["scalars"] == [4, 9] and none["scalars"] == [4]
+    assert five["name"] == nine["name"] != none["name"]
+
+
 def test_an_empty_cache_file_is_compiled_again(kernel_cache):
     folder, calls, compile_fn = kernel_cache
     data = cubin.cubin("source", "k", compile_fn)
@@ -261,5 +303,10 @@ def test_a_failed_build_hands_the_kernel_to_mlx(kernel_cache, monkeypatch):
     kernel(inputs=[a, None], **call)
     kernel(inputs=[a, None], **call)
     assert made == ["k"] and len(launched) == 2
+    # Under mx.fast.cuda_kernel a scalar is a template constant, 0 where not passed.
+    scalar = cubin.CudaKernel("s", ["a"], ["out"], "out[0] = a[n];", "", {}, ["n"])
+    scalar(inputs=[a], **call, scalars={"n": 3})
+    scalar(inputs=[a], **call)
+    assert [kw["template"][-1] for kw in launched[2:]] == [("n", 3), ("n", 0)]
     opt = launched[0]["inputs"][1]
     assert opt.shape == (1,) and opt.dtype == mx.float16  # the placeholder, in T

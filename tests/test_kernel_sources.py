@@ -162,13 +162,14 @@ def test_the_metal_build_parses_as_cpp_with_metal_stand_ins(tmp_path, bits, lane
     header, body = source.decode_source("metal", merge_inline=False)
     _, merge = source.merge_source("metal")
     code = Path(__file__).with_name("metal_mock.h").read_text() + header
-    code += kernel_function("decode", body, DECODE_INPUTS, DECODE_OUTPUTS, "device ", attrs)
+    inputs = [*DECODE_INPUTS, "cold_base:int32_t"]  # Metal's first cold row is an input
+    code += kernel_function("decode", body, inputs, DECODE_OUTPUTS, "device ", attrs)
     code += kernel_function("merge", merge, MERGE_INPUTS, ["out:T"], "device ", attrs)
     dtype = "float16_t"
     ce = cold_lane_elems(bits, lane_bytes) if bits else 0
     rows = rows_per_step(128, 128, 4, COLD_SLOTS if bits else 8, ce)  # the mock's is 4 bytes
     code += instantiation(
-        "decode", dtype, rows, False, bits, 4, DECODE_INPUTS, DECODE_OUTPUTS, attrs,
+        "decode", dtype, rows, False, bits, 4, inputs, DECODE_OUTPUTS, attrs,
         ce=ce or 16,
     )  # fmt: skip
     code += instantiation("merge", dtype, 8, False, bits, 4, MERGE_INPUTS, ["out:T"], attrs)
@@ -193,7 +194,8 @@ def test_the_cuda_build_compiles_without_spilling(tmp_path):
     header, body = source.decode_source("cuda", merge_inline=True)
     inputs = [*DECODE_INPUTS[:7], "counters:int32_t", *DECODE_INPUTS[7:]]
     code = "#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n#include <cstdint>\n" + header
-    code += kernel_function("decode", body, inputs, DECODE_OUTPUTS, qualifier="__global__ ")
+    scalar = ["int cold_base"]  # CUDA's first cold row is a scalar argument
+    code += kernel_function("decode", body, inputs, DECODE_OUTPUTS, "", scalar, "__global__ ")
     shapes = {(0, None): (16, 4), (4, None): (16, 4), (8, None): (16, 4), (4, 16): (32, 2)}
     for (bits, lane_bytes), want in shapes.items():
         batch = random_paged_batch([64], 32, 8, 128, 128, 16, mx.float16, kv_bits=bits or None)
@@ -201,7 +203,7 @@ def test_the_cuda_build_compiles_without_spilling(tmp_path):
         rows = rows_per_step(128, 128, 2, COLD_SLOTS if bits else 16, plan.cold_elems)
         assert (rows, plan.heads_per_block) == want
         code += instantiation(
-            "decode", "__half", rows, not bits, bits, 8, inputs, DECODE_OUTPUTS,
+            "decode", "__half", rows, not bits, bits, 8, inputs, DECODE_OUTPUTS, scalar,
             qualifier="__global__ ", hg=plan.heads_per_block, ce=plan.cold_elems or 16,
         )  # fmt: skip
     read_header, read_body = source.block_read_source("cuda")
@@ -223,7 +225,8 @@ def test_the_cuda_build_compiles_without_spilling(tmp_path):
 def test_the_reference_reads_cold_blocks_as_their_dequantized_values(bits):
     batch = random_paged_batch([100, 33, 7], 8, 2, 128, 128, 16, kv_bits=bits, sinks=True)
     cold = batch.view.cold
-    assert cold is not None and cold.keys[0].shape[0] == 5 + 1  # 4 of 7 blocks, 2 of 3
+    # 4 of 7 blocks, 2 of 3, as layer 1 of a stack of three
+    assert cold is not None and cold.keys[0].shape[:2] == (3, 5 + 1) and cold.layer == 1
     got = reference_paged_decode(batch.queries, batch.view, 0.1, batch.sinks)
     # dense_decode reads the dequantized K/V; the hot copies of cold blocks hold 6e4.
     assert max_diff(got, dense_decode(batch, 0.1)) < 1e-5
@@ -240,6 +243,12 @@ def test_plan_declines_cold_tiers_the_kernels_cannot_read():
         cold=view.cold._replace(keys=(words, scales.astype(mx.float16), biases))
     )
     assert "cold scales" in plan_decode(q, bad_dtype).reason
+    # The view's layer must lie in the stack: the kernels do not check their reads.
+    for layer in (-1, 3):
+        bad_layer = view._replace(cold=view.cold._replace(layer=layer))
+        assert "cold layer" in plan_decode(q, bad_layer).reason
+    one_layer = view._replace(cold=view.cold._replace(keys=tuple(x[1] for x in view.cold.keys)))
+    assert "cold stacks" in plan_decode(q, one_layer).reason
     # A lane loads 8 or 16 bytes of a cold row: 16 or 32 elements at 4 bits.
     assert plan_decode(q, view, 64, cold_lane_bytes=8).cold_elems == 16
     assert plan_decode(q, view, 64, cold_lane_bytes=16).cold_elems == 32

@@ -351,8 +351,9 @@ class RecordingKernel:
         shapes, dtypes = kw["output_shapes"], kw["output_dtypes"]
         return [mx.zeros(s, dtype=d) for s, d in zip(shapes, dtypes, strict=True)]
 
-    def build(self, inputs, template, output_dtypes):
+    def build(self, inputs, template, output_dtypes, scalars=()):
         assert [x is None for x in inputs] == [False] * 6 + [True, inputs[7] is None] + [True] * 6
+        assert list(scalars) == []  # cold_base comes with a cold tier only
         self.built.add((tuple(template), inputs[7] is not None))
         return True
 

@@ -30,7 +30,7 @@ from mlx_paged import PagedEngine, PagedKVCache, make_paged_cache
 from mlx_paged.blocks import COLD, TieredBlockPool, is_cold
 from mlx_paged.cache import PagedLayout, make_pools
 from mlx_paged.embedded import convert_gguf, find_embedded_gguf, load_model
-from mlx_paged.storage import KVQuant
+from mlx_paged.storage import ColdStore, KVQuant
 
 BLOCK = 8
 HOT = 16  # tokens kept in full precision
@@ -390,3 +390,81 @@ def test_tiered_refcounts_match_holders(ops):
     for b in sorted(pool.parked_ids()):
         pool.unpark(b)
     assert pool.num_free == 8 and pool.cold.num_free == pool.cold.capacity
+
+
+# ---- the cold store: every layer's blocks in one array per part ---------------
+
+
+def cold_rows(layers: int, n: int, heads: int, seed: int) -> tuple[mx.array, mx.array]:
+    """Random ``(layers, n, BLOCK, heads, 64)`` K and V, each layer different."""
+    k, v = mx.random.split(mx.random.key(seed))
+    shape = (layers, n, BLOCK, heads, 64)
+    return mx.random.normal(shape, key=k), mx.random.normal(shape, key=v)
+
+
+def test_a_cold_store_stacks_its_layers_and_each_reads_its_own():
+    quant = KVQuant(8, 32)
+    store, at = ColdStore(3, quant), mx.array([5, 1])
+    keys, values = cold_rows(3, 2, 2, seed=0)
+    store.store_layers(keys, values, at, 8)
+    assert store.where == [(0, 0), (0, 1), (0, 2)]
+    # 64 8-bit elements are 16 words, in 2 groups of 32
+    want = [(3, 8, BLOCK, 2, 16), (3, 8, BLOCK, 2, 2), (3, 8, BLOCK, 2, 2)]
+    assert [x.shape for x in store.keys] == [x.shape for x in store.values] == want
+    for layer in range(3):
+        k, v = store.read(layer, at)
+        assert mx.array_equal(k, quant.dequantize(quant.quantize(keys[layer])))
+        assert mx.array_equal(v, quant.dequantize(quant.quantize(values[layer])))
+        (kw, _, _), _ = store.layer_parts(layer)
+        assert mx.array_equal(kw[at], quant.quantize(keys[layer])[0])
+    # Layer by layer (the disk tier's writes), the same rows of the same arrays.
+    apart = ColdStore(3, quant)
+    for layer in range(3):
+        apart.write(layer, quant.quantize(keys[layer]), quant.quantize(values[layer]), at, 8)
+    assert apart.where == store.where
+    for a, b in zip(apart.keys + apart.values, store.keys + store.values, strict=True):
+        assert mx.array_equal(a, b)
+    # A larger tier grows every array along its slots and keeps the rows written.
+    more_k, more_v = cold_rows(3, 1, 2, seed=1)
+    store.store_layers(more_k, more_v, mx.array([11]), 12)
+    assert [x.shape[:2] for x in store.keys] == [(3, 12)] * 3
+    for layer in range(3):
+        assert mx.array_equal(store.read(layer, at)[0], apart.read(layer, at)[0])
+        assert mx.array_equal(
+            store.read(layer, mx.array([11]))[1],
+            quant.dequantize(quant.quantize(more_v[layer])),
+        )
+    assert store.bytes_per_block() == 3 * 2 * BLOCK * 2 * (16 * 4 + 2 * 4 + 2 * 4)
+
+
+def test_layers_of_other_shapes_stack_apart():
+    """Layers with other head counts (OpenELM's, say) make a stack of their own; each
+    layer's index runs within its stack."""
+    quant = KVQuant(4, 32)
+    store, at = ColdStore(3, quant), mx.array([2])
+    rows = [cold_rows(1, 1, heads, seed=h) for h, heads in enumerate((2, 4, 2))]
+    for layer, (k, v) in enumerate(rows):
+        store.write(layer, quant.quantize(k[0]), quant.quantize(v[0]), at, 4)
+    assert store.where == [(0, 0), (1, 0), (0, 1)] and len(store.keys) == 6
+    assert [x.shape[:4] for x in store.keys[::3]] == [(2, 4, BLOCK, 2), (1, 4, BLOCK, 4)]
+    for layer, (k, v) in enumerate(rows):
+        got_k, got_v = store.read(layer, at)
+        assert mx.array_equal(got_k, quant.dequantize(quant.quantize(k[0])))
+        assert mx.array_equal(got_v, quant.dequantize(quant.quantize(v[0])))
+
+
+def test_layers_stacked_out_of_order_take_store_layers_one_by_one():
+    quant = KVQuant(8, 32)
+    store, at = ColdStore(3, quant), mx.array([1])
+    keys, values = cold_rows(3, 1, 2, seed=2)
+    for layer in (2, 0, 1):  # a disk load that met the layers in this order
+        store.write(layer, quant.quantize(keys[layer]), quant.quantize(values[layer]), at, 4)
+    assert store.where == [(0, 1), (0, 2), (0, 0)]
+    more_k, more_v = cold_rows(3, 1, 2, seed=3)
+    store.store_layers(more_k, more_v, mx.array([3]), 4)
+    for layer in range(3):
+        assert mx.array_equal(
+            store.read(layer, at)[0], quant.dequantize(quant.quantize(keys[layer]))
+        )
+        got = store.read(layer, mx.array([3]))[1]
+        assert mx.array_equal(got, quant.dequantize(quant.quantize(more_v[layer])))

@@ -16,7 +16,8 @@ class ColdView(NamedTuple):
     """One layer's quantized blocks (mlx_paged's cold tier), in ``mx.quantize``'s format.
 
     ``keys`` and ``values`` are (packed ``uint32`` values, scales, biases), each
-    ``(cold_blocks, block_size, n_kv_heads, ...)``. A block table entry
+    ``(layers, cold_blocks, block_size, n_kv_heads, ...)``: the cold blocks of every
+    layer of a stack, of which this view reads layer ``layer``. A block table entry
     ``COLD + i`` (``mlx_paged.blocks.COLD``) names cold block ``i``.
     """
 
@@ -24,13 +25,14 @@ class ColdView(NamedTuple):
     values: tuple[mx.array, mx.array, mx.array]
     bits: int
     group_size: int
+    layer: int = 0
 
     def dequantized(self) -> tuple[mx.array, mx.array]:
-        """Every cold block as ``(cold_blocks, block_size, n_kv_heads, D)`` K and V."""
-        gs, bits = self.group_size, self.bits
+        """This layer's cold blocks as ``(cold_blocks, block_size, n_kv_heads, D)`` K and V."""
+        gs, bits, i = self.group_size, self.bits, self.layer
         return (
-            mx.dequantize(*self.keys, group_size=gs, bits=bits),
-            mx.dequantize(*self.values, group_size=gs, bits=bits),
+            mx.dequantize(*(x[i] for x in self.keys), group_size=gs, bits=bits),
+            mx.dequantize(*(x[i] for x in self.values), group_size=gs, bits=bits),
         )
 
 

@@ -131,10 +131,11 @@ class PagedKVCache(PagedLayerCache, KVCache):
             p.block_size,
             None if dtype is None else str(dtype).rsplit(".", 1)[-1],
         )
-        if p.cold is None or p.cold.keys[self.layer] is None:
+        parts = None if p.cold is None else p.cold.layer_parts(self.layer)
+        if parts is None:
             return state
-        q, cold = p.quant, (*p.cold.keys[self.layer], *p.cold.values[self.layer])
-        return (*state, *cold, q.bits, q.group_size, q.hot_tokens)
+        q = p.quant
+        return (*state, *parts[0], *parts[1], q.bits, q.group_size, q.hot_tokens)
 
     @state.setter
     def state(self, v: tuple) -> None:

@@ -173,7 +173,7 @@ class CompiledDecode:
     def _pool_shapes(self) -> list[tuple[int, ...]]:
         pools = self.runner.pools.values()
         shapes = [pool.keys[0].shape for pool in pools if pool.keys[0] is not None]
-        shapes += [parts[0].shape for held in self._colds for parts in held[:1] if parts]
+        shapes += [words.shape for held in self._colds for words in held[::3]]  # per stack
         if self.runner.states is not None:
             shapes.append((self.runner.states.rows_held,))
         return shapes

@@ -128,14 +128,14 @@ class LayerArrays(BlockTables):
             return False
         return table.derived("has_cold", (table.version,), lambda: any(map(is_cold, table.blocks)))
 
-    def cold_arrays(self, layer: int) -> tuple[Quantized, Quantized, int, int] | None:
-        """One layer's cold tier for kernels that read it directly: K's and V's (packed
-        words, scales, biases), the bits and the group size; ``None`` before its first
-        cold block."""
-        if self.cold is None or self.cold.keys[layer] is None:
+    def cold_arrays(self, layer: int) -> tuple[Quantized, Quantized, int, int, int] | None:
+        """A layer's cold tier for kernels that read it directly: K's and V's (packed
+        words, scales, biases) of the layer's stack (``ColdStore``), the bits, the group
+        size and the layer's index in the stack; ``None`` before its first cold block."""
+        if self.cold is None or self.cold.where[layer] is None:
             return None
-        q = self.cold.quant
-        return self.cold.keys[layer], self.cold.values[layer], q.bits, q.group_size
+        k, v, index = self.cold.stack(layer)
+        return k, v, self.cold.quant.bits, self.cold.quant.group_size, index
 
     def block_rows(self, layer: int, ids: list[int]) -> tuple[mx.array, mx.array]:
         """Blocks ``ids`` (either tier) of one layer as ``(n, block_size, H, D)`` K and V.
@@ -248,10 +248,20 @@ class LayerArrays(BlockTables):
     def _quantize(self, src: list[int], dst: list[int]) -> None:
         """Quantize hot blocks ``src`` into cold slots ``dst``, every layer."""
         at, to = mx.array(src, dtype=mx.int32), mx.array(dst, dtype=mx.int32)
-        for layer in range(self.num_layers):
-            if self.keys[layer] is not None:
-                k, v = self.keys[layer][at], self.values[layer][at]
-                self.cold.store(layer, k, v, to, self.blocks.cold.capacity)
+        slots = self.blocks.cold.capacity
+        shapes = {
+            (k.shape, v.shape, k.dtype) if k is not None else None
+            for k, v in zip(self.keys, self.values, strict=True)
+        }
+        if None not in shapes and len(shapes) == 1:  # one shape: every layer in one write
+            k = mx.stack([keys[at] for keys in self.keys])
+            v = mx.stack([values[at] for values in self.values])
+            self.cold.store_layers(k, v, to, slots)
+        else:
+            for layer in range(self.num_layers):
+                if self.keys[layer] is not None:
+                    k, v = self.keys[layer][at], self.values[layer][at]
+                    self.cold.store(layer, k, v, to, slots)
         self._update_bytes_per_block()
 
     def _update_bytes_per_block(self) -> None:

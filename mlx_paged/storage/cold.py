@@ -1,10 +1,13 @@
-"""The cold tier's arrays: quantized blocks per layer, and reads that mix both tiers.
+"""The cold tier's arrays: quantized blocks of a layer group, and reads that mix both tiers.
 
-A ``ColdStore`` holds, per layer, K and V of every cold slot in MLX's affine
-format (packed values, scales and biases, each ``[cold_blocks, block_size,
-n_kv_heads, ...]``). ``TierPlan`` and ``read_tiered`` read rows of block ids
-whose blocks lie in either tier: hot ones gathered as ``take_blocks`` does,
-cold ones dequantized.
+A ``ColdStore`` holds K and V of every cold slot of every layer of its group in
+MLX's affine format: packed values, scales and biases, each one array
+``[layers, cold_blocks, block_size, n_kv_heads, ...]``. A decode step hands the
+kernels these six arrays, whatever the number of layers, and each layer's
+launch reads its own rows at an offset: every array a step's graph holds costs
+the host time to walk and replay (BENCHMARKS.md, run 443). ``TierPlan`` and
+``read_tiered`` read rows of block ids whose blocks lie in either tier: hot
+ones gathered as ``take_blocks`` does, cold ones dequantized.
 """
 
 from __future__ import annotations
@@ -15,12 +18,19 @@ from ..blocks import COLD, is_cold
 from .quant import KVQuant
 from .read import take_blocks
 
-#: One layer's cold K or V: packed values, scales and biases.
+#: K or V of cold blocks: packed values, scales and biases.
 Quantized = tuple[mx.array, mx.array, mx.array]
 
 
 class ColdStore:
     """The quantized blocks of one layer group.
+
+    Layers whose cold parts share shapes and dtypes share a stack: ``keys`` holds
+    K's (packed values, scales, biases) of stack ``s`` at ``keys[3 * s : 3 * s + 3]``,
+    each ``(layers of the stack, slots, block_size, n_kv_heads, ...)``, and ``values``
+    V's alike; ``where[layer]`` is a layer's ``(stack, index in it)``, ``None`` before
+    its first cold block. Both lists are only ever updated in place (a compiled decode
+    step takes them as its inputs).
 
     Args:
         num_layers: Layers in the group.
@@ -29,49 +39,119 @@ class ColdStore:
 
     def __init__(self, num_layers: int, quant: KVQuant):
         self.quant = quant
-        self.keys: list[Quantized | None] = [None] * num_layers
-        self.values: list[Quantized | None] = [None] * num_layers
+        self.num_layers = num_layers
+        self.keys: list[mx.array] = []
+        self.values: list[mx.array] = []
+        self.where: list[tuple[int, int] | None] = [None] * num_layers
 
     def store(self, layer: int, keys: mx.array, values: mx.array, at: mx.array, slots: int) -> None:
         """Quantize ``(n, bs, H, D)`` K and V into cold slots ``at`` of a tier of ``slots``."""
         self.write(layer, self.quant.quantize(keys), self.quant.quantize(values), at, slots)
 
+    def store_layers(self, keys: mx.array, values: mx.array, at: mx.array, slots: int) -> None:
+        """Quantize every layer's ``(num_layers, n, bs, H, D)`` K and V into cold slots
+        ``at`` of a tier of ``slots``: one quantization and one write per array when the
+        layers make one stack in order (the usual case), else layer by layer."""
+        k, v = self.quant.quantize(keys), self.quant.quantize(values)
+        if all(w is None for w in self.where) and not self.keys:
+            self._new_stack(k, v, slots, self.num_layers)
+            self.where = [(0, layer) for layer in range(self.num_layers)]
+        if self.where != [(0, layer) for layer in range(self.num_layers)]:
+            for layer in range(self.num_layers):
+                parts = [tuple(x[layer] for x in q) for q in (k, v)]
+                self.write(layer, *parts, at, slots)
+            return
+        self._grow(slots)
+        for held, parts in ((self.keys, k), (self.values, v)):
+            for i, new in enumerate(parts):
+                held[i][:, at] = new
+
     def write(
         self, layer: int, keys: Quantized, values: Quantized, at: mx.array, slots: int
     ) -> None:
-        """Put quantized ``(n, bs, H, ...)`` K and V parts into cold slots ``at`` of a
-        tier of ``slots`` (e.g. blocks read back from disk)."""
-        for parts, held_by in ((keys, self.keys), (values, self.values)):
-            held = held_by[layer]
-            if held is None:
-                held = tuple(mx.zeros((slots, *p.shape[1:]), dtype=p.dtype) for p in parts)
-            held = tuple(grow_rows(h, slots) for h in held)
-            for h, new in zip(held, parts, strict=True):
-                h[at] = new
-            held_by[layer] = held
+        """Put one layer's quantized ``(n, bs, H, ...)`` K and V parts into cold slots
+        ``at`` of a tier of ``slots`` (e.g. blocks read back from disk)."""
+        s, i = self._place(layer, keys, values, slots)
+        for held, parts in ((self.keys, keys), (self.values, values)):
+            for j, new in enumerate(parts):
+                held[3 * s + j][i, at] = new
 
     def read(self, layer: int, at: mx.array) -> tuple[mx.array, mx.array]:
         """Cold slots ``at`` (any shape) dequantized: ``(*at.shape, bs, H, D)`` K and V."""
+        k, v, i = self.stack(layer)
         q = self.quant
-        return (
-            q.dequantize(tuple(x[at] for x in self.keys[layer])),
-            q.dequantize(tuple(x[at] for x in self.values[layer])),
-        )
+        return q.dequantize(tuple(x[i, at] for x in k)), q.dequantize(tuple(x[i, at] for x in v))
+
+    def stack(self, layer: int) -> tuple[Quantized, Quantized, int]:
+        """The K and V parts of a layer's stack, and the layer's index in it (the layer
+        must hold cold blocks)."""
+        s, i = self.where[layer]
+        return tuple(self.keys[3 * s : 3 * s + 3]), tuple(self.values[3 * s : 3 * s + 3]), i
+
+    def layer_parts(self, layer: int) -> tuple[Quantized, Quantized] | None:
+        """One layer's K and V parts, each ``(slots, bs, H, ...)``; ``None`` before its
+        first cold block."""
+        if self.where[layer] is None:
+            return None
+        k, v, i = self.stack(layer)
+        return tuple(x[i] for x in k), tuple(x[i] for x in v)
 
     def adopt(self, layer: int, keys: Quantized, values: Quantized) -> None:
-        """Install existing arrays (every cold slot) for a layer, e.g. from a saved cache."""
-        self.keys[layer], self.values[layer] = keys, values
+        """Install a layer's existing arrays (every cold slot), e.g. from a saved cache."""
+        slots = keys[0].shape[0]
+        s, i = self._place(layer, keys, values, slots)
+        if self.keys[3 * s].shape[1] != slots:
+            raise ValueError(f"expected {self.keys[3 * s].shape[1]} cold blocks, got {slots}.")
+        for held, parts in ((self.keys, keys), (self.values, values)):
+            for j, new in enumerate(parts):
+                held[3 * s + j][i] = new
 
     def layer_bytes_per_block(self, layer: int) -> int:
-        """Bytes one cold block takes in one layer (0 before its first block)."""
-        if self.keys[layer] is None:
+        """Bytes one cold block takes in one layer (0 before its first cold block)."""
+        if self.where[layer] is None:
             return 0
-        parts = (*self.keys[layer], *self.values[layer])
-        return sum(x.nbytes // max(x.shape[0], 1) for x in parts)
+        k, v, _ = self.stack(layer)
+        return sum(x.nbytes // max(x.shape[0] * x.shape[1], 1) for x in (*k, *v))
 
     def bytes_per_block(self) -> int:
         """Bytes one cold block takes over every layer."""
-        return sum(self.layer_bytes_per_block(layer) for layer in range(len(self.keys)))
+        return sum(self.layer_bytes_per_block(layer) for layer in range(self.num_layers))
+
+    def _place(self, layer: int, keys: Quantized, values: Quantized, slots: int) -> tuple[int, int]:
+        """A layer's ``(stack, index)``: on its first write a new row of the stack of its
+        parts' shapes and dtypes (or a new stack); every stack grown to ``slots``."""
+        if self.where[layer] is None:
+            sig = [(x.shape[1:], x.dtype) for x in (*keys, *values)]
+            stacks = range(len(self.keys) // 3)
+            same = [s for s in stacks if self._signature(s) == sig]
+            if same:
+                s = same[0]
+                self.where[layer] = (s, self.keys[3 * s].shape[0])
+                for held in (self.keys, self.values):
+                    held[3 * s : 3 * s + 3] = [
+                        grow_rows(x, x.shape[0] + 1) for x in held[3 * s : 3 * s + 3]
+                    ]
+            else:
+                self.where[layer] = (len(stacks), 0)
+                self._new_stack([x[None] for x in keys], [x[None] for x in values], slots, 1)
+        self._grow(slots)
+        return self.where[layer]
+
+    def _signature(self, s: int) -> list[tuple]:
+        """Stack ``s``'s parts' shapes past ``(layers, slots)``, and dtypes."""
+        parts = (*self.keys[3 * s : 3 * s + 3], *self.values[3 * s : 3 * s + 3])
+        return [(x.shape[2:], x.dtype) for x in parts]
+
+    def _new_stack(self, keys: Quantized, values: Quantized, slots: int, layers: int) -> None:
+        """Append a zero-filled stack of ``layers`` for parts like ``(layers, n, ...)``."""
+        for held, parts in ((self.keys, keys), (self.values, values)):
+            held += [mx.zeros((layers, slots, *x.shape[2:]), dtype=x.dtype) for x in parts]
+
+    def _grow(self, slots: int) -> None:
+        """Every stack with zero-filled slots up to ``slots``."""
+        for held in (self.keys, self.values):
+            if held and held[0].shape[1] < slots:
+                held[:] = [grow_rows(x, slots, axis=1) for x in held]
 
 
 class TierPlan:
@@ -140,8 +220,10 @@ def read_tiered(
     return out[0], out[1]
 
 
-def grow_rows(x: mx.array | None, rows: int) -> mx.array | None:
-    """``x`` with zero rows appended up to ``rows`` (``None`` stays ``None``)."""
-    if x is None or x.shape[0] >= rows:
+def grow_rows(x: mx.array | None, rows: int, axis: int = 0) -> mx.array | None:
+    """``x`` with zero rows appended along ``axis`` up to ``rows`` (``None`` stays ``None``)."""
+    if x is None or x.shape[axis] >= rows:
         return x
-    return mx.concatenate([x, mx.zeros((rows - x.shape[0], *x.shape[1:]), dtype=x.dtype)])
+    shape = list(x.shape)
+    shape[axis] = rows - x.shape[axis]
+    return mx.concatenate([x, mx.zeros(shape, dtype=x.dtype)], axis=axis)

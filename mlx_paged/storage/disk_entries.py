@@ -59,10 +59,10 @@ def block_parts(
             model = dtype_name(pool.input_dtypes[layer])
             for which in "kv":
                 if cold[g]:  # quantized: packed values, scales, biases
-                    held = (pool.cold.keys if which == "k" else pool.cold.values)[layer]
-                    for part, x in zip("qsb", held, strict=True):
+                    *held, i = pool.cold.stack(layer)
+                    for part, x in zip("qsb", held[which == "v"], strict=True):
                         names.append(f"{g}.{layer}.{which}{part}.{dtype_name(x.dtype)}.{model}")
-                        parts.append(x[at])
+                        parts.append(x[i, at])
                 else:
                     x = (pool.keys if which == "k" else pool.values)[layer]
                     names.append(f"{g}.{layer}.{which}.{dtype_name(x.dtype)}.{model}")
@@ -366,7 +366,7 @@ def pool_arrays(pool: KVPool) -> list[mx.array]:
     """Every array a pool holds, both tiers."""
     out = [a for a in (*pool.keys, *pool.values) if a is not None]
     if pool.cold is not None:
-        out += [x for q in (*pool.cold.keys, *pool.cold.values) if q is not None for x in q]
+        out += [*pool.cold.keys, *pool.cold.values]
     return out
 
 

@@ -215,6 +215,7 @@ def render(
     output_dtypes: Sequence[mx.Dtype],
     template: Sequence[TemplateArg],
     absent: dict[str, str] | None = None,
+    scalars: dict[str, bool] | None = None,
 ) -> tuple[str, list[int]]:
     """The whole CUDA source of one template set, and the indices of the inputs whose shapes
     are passed as trailing ``int`` arguments (those the body reads as ``<name>_shape[i]``).
@@ -222,7 +223,8 @@ def render(
     The signature and constants follow what ``mx.fast.cuda_kernel`` generates, so the
     same body builds either way. An input whose dtype is ``None`` is left out of the
     signature and declared a null pointer to ``absent[name]`` (a C type or a template
-    type name): the body must not read it for this template set.
+    type name): the body must not read it for this template set. Each of ``scalars``
+    (name: whether passed) is an ``int`` argument after the shapes, or a constant 0.
     """
     ins = [(i, n, d) for i, (n, d) in enumerate(zip(input_names, input_dtypes, strict=True))]
     params = [f"const {CTYPES[d]}* {n}" for _, n, d in ins if d is not None]
@@ -241,6 +243,11 @@ def render(
         else:
             lines.append(f"  constexpr int {arg} = {value};")
     lines += [f"  const {absent[n]}* {n} = nullptr;" for _, n, d in ins if d is None]
+    for n, passed in (scalars or {}).items():
+        if passed:
+            params.append(f"int {n}")
+        else:
+            lines.append(f"  constexpr int {n} = 0;")
     signature = ",\n    ".join(params)
     source = (
         f'{_PREAMBLE}{header}\nextern "C" __global__ void {name}(\n    {signature}) {{\n'
@@ -257,7 +264,9 @@ class CudaKernel:
     without NVRTC it falls back to ``mx.fast.cuda_kernel``. Inputs named in
     ``absent`` (with their dtype, or the name of a dtype template argument) may be
     passed as ``None`` where the template set does not read them: the compiled
-    kernel leaves them out, so a launch carries fewer arrays.
+    kernel leaves them out, so a launch carries fewer arrays. The body reads each
+    of ``scalar_names`` as an ``int``: an argument of the launch where it passes one
+    (``scalars``), else 0; under ``mx.fast.cuda_kernel`` a template constant.
     """
 
     def __init__(
@@ -268,10 +277,12 @@ class CudaKernel:
         source: str,
         header: str = "",
         absent: dict[str, mx.Dtype | str] | None = None,
+        scalar_names: Sequence[str] = (),
     ):
         self.name, self.header, self.body = name, header, source
         self.input_names, self.output_names = list(input_names), list(output_names)
         self.absent = absent or {}
+        self.scalar_names = list(scalar_names)
         self._fallback = None
         self._built: dict[tuple, tuple[str, bytes, list[int]]] = {}
 
@@ -284,25 +295,29 @@ class CudaKernel:
         threadgroup: tuple[int, int, int],
         output_shapes: Sequence[Sequence[int]],
         output_dtypes: Sequence[mx.Dtype],
+        scalars: dict[str, int] | None = None,
     ) -> list[mx.array]:
         shape = dict(grid=grid, threadgroup=threadgroup, output_shapes=output_shapes)
         shape["output_dtypes"] = output_dtypes
+        scalars = scalars or {}
         built = None
         if self._fallback is None and available():
-            built = self._build(inputs, template, output_dtypes)
+            built = self._build(inputs, template, output_dtypes, scalars)
         if built is None:
             types = dict(template)
             inputs = [
                 placeholder(self._dtype(n, types)) if x is None else x
                 for n, x in zip(self.input_names, inputs, strict=True)
             ]
+            template = [*template, *((n, scalars.get(n, 0)) for n in self.scalar_names)]
             return self._mlx_kernel()(inputs=inputs, template=template, **shape)
         name, data, shaped = built
+        values = [scalars[n] for n in self.scalar_names if n in scalars]
         return mx.fast.precompiled_cuda_kernel(
             name=name,
             compiled_source=data,
             inputs=[x for x in inputs if x is not None],
-            scalars=[d for i in shaped for d in inputs[i].shape],
+            scalars=[d for i in shaped for d in inputs[i].shape] + values,
             ensure_row_contiguous=True,
             **shape,
         )
@@ -312,25 +327,30 @@ class CudaKernel:
         inputs: Sequence[mx.array | None],
         template: Sequence[TemplateArg],
         output_dtypes: Sequence[mx.Dtype],
+        scalars: Sequence[str] = (),
     ) -> bool:
         """Compile (or find on disk) the binary a launch with inputs of these dtypes and
-        ranks would use, without launching it; ``False`` where binaries cannot be built
-        here (MLX then compiles at the first launch)."""
+        ranks, passing ``scalars`` (names), would use, without launching it; ``False``
+        where binaries cannot be built here (MLX then compiles at the first launch)."""
         if self._fallback is not None or not available():
             return False
-        return self._build(inputs, template, output_dtypes) is not None
+        return self._build(inputs, template, output_dtypes, scalars) is not None
 
     def _build(
         self,
         inputs: Sequence[mx.array | None],
         template: Sequence[TemplateArg],
         output_dtypes: Sequence[mx.Dtype],
+        scalars: Sequence[str] = (),
     ) -> tuple[str, bytes, list[int]] | None:
         """``(name, cubin, shaped inputs)`` of this template set, or ``None`` if it cannot be
         built here (then MLX builds this body from now on)."""
         dtypes = [None if x is None else x.dtype for x in inputs]
         ndims = [0 if x is None else x.ndim for x in inputs]
+        passed = {n: n in scalars for n in self.scalar_names}
         key = (tuple(template), *dtypes, *ndims, *output_dtypes)
+        if any(passed.values()):  # (the key of a launch without scalars stays as it was)
+            key += (tuple(n for n, p in passed.items() if p),)
         if key not in self._built:
             digest = hashlib.sha256(repr(key).encode()).hexdigest()[:16]
             name = f"mlx_paged_{self.name}_{digest}"
@@ -345,6 +365,7 @@ class CudaKernel:
                 output_dtypes,
                 template,
                 {n: CTYPES.get(t, t) for n, t in self.absent.items()},
+                passed,
             )
             try:
                 self._built[key] = (name, launch_image(cubin(source, name), name), shaped)

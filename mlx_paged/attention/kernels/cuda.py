@@ -104,7 +104,9 @@ def _kernel() -> object:
     """The kernel object (one binary per template set, compiled once per machine)."""
     if not _kernel_obj:
         _kernel_obj.append(
-            CudaKernel("paged_decode", _INPUTS, _OUTPUTS, DECODE_SOURCE, HEADER, _ABSENT)
+            CudaKernel(
+                "paged_decode", _INPUTS, _OUTPUTS, DECODE_SOURCE, HEADER, _ABSENT, ["cold_base"]
+            )
         )
     return _kernel_obj[0]
 
@@ -240,6 +242,8 @@ def _make_launch(
     slots = B * blocks if S > 1 else 0  # split counters: one per (sequence, block column)
 
     cold = view.cold is not None
+    # The cold arrays stack several layers' blocks: this layer's start at row cold_base.
+    scalars = {"cold_base": view.cold.layer * view.cold.keys[0].shape[1]} if cold else None
 
     def kernel_call(q, keys, values, tables, starts, lengths, *rest):
         # rest: the sinks (with SINKS), then the six cold-tier arrays (with a cold tier)
@@ -253,6 +257,7 @@ def _make_launch(
             threadgroup=threads,
             output_shapes=output_shapes,
             output_dtypes=output_dtypes,
+            scalars=scalars,
         )[0]
 
     replay = compiled_launch(kernel_call)
@@ -316,7 +321,7 @@ def prebuild() -> int:
             for rs in sorted(rows):
                 template = [*base, ("NW", nw), ("WH", wh), ("RS", rs), ("PF", pf)]
                 args = [*inputs, sinks, counters if split else None, *cold_inputs]
-                if build(args, template, outputs):
+                if build(args, template, outputs, ["cold_base"] if cold else []):
                     kernel_templates.add(("cuda_paged_decode", *template))
                     built += 1
     return built

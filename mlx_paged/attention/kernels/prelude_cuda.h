@@ -14,6 +14,7 @@
 #define PD_BYTE_AS_FLOAT(w, k) __int_as_float(__byte_perm((w), 0x4B000000u, 0x7540u | (k)))
 #define PD_UINT4(a, b, c, d) make_uint4((a), (b), (c), (d))
 #define PD_ZERO4 make_uint4(0u, 0u, 0u, 0u)
+#define PD_COLD_BASE cold_base  // a scalar argument, or a template constant
 #define PD_LOAD_SHARED_RESULT(p) __ldcg(p)  // read another block's partials past L1
 #define PD_NEG_INF __int_as_float(0xff800000)
 #define PD_LOG2E 1.4426950408889634f

@@ -15,6 +15,7 @@
 #define PD_BYTE_AS_FLOAT(w, k) as_type<float>(0x4B000000u | (((w) >> (8 * (k))) & 0xFFu))
 #define PD_UINT4(a, b, c, d) uint4((a), (b), (c), (d))
 #define PD_ZERO4 uint4(0u)
+#define PD_COLD_BASE cold_base[0]  // a one-element input
 #define PD_LOAD_SHARED_RESULT(p) (*(p))
 #define PD_NEG_INF (-metal::numeric_limits<float>::infinity())
 #define PD_LOG2E 1.4426950408889634f
