@@ -69,7 +69,9 @@ def test_reference_kernel_in_models_matches_dense(family, reference_kernel):
     tokens, paged = run_generate_step(model, prompt, make_paged_cache(model, BLOCK))
     used = path_counts["reference_paged_decode"] - before
     assert tokens == dense_tokens
-    assert max_diff(dense, paged) <= 1e-4
+    # On a GPU the dense cache's attention is MLX's fused SDPA, which sums in another order
+    # than the reference's ops (gemma3_text: 1.5e-4 apart in float32 on an H200).
+    assert max_diff(dense, paged) <= (1e-4 if mx.default_device() == mx.cpu else 5e-4)
     n_attn = len(make_paged_cache(model, BLOCK))
     calls = n_attn * (DECODE_STEPS + 1)  # generate_step runs one step ahead
     assert used == calls
@@ -91,6 +93,7 @@ def test_gather_path_forced(reference_kernel):
     assert path_counts["reference_paged_decode"] == before
 
 
+@pytest.mark.skipif(mx.default_device() != mx.cpu, reason="a device kernel runs here")
 def test_kernel_path_forced_on_cpu_falls_back_once(caplog):
     """With only the device kernels registered, the CPU has none: warn once, then gather."""
     assert attention.KERNELS == dispatch.DEVICE_KERNELS
