@@ -53,9 +53,8 @@ class ColdStore:
         ``at`` of a tier of ``slots``: one quantization and one write per array when the
         layers make one stack in order (the usual case), else layer by layer."""
         k, v = self.quant.quantize(keys), self.quant.quantize(values)
-        if all(w is None for w in self.where) and not self.keys:
-            self._new_stack(k, v, slots, self.num_layers)
-            self.where = [(0, layer) for layer in range(self.num_layers)]
+        if not self.keys:
+            self._stack_all([x[0] for x in k], [x[0] for x in v], slots)
         if self.where != [(0, layer) for layer in range(self.num_layers)]:
             for layer in range(self.num_layers):
                 parts = [tuple(x[layer] for x in q) for q in (k, v)]
@@ -75,6 +74,20 @@ class ColdStore:
         for held, parts in ((self.keys, keys), (self.values, values)):
             for j, new in enumerate(parts):
                 held[3 * s + j][i, at] = new
+
+    def write_layers(
+        self, keys: list[Quantized], values: list[Quantized], at: mx.array, slots: int
+    ) -> None:
+        """Put every layer's quantized ``(n, bs, H, ...)`` K and V parts into cold slots
+        ``at`` of a tier of ``slots``; into a fresh store whose layers share their parts'
+        shapes, as one stack made at once (not grown a layer at a time)."""
+        if not self.keys and all(
+            _signature(*k, *v) == _signature(*keys[0], *values[0])
+            for k, v in zip(keys, values, strict=True)
+        ):
+            self._stack_all(keys[0], values[0], slots)
+        for layer, (k, v) in enumerate(zip(keys, values, strict=True)):
+            self.write(layer, k, v, at, slots)
 
     def read(self, layer: int, at: mx.array) -> tuple[mx.array, mx.array]:
         """Cold slots ``at`` (any shape) dequantized: ``(*at.shape, bs, H, D)`` K and V."""
@@ -121,9 +134,9 @@ class ColdStore:
         """A layer's ``(stack, index)``: on its first write a new row of the stack of its
         parts' shapes and dtypes (or a new stack); every stack grown to ``slots``."""
         if self.where[layer] is None:
-            sig = [(x.shape[1:], x.dtype) for x in (*keys, *values)]
+            sig = _signature(*keys, *values)
             stacks = range(len(self.keys) // 3)
-            same = [s for s in stacks if self._signature(s) == sig]
+            same = [s for s in stacks if self._stack_signature(s) == sig]
             if same:
                 s = same[0]
                 self.where[layer] = (s, self.keys[3 * s].shape[0])
@@ -137,10 +150,16 @@ class ColdStore:
         self._grow(slots)
         return self.where[layer]
 
-    def _signature(self, s: int) -> list[tuple]:
+    def _stack_signature(self, s: int) -> list[tuple]:
         """Stack ``s``'s parts' shapes past ``(layers, slots)``, and dtypes."""
         parts = (*self.keys[3 * s : 3 * s + 3], *self.values[3 * s : 3 * s + 3])
         return [(x.shape[2:], x.dtype) for x in parts]
+
+    def _stack_all(self, keys: Quantized, values: Quantized, slots: int) -> None:
+        """Make one stack for every layer, each layer's parts like ``(n, bs, H, ...)``
+        ``keys`` and ``values``."""
+        self._new_stack([x[None] for x in keys], [x[None] for x in values], slots, self.num_layers)
+        self.where = [(0, layer) for layer in range(self.num_layers)]
 
     def _new_stack(self, keys: Quantized, values: Quantized, slots: int, layers: int) -> None:
         """Append a zero-filled stack of ``layers`` for parts like ``(layers, n, ...)``."""
@@ -218,6 +237,11 @@ def read_tiered(
             head = mx.where(plan.mask, frozen, hot[:, :, : c * bs])
             out.append(mx.concatenate([head, hot[:, :, c * bs :]], axis=2))
     return out[0], out[1]
+
+
+def _signature(*parts: mx.array) -> list[tuple]:
+    """Parts' shapes past their first axis, and dtypes: what a stack's rows share."""
+    return [(x.shape[1:], x.dtype) for x in parts]
 
 
 def grow_rows(x: mx.array | None, rows: int, axis: int = 0) -> mx.array | None:

@@ -324,6 +324,7 @@ def write_blocks(pool: KVPool, g: int, ids: list[int], entries: Entries, cold: b
     """Write group ``g``'s K/V of ``entries`` into blocks ``ids`` of ``pool``, one write
     per layer and array, making the layers a fresh pool lacks."""
     at = mx.array([b - COLD if cold else b for b in ids], dtype=mx.int32)
+    cold_keys, cold_values = [], []
     for layer in range(pool.num_layers):
         if cold:
             k = tuple(entries[(g, layer, "k" + p)][0] for p in "qsb")
@@ -341,11 +342,13 @@ def write_blocks(pool: KVPool, g: int, ids: list[int], entries: Entries, cold: b
             )
             pool.input_dtypes[layer] = model
         if cold:
-            pool.cold.write(layer, k, v, at, pool.blocks.cold.capacity)
+            cold_keys.append(k)
+            cold_values.append(v)
         else:
             pool.keys[layer][at] = k.astype(pool.keys[layer].dtype)
             pool.values[layer][at] = v.astype(pool.values[layer].dtype)
     if cold:
+        pool.cold.write_layers(cold_keys, cold_values, at, pool.blocks.cold.capacity)
         pool._update_bytes_per_block()
 
 
