@@ -348,9 +348,11 @@ class RecordingKernel:
     def __init__(self):
         self.launched: set[tuple] = set()
         self.built: set[tuple] = set()
+        self.scalars: list[dict | None] = []
 
     def __call__(self, **kw):
         self.launched.add((tuple(kw["template"]), kw["inputs"][7] is not None))
+        self.scalars.append(kw.get("scalars"))
         shapes, dtypes = kw["output_shapes"], kw["output_dtypes"]
         return [mx.zeros(s, dtype=d) for s, d in zip(shapes, dtypes, strict=True)]
 
@@ -389,6 +391,25 @@ def test_prebuild_builds_the_layouts_of_contexts_not_yet_launched(monkeypatch):
             launch(batch, length)
     assert kernel.launched - warm  # long contexts launch layouts short ones did not
     assert kernel.launched <= kernel.built | warm
+
+
+def test_every_layer_of_a_cold_stack_shares_one_launch_at_its_own_rows(monkeypatch):
+    """A cold view's layer reaches the kernel as the first row of its blocks (``cold_base``,
+    the layer times the stack's slots); the layers of a step share one cached launch."""
+    from mlx_paged.attention.kernels import cuda
+
+    kernel = RecordingKernel()
+    monkeypatch.setattr(cuda, "_kernel_obj", [kernel])
+    monkeypatch.setattr(cuda, "_launches", LaunchCache())
+    batch = random_paged_batch([40, 20], 4, 2, 64, 64, 16, mx.float16, kv_bits=8)
+    slots = batch.view.cold.keys[0].shape[1]
+    for layer in (1, 2, 0, 2):
+        view = batch.view._replace(cold=batch.view.cold._replace(layer=layer))
+        paged_decode_cuda(batch.queries, view, 0.125, None)
+    assert kernel.scalars == [{"cold_base": layer * slots} for layer in (1, 2, 0)]  # traced once
+    assert len(cuda._launches.fns) == 1
+    paged_decode_cuda(batch.queries, batch.view._replace(cold=None), 0.125, None)
+    assert kernel.scalars[-1] is None  # a batch without cold blocks passes no scalar
 
 
 @pytest.fixture

@@ -25,7 +25,9 @@ quantized blocks directly.
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
@@ -242,10 +244,8 @@ def _make_launch(
     slots = B * blocks if S > 1 else 0  # split counters: one per (sequence, block column)
 
     cold = view.cold is not None
-    # The cold arrays stack several layers' blocks: this layer's start at row cold_base.
-    scalars = {"cold_base": view.cold.layer * view.cold.keys[0].shape[1]} if cold else None
 
-    def kernel_call(q, keys, values, tables, starts, lengths, *rest):
+    def kernel_call(base, q, keys, values, tables, starts, lengths, *rest):
         # rest: the sinks (with SINKS), then the six cold-tier arrays (with a cold tier)
         sinks = rest[0] if has_sinks else None
         cold_arrays = rest[has_sinks:] if cold else [None] * 6
@@ -257,15 +257,22 @@ def _make_launch(
             threadgroup=threads,
             output_shapes=output_shapes,
             output_dtypes=output_dtypes,
-            scalars=scalars,
+            scalars={"cold_base": base} if cold else None,
         )[0]
 
-    replay = compiled_launch(kernel_call)
+    # The cold arrays stack the blocks of several layers, and a layer's start in them
+    # (cold_base) is a scalar of the launch: one replay per start, all in this one launch.
+    replays: dict[int, Callable[..., mx.array]] = {}
 
     def launch(q: mx.array, view: PagedView, sinks: mx.array | None) -> mx.array:
         rest = [_as(sinks, mx.float32)] if has_sinks else []
+        base = 0
         if cold:
             rest += [*view.cold.keys, *view.cold.values]
+            base = view.cold.layer * view.cold.keys[0].shape[1]
+        replay = replays.get(base)
+        if replay is None:
+            replay = replays[base] = compiled_launch(functools.partial(kernel_call, base))
         return replay(
             q,
             view.keys,

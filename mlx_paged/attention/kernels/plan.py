@@ -186,7 +186,7 @@ def call_key(
     cold = (
         None
         if view.cold is None
-        else (view.cold.keys[0].shape, view.cold.bits, view.cold.group_size, view.cold.layer)
+        else (view.cold.keys[0].shape, view.cold.bits, view.cold.group_size)
     )
     return (
         queries.shape,
