@@ -481,7 +481,7 @@ def test_a_fresh_stores_layers_loaded_together_make_one_stack_at_once(monkeypatc
     keys, values = cold_rows(3, 2, 2, seed=4)
     parts = [[quant.quantize(x[layer]) for layer in range(3)] for x in (keys, values)]
     store, at = ColdStore(3, quant), mx.array([0, 2])
-    store.write_layers(*parts, at, 4)
+    store.write_layers(list(zip(*parts, strict=True)), at, 4)
     assert store.where == [(0, 0), (0, 1), (0, 2)] and not grown
     assert [x.shape for x in store.keys] == [(3, 4, BLOCK, 2, 16), *[(3, 4, BLOCK, 2, 2)] * 2]
     for layer in range(3):
@@ -489,8 +489,7 @@ def test_a_fresh_stores_layers_loaded_together_make_one_stack_at_once(monkeypatc
     # Layers of other shapes still go to stacks of their own.
     mixed = ColdStore(2, quant)
     wide_k, wide_v = cold_rows(1, 2, 4, seed=5)
-    mixed.write_layers(
-        [parts[0][0], quant.quantize(wide_k[0])], [parts[1][0], quant.quantize(wide_v[0])], at, 4
-    )
+    wide = (quant.quantize(wide_k[0]), quant.quantize(wide_v[0]))
+    mixed.write_layers([(parts[0][0], parts[1][0]), wide], at, 4)
     assert mixed.where == [(0, 0), (1, 0)]
     assert mx.array_equal(mixed.read(1, at)[0], quant.dequantize(quant.quantize(wide_k[0])))

@@ -248,20 +248,7 @@ class LayerArrays(BlockTables):
     def _quantize(self, src: list[int], dst: list[int]) -> None:
         """Quantize hot blocks ``src`` into cold slots ``dst``, every layer."""
         at, to = mx.array(src, dtype=mx.int32), mx.array(dst, dtype=mx.int32)
-        slots = self.blocks.cold.capacity
-        shapes = {
-            (k.shape, v.shape, k.dtype) if k is not None else None
-            for k, v in zip(self.keys, self.values, strict=True)
-        }
-        if None not in shapes and len(shapes) == 1:  # one shape: every layer in one write
-            k = mx.stack([keys[at] for keys in self.keys])
-            v = mx.stack([values[at] for values in self.values])
-            self.cold.store_layers(k, v, to, slots)
-        else:
-            for layer in range(self.num_layers):
-                if self.keys[layer] is not None:
-                    k, v = self.keys[layer][at], self.values[layer][at]
-                    self.cold.store(layer, k, v, to, slots)
+        self.cold.store_blocks(self.keys, self.values, at, to, self.blocks.cold.capacity)
         self._update_bytes_per_block()
 
     def _update_bytes_per_block(self) -> None:

@@ -48,6 +48,29 @@ class ColdStore:
         """Quantize ``(n, bs, H, D)`` K and V into cold slots ``at`` of a tier of ``slots``."""
         self.write(layer, self.quant.quantize(keys), self.quant.quantize(values), at, slots)
 
+    def store_blocks(
+        self,
+        keys: list[mx.array | None],
+        values: list[mx.array | None],
+        at: mx.array,
+        to: mx.array,
+        slots: int,
+    ) -> None:
+        """Quantize blocks ``at`` of each layer's full-precision ``keys``/``values``
+        (``None``: a layer never written) into cold slots ``to`` of a tier of ``slots``:
+        every layer in one write where they share shapes and dtypes."""
+        shapes = {
+            None if k is None else (k.shape, v.shape, k.dtype)
+            for k, v in zip(keys, values, strict=True)
+        }
+        if None not in shapes and len(shapes) == 1:
+            k, v = mx.stack([x[at] for x in keys]), mx.stack([x[at] for x in values])
+            self.store_layers(k, v, to, slots)
+            return
+        for layer, (k, v) in enumerate(zip(keys, values, strict=True)):
+            if k is not None:
+                self.store(layer, k[at], v[at], to, slots)
+
     def store_layers(self, keys: mx.array, values: mx.array, at: mx.array, slots: int) -> None:
         """Quantize every layer's ``(num_layers, n, bs, H, D)`` K and V into cold slots
         ``at`` of a tier of ``slots``: one quantization and one write per array when the
@@ -76,17 +99,15 @@ class ColdStore:
                 held[3 * s + j][i, at] = new
 
     def write_layers(
-        self, keys: list[Quantized], values: list[Quantized], at: mx.array, slots: int
+        self, layers: list[tuple[Quantized, Quantized]], at: mx.array, slots: int
     ) -> None:
-        """Put every layer's quantized ``(n, bs, H, ...)`` K and V parts into cold slots
+        """Put each layer's quantized ``(n, bs, H, ...)`` K and V parts into cold slots
         ``at`` of a tier of ``slots``; into a fresh store whose layers share their parts'
         shapes, as one stack made at once (not grown a layer at a time)."""
-        if not self.keys and all(
-            _signature(*k, *v) == _signature(*keys[0], *values[0])
-            for k, v in zip(keys, values, strict=True)
-        ):
-            self._stack_all(keys[0], values[0], slots)
-        for layer, (k, v) in enumerate(zip(keys, values, strict=True)):
+        first = _signature(*layers[0][0], *layers[0][1])
+        if not self.keys and all(_signature(*k, *v) == first for k, v in layers):
+            self._stack_all(*layers[0], slots)
+        for layer, (k, v) in enumerate(layers):
             self.write(layer, k, v, at, slots)
 
     def read(self, layer: int, at: mx.array) -> tuple[mx.array, mx.array]:

@@ -324,7 +324,7 @@ def write_blocks(pool: KVPool, g: int, ids: list[int], entries: Entries, cold: b
     """Write group ``g``'s K/V of ``entries`` into blocks ``ids`` of ``pool``, one write
     per layer and array, making the layers a fresh pool lacks."""
     at = mx.array([b - COLD if cold else b for b in ids], dtype=mx.int32)
-    cold_keys, cold_values = [], []
+    colds = []  # each layer's quantized (K, V)
     for layer in range(pool.num_layers):
         if cold:
             k = tuple(entries[(g, layer, "k" + p)][0] for p in "qsb")
@@ -342,13 +342,12 @@ def write_blocks(pool: KVPool, g: int, ids: list[int], entries: Entries, cold: b
             )
             pool.input_dtypes[layer] = model
         if cold:
-            cold_keys.append(k)
-            cold_values.append(v)
+            colds.append((k, v))
         else:
             pool.keys[layer][at] = k.astype(pool.keys[layer].dtype)
             pool.values[layer][at] = v.astype(pool.values[layer].dtype)
     if cold:
-        pool.cold.write_layers(cold_keys, cold_values, at, pool.blocks.cold.capacity)
+        pool.cold.write_layers(colds, at, pool.blocks.cold.capacity)
         pool._update_bytes_per_block()
 
 
@@ -367,10 +366,8 @@ def host_state(entries: list[int], arrays: dict[str, np.ndarray]) -> State | Non
 
 def pool_arrays(pool: KVPool) -> list[mx.array]:
     """Every array a pool holds, both tiers."""
-    out = [a for a in (*pool.keys, *pool.values) if a is not None]
-    if pool.cold is not None:
-        out += [*pool.cold.keys, *pool.cold.values]
-    return out
+    cold = [] if pool.cold is None else [*pool.cold.keys, *pool.cold.values]
+    return [a for a in (*pool.keys, *pool.values) if a is not None] + cold
 
 
 def cache_layout(pools: dict) -> list[tuple]:

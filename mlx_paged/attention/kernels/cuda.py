@@ -242,7 +242,6 @@ def _make_launch(
     output_shapes = [(B, HQ, 1, dv), (*parts, dv) if S > 1 else (1,), parts, parts]
     output_dtypes = [queries.dtype, mx.float32, mx.float32, mx.float32]
     slots = B * blocks if S > 1 else 0  # split counters: one per (sequence, block column)
-
     cold = view.cold is not None
 
     def kernel_call(base, q, keys, values, tables, starts, lengths, *rest):
@@ -270,18 +269,10 @@ def _make_launch(
         if cold:
             rest += [*view.cold.keys, *view.cold.values]
             base = view.cold.layer * view.cold.keys[0].shape[1]
-        replay = replays.get(base)
-        if replay is None:
-            replay = replays[base] = compiled_launch(functools.partial(kernel_call, base))
-        return replay(
-            q,
-            view.keys,
-            view.values,
-            _as(view.block_tables, mx.int32),
-            _as(view.starts, mx.int32),
-            _as(view.lengths, mx.int32),
-            *rest,
-        )
+        if base not in replays:
+            replays[base] = compiled_launch(functools.partial(kernel_call, base))
+        ids = (_as(x, mx.int32) for x in (view.block_tables, view.starts, view.lengths))
+        return replays[base](q, view.keys, view.values, *ids, *rest)
 
     return launch
 
