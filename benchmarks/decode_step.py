@@ -152,9 +152,12 @@ def tiers(model, prompts: list[list[int]], args) -> None:
         f"(range {ratios[0]:.2f}x-{ratios[-1]:.2f}x over {args.tiers} rounds)",
         flush=True,
     )
-    for name, rounds in zip(("full", f"{args.kv_bits}-bit cold"), phases, strict=True):
+    names = ("full", f"{args.kv_bits}-bit cold")
+    for name, rounds, engine in zip(names, phases, engines, strict=True):
         medians = {k: round(statistics.median(r[k] for r in rounds), 2) for k in rounds[0]}
-        print(f"tiers B={b} {name}: host ms/step, median of rounds {medians}", flush=True)
+        compiled = engine.runner.compiled
+        traces = f"; {compiled.traces} traces" if compiled is not None else ""
+        print(f"tiers B={b} {name}: host ms/step, median of rounds {medians}{traces}", flush=True)
 
 
 def dense(model, prompts: list[list[int]], args) -> None:

@@ -7,7 +7,8 @@ end in a unique question of ``--question`` tokens, ``--max-tokens`` each,
 greedy, streamed, with ``concurrency`` requests in flight. One line per
 (server, concurrency): output tokens/s, time to first token p50/p99,
 inter-token latency p50, and the server process's peak GPU memory (sampled
-with nvidia-smi every 0.2 s; "n/a" where there is none).
+with nvidia-smi every 0.2 s; "n/a" where there is none) and what it holds at rest,
+``REST_SECONDS`` after the level.
 
 The client is ``benchmarks/clients.py``: by default one event loop for every stream, as
 before; ``--client-processes P`` spreads each level's streams over P processes, as
@@ -40,6 +41,9 @@ from transformers import AutoTokenizer
 
 from mlx_paged.embedded import embedded_model_path
 
+#: Seconds after a level before the server's memory at rest is read: mlx_paged.server's
+#: engine thread hands MLX's cached buffers back after half a second with nothing to do.
+REST_SECONDS = 1.5
 # mlx.launch, from this Python (its module runs nothing under ``python -m``).
 LAUNCH = "import sys; from mlx._distributed_utils.launch import main; sys.exit(main())"
 
@@ -136,18 +140,24 @@ class GpuMemory:
             self._thread.join()
 
     def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.now())
+            time.sleep(0.2)
+
+    def now(self) -> int:
+        """MiB the process holds now (the largest process's under mlx.launch); 0 if none."""
         query = [
             "nvidia-smi",
             "--query-compute-apps=pid,used_memory",
             "--format=csv,noheader,nounits",
         ]
-        while not self._stop.is_set():
-            out = subprocess.run(query, capture_output=True, text=True).stdout
-            for line in out.splitlines():
-                pid, mib = (x.strip() for x in line.split(","))
-                if self.pid is None or pid == str(self.pid):  # None: any process (per GPU)
-                    self.peak = max(self.peak, int(mib))
-            time.sleep(0.2)
+        out = subprocess.run(query, capture_output=True, text=True).stdout
+        held = [0]
+        for line in out.splitlines():
+            pid, mib = (x.strip() for x in line.split(","))
+            if self.pid is None or pid == str(self.pid):  # None: any process (per GPU)
+                held.append(int(mib))
+        return max(held)
 
 
 def scrape(port: int) -> dict[str, float]:
@@ -218,6 +228,9 @@ async def bench(
     mlx_paged.server, where the time went)."""
     api, clients = client(port), args.clients
     p = clients.processes if clients else 1
+    held = GpuMemory(None if getattr(args, "ranks", 1) > 1 else pid)
+    if held.available:
+        print(f"{kind}: ready, holding {held.now()} MiB of GPU memory", flush=True)
     await level(clients, api, port, model, prompts[: 2 * p], p, 4, 0.0, None)  # warm-up
     for i, (c, n) in enumerate(zip(args.concurrency, requests, strict=True)):
         before = scrape(port) if kind == "mlx_paged" else {}
@@ -242,6 +255,9 @@ async def bench(
         gaps = [g for r in res for g in r[1]]
         out = sum(r[2] for r in res)
         peak = f"{mem.peak} MiB" if mem.available else "n/a"
+        if mem.available:  # what the idle server holds, once its engine thread has rested
+            await asyncio.sleep(REST_SECONDS)
+            peak += f", at rest {mem.now()} MiB"
         print(
             f"{kind:9s} c={c:3d} n={n:4d}: {out / wall:8.1f} out tok/s, "
             f"TTFT p50 {pct(ttft, 0.5):.3f}s p99 {pct(ttft, 0.99):.3f}s, "

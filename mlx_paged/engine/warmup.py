@@ -21,8 +21,9 @@ the decode kernel's binaries
 for the layouts longer contexts launch (``kernels.prebuild_kernels``: the burst's
 contexts are short). Then it
 rehearses the disk tier's spill and load on one of their blocks (no file is
-written), drops the made-up blocks from the prefix index and zeroes the counters,
-the step clock and the compiled step count (not its traces). The disk tier stays
+written), drops the made-up blocks from the prefix index, zeroes the counters,
+the step clock and the compiled step count (not its traces), and hands the
+buffers MLX cached for reuse back to the device. The disk tier stays
 out of the made-up requests: they load nothing from it, and their blocks never
 go to it (its files would otherwise fill with them at each shutdown, and the
 next process's warm-up would load them instead of running its prefills).
@@ -82,6 +83,9 @@ def warm_up(
     engine.clock.reset()
     if engine.runner.compiled is not None:  # its traces stay counted: they were made
         engine.runner.compiled.steps = 0
+    # The made-up requests' buffers, kept by MLX for reuse, would stay held by a server
+    # at rest: 3.6 GB of a llama-1B's (BENCHMARKS.md, run 450).
+    mx.clear_cache()
     return time.perf_counter() - start
 
 

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import mlx.core as mx
 from mlx_lm.generate import TextStateMachine, make_text_state_machine
 from mlx_lm.sample_utils import make_logits_processors
 from mlx_lm.tokenizer_utils import TokenizerWrapper
@@ -173,14 +174,20 @@ class EngineWorker:
         threading.Event().wait()
 
     def _run(self) -> None:
+        rested = True  # MLX's cached buffers handed back since the last step
         while True:
             busy = bool(self.engine.running or self.engine.waiting)
             if not self._drain(block=not busy):
                 break
             if self.engine.running or self.engine.waiting:
                 self._step()
-            elif self.engine.disk is not None and self.engine.disk.preloaded is not None:
-                self.engine.disk.preloaded.release()  # idle: its hold may have ended
+                rested = False
+            else:  # idle, most often for the inbox's timeout
+                if self.engine.disk is not None and self.engine.disk.preloaded is not None:
+                    self.engine.disk.preloaded.release()  # its hold may have ended
+                if not rested:
+                    mx.clear_cache()  # a server at rest holds what it holds, not its peak
+                    rested = True
             self._update_stats()
         self._fail_all("the server is shutting down", reason="abort")
         if self.engine.disk is not None:  # what the prefix cache holds outlives the process

@@ -1,0 +1,62 @@
+"""MLX keeps freed buffers for reuse; a warmed-up engine and an idle server hand them back."""
+
+from __future__ import annotations
+
+import queue
+import time
+from types import SimpleNamespace
+
+import mlx.core as mx
+from test_engine import BS, mixed_prompts
+from test_mid_step_admission import _Detok
+from tiny_models import model_of
+
+from mlx_paged import PagedEngine
+from mlx_paged.server.worker import EngineWorker, Job
+
+
+def test_warm_up_leaves_no_cached_buffers(monkeypatch):
+    from mlx_paged.engine import warmup
+
+    monkeypatch.setattr(warmup, "prebuild_kernels", lambda: 0)
+    engine = PagedEngine(model_of("llama"), block_size=BS, max_batch_size=4)
+    warmup.warm_up(engine)
+    assert mx.get_cache_memory() == 0
+    assert engine.generate(mixed_prompts(seed=2)[:2], 3)  # and it still serves
+
+
+def test_an_idle_server_hands_its_cached_buffers_back_once(monkeypatch):
+    """Not between steps, nor between jobs that follow each other: once the engine thread
+    has waited out the inbox's timeout with nothing to run, and once only until it steps
+    again."""
+    engine = PagedEngine(model_of("llama"), block_size=BS, max_batch_size=4)
+    tokenizer = SimpleNamespace(
+        eos_token_ids=[], has_thinking=False, has_tool_calling=False, detokenizer=_Detok()
+    )
+    clear, cleared = mx.clear_cache, []
+
+    def counted():
+        cleared.append(len(engine.running) + len(engine.waiting))
+        clear()
+
+    monkeypatch.setattr(mx, "clear_cache", counted)
+    worker = EngineWorker(lambda: (engine, tokenizer))
+    worker.start(60)
+    try:
+        for rnd in range(2):
+            outs = []
+            for prompt in mixed_prompts(seed=rnd)[:3]:
+                outs.append(queue.Queue())
+                worker.submit(Job(list(prompt), 4, deliver=outs[-1].put))
+            for out in outs:  # accepted, then its tokens to the end
+                while out.get(timeout=30).finish_reason is None:
+                    pass
+            deadline = time.monotonic() + 10
+            while len(cleared) <= rnd and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert cleared == [0] * (rnd + 1), "once per rest, with nothing running"
+            assert mx.get_cache_memory() == 0
+        time.sleep(1.2)  # two more of the inbox's timeouts, with no step between
+        assert cleared == [0, 0]
+    finally:
+        worker.stop(30)
