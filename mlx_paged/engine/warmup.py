@@ -84,7 +84,7 @@ def warm_up(
     if engine.runner.compiled is not None:  # its traces stay counted: they were made
         engine.runner.compiled.steps = 0
     # The made-up requests' buffers, kept by MLX for reuse, would stay held by a server
-    # at rest: 3.6 GB of a llama-1B's (BENCHMARKS.md, run 450).
+    # at rest: about 2.2 GiB of a llama-1B's (BENCHMARKS.md, runs 450-451).
     mx.clear_cache()
     return time.perf_counter() - start
 
