@@ -60,3 +60,39 @@ def test_an_idle_server_hands_its_cached_buffers_back_once(monkeypatch):
         assert cleared == [0, 0]
     finally:
         worker.stop(30)
+
+
+def test_the_server_bounds_mlxs_cache_by_the_warm_ups_peak_or_the_flag(monkeypatch):
+    from mlx_paged.server import memory
+
+    gib = 1 << 30
+    held = {"peak": 5 * gib, "active": 2 * gib}
+    monkeypatch.setattr(memory.mx, "get_peak_memory", lambda: held["peak"])
+    monkeypatch.setattr(memory.mx, "get_active_memory", lambda: held["active"])
+    before = mx.set_cache_limit(0)
+    try:
+        assert memory.bound_cache("auto") == 3 * gib  # the most held beyond the arrays
+        assert mx.set_cache_limit(0) == 3 * gib, "and MLX was told"
+        held["peak"] = held["active"] + 1000
+        assert memory.bound_cache("auto") == memory.AUTO_FLOOR
+        assert memory.bound_cache("512MB") == 512_000_000
+        assert mx.set_cache_limit(0) == 512_000_000
+    finally:
+        mx.set_cache_limit(before)
+
+
+def test_under_a_cache_limit_steps_keep_no_more_than_it():
+    """MLX honours the limit the server sets: a busy engine's cache stays under it, and
+    without one the same work leaves more cached."""
+    cached = {}
+    for limit in (None, 64 << 10):
+        mx.clear_cache()
+        before = mx.set_cache_limit(limit) if limit is not None else None
+        try:
+            engine = PagedEngine(model_of("llama"), block_size=BS, max_batch_size=4)
+            engine.generate(mixed_prompts(seed=4)[:4], 6)
+            cached[limit] = mx.get_cache_memory()
+        finally:
+            if before is not None:
+                mx.set_cache_limit(before)
+    assert cached[64 << 10] <= 64 << 10 < cached[None]

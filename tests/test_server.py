@@ -19,6 +19,7 @@ import asyncio
 import gc
 import importlib.util
 import json
+import re
 import signal
 import socket
 import subprocess
@@ -877,7 +878,7 @@ def test_a_pool_under_pressure_preempts_and_loses_nothing(server, tmp_path):
 
 
 def test_sigterm_finishes_the_running_stream_and_exits_0(tmp_path):
-    server = start_server(tmp_path, "sigterm", "--log-level", "info")
+    server = start_server(tmp_path, "sigterm", "--log-level", "info", "--mlx-cache-limit", "300MB")
     try:
         stream = server.client().completions.create(
             model=MODEL,
@@ -896,6 +897,7 @@ def test_sigterm_finishes_the_running_stream_and_exits_0(tmp_path):
         assert rest[-2].choices[0].finish_reason == "length"
         assert rest[-1].usage.completion_tokens == 24
         code = server.proc.wait(60)
+        assert "MLX keeps at most 0.30 GB of freed buffers" in server.log_tail()
     finally:
         server.stop()
     log = server.log_tail()
@@ -953,6 +955,8 @@ def test_warm_up_runs_before_ready_and_leaves_no_counts(tmp_path):
         assert m["mlx_paged_decode_traces_total"] >= 2  # the burst's batch sizes, 2 and 1
         assert "mlx_paged: warming up at batch sizes up to 2" in s.log_tail()
         assert "mlx_paged: warmed up in" in s.log_tail()
+        kept = re.search(r"MLX keeps at most (\d+\.\d+) GB of freed buffers", s.log_tail())
+        assert kept and float(kept[1]) >= 1.07, "--mlx-cache-limit auto: at least 1 GiB"
         out = s.client().completions.create(model=MODEL, prompt=STORY, max_tokens=4, temperature=0)
         assert out.usage.completion_tokens == 4
     finally:
@@ -1008,6 +1012,8 @@ def test_server_temperature_applies_when_a_request_gives_none(tmp_path):
     "argv, message",
     [
         (["--kv-memory", "lots"], "--kv-memory: 'lots' is not a memory size"),
+        (["--mlx-cache-limit", "lots"], "--mlx-cache-limit: 'lots' is not a memory size"),
+        (["--mlx-cache-limit", "0.1B"], "--mlx-cache-limit must be more than 0 bytes"),
         (["--kv-disk-preload-bytes", "1GB"], "--kv-disk-preload-bytes needs --kv-disk-dir"),
         (["--kv-disk-dir", "d", "--kv-disk-preload-bytes", "x"], "--kv-disk-preload-bytes: 'x'"),
         (["--kv-disk-dir", "d", "--kv-disk-restore"], "--kv-disk-restore needs --kv-disk-preload"),

@@ -19,6 +19,7 @@ import signal
 import sys
 from pathlib import Path
 
+from . import memory
 from .app import ServerConfig, create_app
 from .sampling import sampling_defaults, warm_up_sampler
 from .worker import EngineWorker
@@ -194,6 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
         "answers its requests with an error and exits with status 3.",
     )
     p.add_argument("--log-level", default="info", help="uvicorn's log level.")
+    memory.add_argument(p)
     return p
 
 
@@ -213,15 +215,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         v = getattr(args, name)
         if v is not None and v <= 0:
             parser.error(f"--{name.replace('_', '-')} must be a positive integer, got {v}.")
-    from ..cache.memory import parse_memory
-
-    sizes = (("--kv-memory", args.kv_memory), ("--kv-disk-bytes", args.kv_disk_bytes))
-    for flag, value in (*sizes, ("--kv-disk-preload-bytes", args.kv_disk_preload_bytes)):
-        try:
-            if value is not None and parse_memory(value) <= 0:
-                parser.error(f"{flag} must be more than 0 bytes, got {value}.")
-        except ValueError as e:
-            parser.error(f"{flag}: {e}")
+    memory.check(parser, args)
     if args.kv_disk_dir is None and args.kv_disk_preload_bytes is not None:
         parser.error("--kv-disk-preload-bytes needs --kv-disk-dir.")
     if args.kv_disk_restore and args.kv_disk_preload_bytes is None:
@@ -290,6 +284,7 @@ def loader(args: argparse.Namespace, group=None):
             kv_disk_bytes=int(parse_memory(args.kv_disk_bytes)),
             kv_disk_preload_bytes=int(parse_memory(preload)) if preload else 0,
         )
+        mx.reset_peak_memory()  # the warm-up's steps size --mlx-cache-limit auto
         if warms_up(args):
             from ..engine.warmup import warm_up
 
@@ -297,6 +292,7 @@ def loader(args: argparse.Namespace, group=None):
             log = logging.getLogger("mlx_paged.server")
             log.info("mlx_paged: warming up at batch sizes up to %d", args.max_batch_size)
             log.info("mlx_paged: warmed up in %.2f s", warm_up(engine, sampler=sampler))
+        memory.bound_cache(args.mlx_cache_limit)
         if engine.disk is not None and engine.disk.preloaded is not None:
             # Read beside the warm-up: ready once it holds them (restored: the pool does).
             disk = engine.disk

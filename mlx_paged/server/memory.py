@@ -1,0 +1,67 @@
+"""The server's memory flags: sizes checked, and MLX's buffer cache bounded.
+
+MLX keeps the buffers that arrays free, to hand them to later arrays of the same sizes.
+Its limit is the device's memory by default, and a server's steps free buffers of ever
+new sizes (batch sizes, prompt lengths, block-table widths), so under load that never
+rests the cache only grows: a llama-1B's engine held 12 GB in it over eight waves of
+requests whose arrays never passed 4.3 GB (BENCHMARKS.md, run 453). With the limit at
+1 GB it stayed at 1 GB, and tokens/s did not differ beyond the host's spread.
+``--mlx-cache-limit`` sets that limit; the engine thread also hands the whole cache back
+at rest (``worker``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+import mlx.core as mx
+
+from ..cache.memory import parse_memory
+
+logger = logging.getLogger("mlx_paged.server")
+
+#: Bytes ``--mlx-cache-limit auto`` lets MLX keep at least (run 453: a llama-1B lost no
+#: speed at 1 GB).
+AUTO_FLOOR = 1 << 30
+
+
+def add_argument(p: argparse.ArgumentParser) -> None:
+    """Add ``--mlx-cache-limit`` to the server's command line."""
+    p.add_argument(
+        "--mlx-cache-limit",
+        default="auto",
+        help="Most bytes of freed buffers MLX keeps for reuse while the server runs, e.g. "
+        "2GB (mx.set_cache_limit). auto: the most the warm-up's steps held beyond their "
+        "arrays, at least 1 GiB.",
+    )
+
+
+def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Exit with a usage error for a memory flag that is not a positive size."""
+    flags = {
+        "--kv-memory": args.kv_memory,
+        "--kv-disk-bytes": args.kv_disk_bytes,
+        "--kv-disk-preload-bytes": args.kv_disk_preload_bytes,
+        "--mlx-cache-limit": None if args.mlx_cache_limit == "auto" else args.mlx_cache_limit,
+    }
+    for flag, value in flags.items():
+        try:
+            if value is not None and parse_memory(value) <= 0:  # "0.1B"
+                parser.error(f"{flag} must be more than 0 bytes, got {value}.")
+        except ValueError as e:
+            auto = " Or auto." if flag == "--mlx-cache-limit" else ""
+            parser.error(f"{flag}: {e}{auto}")
+
+
+def bound_cache(setting: str) -> int:
+    """Set MLX's cache limit from ``--mlx-cache-limit`` and return it. ``auto`` takes the
+    most MLX held beyond its live arrays since its peak was last reset (the loader resets
+    it before the warm-up), or ``AUTO_FLOOR`` if that is less."""
+    if setting == "auto":
+        limit = max(AUTO_FLOOR, mx.get_peak_memory() - mx.get_active_memory())
+    else:
+        limit = parse_memory(setting)
+    mx.set_cache_limit(limit)
+    logger.info("mlx_paged: MLX keeps at most %.2f GB of freed buffers", limit / 1e9)
+    return limit
