@@ -102,7 +102,7 @@ def start(kind: str, model: str, port: int, args: argparse.Namespace) -> subproc
             urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2)
             log.seek(0)
             for line in log:
-                if "warmed up" in line:
+                if "warmed up" in line or "MLX keeps" in line:
                     print(f"{kind}: {line.strip()}")
             return proc
         except OSError:
