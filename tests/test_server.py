@@ -74,6 +74,8 @@ METRICS = (
     "mlx_paged_state_snapshot_bytes",
     "mlx_paged_state_slots_active",
     "mlx_paged_state_bytes",
+    "mlx_paged_mlx_active_bytes",
+    "mlx_paged_mlx_cache_bytes",
 )
 
 
@@ -654,6 +656,9 @@ def test_concurrent_streams_with_disconnects(server):
     blocks = ("active", "cached", "free")
     total = sum(after[f"mlx_paged_kv_blocks_{k}"] for k in blocks)
     assert total == after["mlx_paged_kv_blocks_total"]
+    assert after["mlx_paged_mlx_active_bytes"] > 0
+    # At rest the engine thread hands MLX's cached buffers back.
+    server.wait_metrics(lambda m: m["mlx_paged_mlx_cache_bytes"] == 0, timeout=10)
     server.assert_up()
 
 

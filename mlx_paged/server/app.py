@@ -45,6 +45,7 @@ def create_app(worker: EngineWorker, config: ServerConfig) -> FastAPI:
         lambda: getattr(worker.engine, "clock", None),
         lambda: getattr(worker.engine, "disk", None),
         lambda: getattr(getattr(worker.engine, "runner", None), "compiled", None),
+        lambda: worker.memory,
     )
     app.state.accepting = True
 

@@ -35,9 +35,10 @@ class EngineCollector:
         clock: Callable[[], StepClock | None] = lambda: None,
         disk: Callable[[], Any] = lambda: None,
         compiled: Callable[[], Any] = lambda: None,
+        memory: Callable[[], tuple[int, int]] = lambda: (0, 0),
     ):
         self._stats, self._queued, self._clock, self._disk = stats, queued, clock, disk
-        self._compiled = compiled
+        self._compiled, self._memory = compiled, memory
 
     def collect(self) -> Iterator[Metric]:
         s = self._stats()
@@ -73,6 +74,12 @@ class EngineCollector:
         gauges["kernel_launch_shapes"] = (
             "Fused kernel launch shapes traced and held.",
             variants["launches"],
+        )
+        active, cached = self._memory()
+        gauges["mlx_active_bytes"] = ("Bytes of the arrays MLX holds (this process).", active)
+        gauges["mlx_cache_bytes"] = (
+            "Bytes of freed buffers MLX keeps for reuse (--mlx-cache-limit; none at rest).",
+            cached,
         )
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(f"mlx_paged_{name}", doc, value=value)
@@ -168,10 +175,11 @@ def metrics_registry(
     clock: Callable[[], StepClock | None] = lambda: None,
     disk: Callable[[], Any] = lambda: None,
     compiled: Callable[[], Any] = lambda: None,
+    memory: Callable[[], tuple[int, int]] = lambda: (0, 0),
 ) -> tuple[CollectorRegistry, FirstTokenTimes]:
     """A registry holding only the server's metrics, and its first-token histograms."""
     registry = CollectorRegistry(auto_describe=True)
-    registry.register(EngineCollector(stats, queued, clock, disk, compiled))
+    registry.register(EngineCollector(stats, queued, clock, disk, compiled, memory))
     return registry, FirstTokenTimes(registry)
 
 

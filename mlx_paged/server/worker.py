@@ -104,6 +104,7 @@ class EngineWorker:
         self.engine: PagedEngine | None = None
         self.tokenizer: TokenizerWrapper | None = None
         self.stats = EngineStats(0, 0, 0, 0, 0, 0)
+        self.memory = (0, 0)  # MLX's live and cached bytes, as the engine thread last read them
         self.ready = threading.Event()
         self.load_error: BaseException | None = None
         self._inbox: queue.Queue[tuple[str, Job | None]] = queue.Queue()
@@ -189,6 +190,7 @@ class EngineWorker:
                     mx.clear_cache()  # a server at rest holds what it holds, not its peak
                     rested = True
             self._update_stats()
+            self.memory = (mx.get_active_memory(), mx.get_cache_memory())
         self._fail_all("the server is shutting down", reason="abort")
         if self.engine.disk is not None:  # what the prefix cache holds outlives the process
             written = self.engine.disk.spill_cached()
