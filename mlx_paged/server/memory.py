@@ -1,4 +1,5 @@
-"""The server's memory flags: sizes checked, and MLX's buffer cache bounded.
+"""The server's memory: its flags checked, MLX's buffer cache bounded, and what it gives
+back at rest.
 
 MLX keeps the buffers that arrays free, to hand them to later arrays of the same sizes.
 Its limit is the device's memory by default, and a server's steps free buffers of ever
@@ -18,6 +19,7 @@ import logging
 import mlx.core as mx
 
 from ..cache.memory import parse_memory
+from ..engine import PagedEngine
 
 logger = logging.getLogger("mlx_paged.server")
 
@@ -65,3 +67,19 @@ def bound_cache(setting: str) -> int:
     mx.set_cache_limit(limit)
     logger.info("mlx_paged: MLX keeps at most %.2f GB of freed buffers", limit / 1e9)
     return limit
+
+
+def at_rest(engine: PagedEngine, cleared: bool) -> bool:
+    """What the engine thread gives back with nothing to run: a disk preload's host memory
+    whose hold has ended, and, unless ``cleared`` (done since the last step), MLX's cached
+    buffers, so that a server at rest holds what it holds, not its peak. Returns True."""
+    if engine.disk is not None and engine.disk.preloaded is not None:
+        engine.disk.preloaded.release()
+    if not cleared:
+        mx.clear_cache()
+    return True
+
+
+def held() -> tuple[int, int]:
+    """MLX's live and cached bytes in this process."""
+    return mx.get_active_memory(), mx.get_cache_memory()

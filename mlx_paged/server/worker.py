@@ -15,7 +15,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import mlx.core as mx
 from mlx_lm.generate import TextStateMachine, make_text_state_machine
 from mlx_lm.sample_utils import make_logits_processors
 from mlx_lm.tokenizer_utils import TokenizerWrapper
@@ -23,6 +22,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from ..engine import EngineStats, Event, PagedEngine
 from ..engine.request import Request, TokenConstraint, check_tokens
 from .grammar import parse_forced_calls
+from .memory import at_rest, held
 from .text import TextStream, initial_state, parse_call, thinking_machine
 
 logger = logging.getLogger("mlx_paged.server")
@@ -83,6 +83,15 @@ class Job:
     # arguments, and the constraint's JSON schema.
     sampling: tuple | None = None
     schema: dict | None = None
+
+    def processors(self, vocab: int | None) -> list:
+        """``logits``' processors; ValueError for a ``logit_bias`` id outside ``vocab``
+        (MLX does not bounds-check the scatter that applies it)."""
+        try:
+            check_tokens(list(self.logits.get("logit_bias") or ()), vocab)
+        except ValueError as e:
+            raise ValueError(f"logit_bias: {e}") from None
+        return make_logits_processors(**self.logits)
 
 
 class EngineWorker:
@@ -184,13 +193,9 @@ class EngineWorker:
                 self._step()
                 rested = False
             else:  # idle, most often for the inbox's timeout
-                if self.engine.disk is not None and self.engine.disk.preloaded is not None:
-                    self.engine.disk.preloaded.release()  # its hold may have ended
-                if not rested:
-                    mx.clear_cache()  # a server at rest holds what it holds, not its peak
-                    rested = True
+                rested = at_rest(self.engine, rested)
             self._update_stats()
-            self.memory = (mx.get_active_memory(), mx.get_cache_memory())
+            self.memory = held()
         self._fail_all("the server is shutting down", reason="abort")
         if self.engine.disk is not None:  # what the prefix cache holds outlives the process
             written = self.engine.disk.spill_cached()
@@ -251,12 +256,7 @@ class EngineWorker:
 
     def _add(self, job: Job) -> None:
         try:
-            bias = job.logits.get("logit_bias")
-            if bias:  # MLX does not bounds-check the scatter that applies it
-                try:
-                    check_tokens(list(bias), self.engine.vocab_size)
-                except ValueError as e:
-                    raise ValueError(f"logit_bias: {e}") from None
+            processors = job.processors(self.engine.vocab_size)
             machine = self.thinking if job.split_reasoning else None
             if job.tools and not job.forced:
                 machine = self.agent
@@ -266,7 +266,7 @@ class EngineWorker:
                 job.tokens,
                 job.max_tokens,
                 sampler=job.sampler,
-                logits_processors=make_logits_processors(**job.logits),
+                logits_processors=processors,
                 stop_tokens=self.stop_tokens,
                 logprobs=job.logprobs,
                 constraint=job.constraint,
