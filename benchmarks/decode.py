@@ -15,6 +15,8 @@ Usage:
     python benchmarks/decode.py --dtype float16 --steps 20 --interleave 10 --kernel-case --breakdown
     python benchmarks/decode.py --shape smollm2 --bits 4 --dtype float16   # the embedded model's
         # shape and 4-bit weights (random values)
+    python benchmarks/decode.py --dtype float16 --steps 50 --interleave 6 --kv-bits 8
+        # also both caches as mlx-lm's kv_bits makes them
 """
 
 from __future__ import annotations
@@ -169,10 +171,20 @@ def main() -> None:
         help="with --interleave: also print each case's median host time per step building "
         "the graph, in async_eval, and waiting for the device",
     )
+    parser.add_argument(
+        "--kv-bits",
+        type=int,
+        choices=[4, 8],
+        help="with --interleave: also time both caches quantized as mlx-lm's kv_bits makes "
+        "them (mlx-lm's QuantizedKVCache against the paged cold tier)",
+    )
+    parser.add_argument("--kv-group-size", type=int, default=64, help="with --kv-bits")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     if args.breakdown and not args.interleave:
         parser.error("--breakdown needs --interleave ROUNDS")
+    if args.kv_bits and not args.interleave:
+        parser.error("--kv-bits needs --interleave ROUNDS")
     global KV_HEADS
     dtype = getattr(mx, args.dtype)
     layers = args.layers or {"llama-1b": 16, "smollm2": 30}[args.shape]
@@ -202,6 +214,10 @@ def main() -> None:
         for name, s in best.items():
             results.append(dict(case=name, context=context, ms_per_step=s * 1e3, tok_s=1 / s))
         return best
+
+    def quantized(cache: list) -> list:
+        """``cache`` as mlx-lm's ``kv_bits`` makes it: each layer's ``to_quantized``."""
+        return [c.to_quantized(group_size=args.kv_group_size, bits=args.kv_bits) for c in cache]
 
     def eager() -> list:
         cache = make_paged_cache(model, args.block_size)
@@ -243,11 +259,20 @@ def main() -> None:
                 cases["paged-eager-read"] = eager
             if args.kernel_case:
                 cases["paged-kernel"] = cases["paged"]
+            if args.kv_bits:
+                cases["dense-kv"] = lambda: quantized(make_prompt_cache(model))
+                cases["paged-kv"] = lambda: quantized(make_paged_cache(model, args.block_size))
             med = interleaved(context, cases)
             line = "  ".join(
                 f"{name} {1 / s:7.1f} tok/s ({med['dense'] / s:.3f})" for name, s in med.items()
             )
             print(f"context={context:6d} median of {args.interleave} rounds: {line}", flush=True)
+            if args.kv_bits:
+                print(
+                    f"context={context:6d} {args.kv_bits}-bit KV: paged/dense tok/s "
+                    f"{med['dense-kv'] / med['paged-kv']:.3f}",
+                    flush=True,
+                )
         args.contexts, args.capacity_context = [], 0
 
     for context in args.contexts:

@@ -15,7 +15,8 @@ behind ``--hot-tokens``. ``--profile`` brackets three timed steps with
 cold-tier engines in one process, taking turns, and prints the ratio of their
 tokens/s per round: the lent host changes speed between and within processes.
 ``--fuse-projections`` runs both cases on the model with its q/k/v and gate/up
-projections fused (``fused_projections.py``): fewer matmuls a layer.
+projections fused (``mlx_paged.fuse_projections``): fewer matmuls a layer; ``--fused ROUNDS``
+times engines on the model as loaded and on a fused copy in one process, taking turns.
 
 Usage:
     python benchmarks/decode_step.py --model /root/l1b --batch 64 32 --cases paged dense
@@ -40,11 +41,10 @@ import statistics
 import time
 
 import mlx.core as mx
-from fused_projections import fuse_projections
 from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlx_paged import PagedEngine
+from mlx_paged import PagedEngine, fuse_projections
 
 
 def profiler(on: bool) -> None:
@@ -90,7 +90,7 @@ def ready_engine(model, prompts: list[list[int]], args, kv_bits: int | None) -> 
     engine = PagedEngine(model, max_batch_size=len(prompts), prefill_step_size=2048, **tier)
     engine.generate([prompts[0]], max_tokens=1)  # caches the shared prompt
     for p in prompts:
-        engine.add_request(p, args.steps * max(args.tiers, 1) + 40)
+        engine.add_request(p, args.steps * max(args.tiers, args.fused, 1) + 40)
     while engine.waiting or any(not r.generated for r in engine.running):
         engine.step()
     for _ in range(10):  # the step's shapes traced
@@ -102,6 +102,9 @@ def paged(model, prompts: list[list[int]], args) -> None:
     b = len(prompts)
     if args.tiers:
         tiers(model, prompts, args)
+        return
+    if args.fused:
+        fusion(model, args.fused_model, prompts, args)
         return
     engine = ready_engine(model, prompts, args, args.kv_bits)
     if args.graph:
@@ -125,14 +128,25 @@ def paged(model, prompts: list[list[int]], args) -> None:
 
 
 def tiers(model, prompts: list[list[int]], args) -> None:
-    """The full-precision engine and the ``--kv-bits`` one in one process, taking turns for
-    ``--tiers`` rounds of ``--steps`` steps (the first to go alternates), so that each
-    round's pair meets the same host speed."""
-    b = len(prompts)
+    """The full-precision engine and the ``--kv-bits`` one in one process, taking turns."""
     engines = [ready_engine(model, prompts, args, bits) for bits in (None, args.kv_bits)]
+    turns(["full", f"{args.kv_bits}-bit cold"], engines, args.tiers, args, "tiers")
+
+
+def fusion(model, fused_model, prompts: list[list[int]], args) -> None:
+    """An engine on the model as loaded and one on its fused copy, taking turns."""
+    engines = [ready_engine(m, prompts, args, args.kv_bits) for m in (model, fused_model)]
+    turns(["as loaded", "fused"], engines, args.fused, args, "fused")
+
+
+def turns(names: list[str], engines: list[PagedEngine], rounds: int, args, tag: str) -> None:
+    """Two engines in one process, taking turns for ``rounds`` rounds of ``--steps`` steps
+    (the first to go alternates), so that each round's pair meets the same host speed; the
+    ratio is the second's tokens/s over the first's."""
+    b = len(engines[0].running)
     p50s: list[list[float]] = [[], []]
     phases: list[list[dict[str, float]]] = [[], []]  # per round: host ms a step, by phase
-    for r in range(args.tiers):
+    for r in range(rounds):
         for i in (0, 1) if r % 2 == 0 else (1, 0):
             engine = engines[i]
             mx.synchronize()
@@ -140,24 +154,24 @@ def tiers(model, prompts: list[list[int]], args) -> None:
             p50s[i].append(statistics.median(timed_steps(engine.step, args.steps, False)))
             n = engine.clock.decode_steps
             phases[i].append({k: v / n * 1e3 for k, v in engine.clock.seconds.items()})
-        full, cold = p50s[0][-1], p50s[1][-1]
+        first, second = p50s[0][-1], p50s[1][-1]
         print(
-            f"tiers B={b} round {r + 1}: step p50 full {full * 1e3:.2f} ms, "
-            f"{args.kv_bits}-bit cold {cold * 1e3:.2f} ms, cold/full tok/s {full / cold:.2f}x",
+            f"{tag} B={b} round {r + 1}: step p50 {names[0]} {first * 1e3:.2f} ms, "
+            f"{names[1]} {second * 1e3:.2f} ms, {names[1]}/{names[0]} tok/s "
+            f"{first / second:.2f}x",
             flush=True,
         )
     ratios = sorted(f / c for f, c in zip(*p50s, strict=True))
     print(
-        f"tiers B={b}: cold/full tok/s median {statistics.median(ratios):.2f}x "
-        f"(range {ratios[0]:.2f}x-{ratios[-1]:.2f}x over {args.tiers} rounds)",
+        f"{tag} B={b}: {names[1]}/{names[0]} tok/s median {statistics.median(ratios):.2f}x "
+        f"(range {ratios[0]:.2f}x-{ratios[-1]:.2f}x over {rounds} rounds)",
         flush=True,
     )
-    names = ("full", f"{args.kv_bits}-bit cold")
-    for name, rounds, engine in zip(names, phases, engines, strict=True):
-        medians = {k: round(statistics.median(r[k] for r in rounds), 2) for k in rounds[0]}
+    for name, rounds_, engine in zip(names, phases, engines, strict=True):
+        medians = {k: round(statistics.median(r[k] for r in rounds_), 2) for k in rounds_[0]}
         compiled = engine.runner.compiled
         traces = f"; {compiled.traces} traces" if compiled is not None else ""
-        print(f"tiers B={b} {name}: host ms/step, median of rounds {medians}{traces}", flush=True)
+        print(f"{tag} B={b} {name}: host ms/step, median of rounds {medians}{traces}", flush=True)
 
 
 def dense(model, prompts: list[list[int]], args) -> None:
@@ -213,10 +227,23 @@ def main() -> None:
     parser.add_argument(
         "--fuse-projections", action="store_true", help="q/k/v and gate/up as one matmul each"
     )
+    parser.add_argument(
+        "--fused",
+        type=int,
+        default=0,
+        metavar="ROUNDS",
+        help="paged: engines on the model as loaded and on a fused copy in one process, "
+        "taking turns for ROUNDS rounds of --steps steps",
+    )
     args = parser.parse_args()
     if args.tiers and not args.kv_bits:
         parser.error("--tiers needs --kv-bits")
+    if args.tiers and args.fused:
+        parser.error("--tiers and --fused each take turns of their own: one at a time")
     model, _ = load(args.model)
+    if args.fused:
+        args.fused_model, _ = load(args.model)
+        print(f"fused {fuse_projections(args.fused_model)} projection groups of the copy")
     if args.fuse_projections:
         print(f"fused {fuse_projections(model)} projection groups")
     rng = random.Random(0)

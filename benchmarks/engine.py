@@ -27,7 +27,7 @@ Usage:
     python benchmarks/engine.py --dtype float16 --n 64 --mixed 0 --first-batch --cases paged
         # a fresh process's first batch (one case per process)
     python benchmarks/engine.py --dtype float16 --n 64 --mixed 0 --cases paged --fuse-projections
-        # the model's q/k/v and gate/up as one matmul each (fused_projections.py)
+        # the paged cases' model with q/k/v and gate/up as one matmul each, as the server runs it
     python benchmarks/engine.py --dtype float16 --shape qwen3_5 --hidden 1536 --layers 24 \
         --vocab 151936 --n 64 --mixed 0 --cases batchgen+prefix-warm paged-warm   # hybrid
 """
@@ -44,13 +44,12 @@ import time
 from collections.abc import Callable
 
 import mlx.core as mx
-from fused_projections import fuse_projections
 from mlx.utils import tree_flatten
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models import llama
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlx_paged import PagedEngine
+from mlx_paged import PagedEngine, fuse_projections
 from mlx_paged.attention import path_counts
 from mlx_paged.attention.kernels import compiled_variants
 
@@ -375,13 +374,16 @@ def main() -> None:
     parser.add_argument(
         "--fuse-projections",
         action="store_true",
-        help="every case's model with q/k/v and gate/up as one matmul each",
+        help="the paged cases' model with q/k/v and gate/up as one matmul each, as "
+        "mlx_paged.server runs it (mlx-lm's cases keep the model as loaded)",
     )
     args = parser.parse_args()
 
-    model = build_model(args)
+    model = paged_model = build_model(args)
     if args.fuse_projections:
-        print(f"fused {fuse_projections(model)} projection groups")
+        paged_model = build_model(args)
+        paged_model.update(model.parameters())  # the same weights, then fused
+        print(f"fused {fuse_projections(paged_model)} projection groups of the paged cases' model")
     weights_gb = sum(v.nbytes for _, v in tree_flatten(model.parameters())) / 1e9
     print(
         f"device={mx.default_device()} shape={args.shape} dtype={args.dtype} layers={args.layers} "
@@ -400,7 +402,7 @@ def main() -> None:
         warm_system = toks(args.system)
         warm = [warm_system + toks(args.unique) for _ in range(n)]
         run_batchgen(model, warm, [0.0] * n, args.gen, step, prefix=warm_system, batch=n)
-        run_paged(model, warm, [0.0] * n, args.gen, args)
+        run_paged(paged_model, warm, [0.0] * n, args.gen, args)
 
     results: list[dict] = []
     system = toks(args.system)
@@ -414,12 +416,12 @@ def main() -> None:
             "batchgen+prefix": lambda p=prompts, a=at, n=n: run_batchgen(
                 model, p, a, args.gen, step, prefix=system, batch=n
             ),
-            "paged": lambda p=prompts, a=at: run_paged(model, p, a, args.gen, args),
+            "paged": lambda p=prompts, a=at: run_paged(paged_model, p, a, args.gen, args),
             "batchgen+prefix-warm": lambda p=prompts, a=at, n=n: run_batchgen(
                 model, p, a, args.gen, step, prefix=system, batch=n, warm=True
             ),
             "paged-warm": lambda p=prompts, a=at: run_paged(
-                model, p, a, args.gen, args, prefix=system
+                paged_model, p, a, args.gen, args, prefix=system
             ),
         }
         rounds = []
@@ -438,7 +440,7 @@ def main() -> None:
             if name not in ("batchgen", "paged"):
                 continue  # no shared prefix in this workload
             fn = (
-                (lambda: run_paged(model, prompts, at, args.gen, args))
+                (lambda: run_paged(paged_model, prompts, at, args.gen, args))
                 if name == "paged"
                 else (lambda: run_batchgen(model, prompts, at, args.gen, step, batch=args.batch))
             )

@@ -958,12 +958,23 @@ def test_warm_up_runs_before_ready_and_leaves_no_counts(tmp_path):
         assert m["mlx_paged_kv_blocks_cached"] == 0
         assert m["mlx_paged_decode_steps_total"] == m["mlx_paged_decode_steps_compiled_total"] == 0
         assert m["mlx_paged_decode_traces_total"] >= 2  # the burst's batch sizes, 2 and 1
+        assert "mlx_paged: fused 60 projection groups" in s.log_tail()  # 30 layers, 2 each
         assert "mlx_paged: warming up at batch sizes up to 2" in s.log_tail()
         assert "mlx_paged: warmed up in" in s.log_tail()
         kept = re.search(r"MLX keeps at most (\d+\.\d+) GB of freed buffers", s.log_tail())
         assert kept and float(kept[1]) >= 1.07, "--mlx-cache-limit auto: at least 1 GiB"
         out = s.client().completions.create(model=MODEL, prompt=STORY, max_tokens=4, temperature=0)
         assert out.usage.completion_tokens == 4
+    finally:
+        s.stop()
+
+
+def test_a_server_without_fused_projections_serves_the_same_text(tmp_path, story):
+    s = start_server(tmp_path, "unfused", "--no-fuse-projections", "--log-level", "info")
+    try:
+        out = s.client().completions.create(model=MODEL, prompt=STORY, max_tokens=12, temperature=0)
+        assert out.choices[0].text == story.choices[0].text
+        assert "projection groups" not in s.log_tail()
     finally:
         s.stop()
 

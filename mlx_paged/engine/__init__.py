@@ -1,8 +1,17 @@
 """The engine: ``PagedEngine`` wires a pure-Python ``Scheduler`` to a ``ModelRunner``."""
 
 from .engine import PagedEngine
+from .fusion import fuse_projections
 from .request import EngineStats, Event, Request
 from .runner import ModelRunner
 from .scheduler import Scheduler
 
-__all__ = ["EngineStats", "Event", "ModelRunner", "PagedEngine", "Request", "Scheduler"]
+__all__ = [
+    "EngineStats",
+    "Event",
+    "ModelRunner",
+    "PagedEngine",
+    "Request",
+    "Scheduler",
+    "fuse_projections",
+]

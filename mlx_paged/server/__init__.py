@@ -19,7 +19,7 @@ import signal
 import sys
 from pathlib import Path
 
-from . import memory
+from . import memory, sampling
 from .app import ServerConfig, create_app
 from .sampling import sampling_defaults, warm_up_sampler
 from .worker import EngineWorker
@@ -36,13 +36,6 @@ __all__ = [
 KV_DTYPES = ("float16", "bfloat16", "float32")
 EMBEDDED_ID = "SmolLM2-135M-Instruct"
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
-# mlx_lm.server's request defaults: flag, type, what it sets.
-SAMPLING_FLAGS = (
-    ("--temp", float, "Sampling temperature"),
-    ("--top-p", float, "Nucleus sampling top_p"),
-    ("--top-k", int, "top_k"),
-    ("--min-p", float, "min_p"),
-)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -148,14 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-tokens", type=int, default=512, help="max_tokens when a request gives none."
     )
-    for flag, kind, what in SAMPLING_FLAGS:
-        p.add_argument(
-            flag,
-            type=kind,
-            default=None,
-            help=f"{what} for requests that give none; default: the model's "
-            "generation_config.json, else the API's default.",
-        )
+    sampling.add_arguments(p)
     p.add_argument(
         "--max-queue",
         type=int,
@@ -181,6 +167,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="Before /health reports ready, decode a made-up burst once at every batch size "
         "up to --max-batch-size, so the first requests find kernels built and checked. "
         "Default: on a GPU; off on the CPU, which builds no kernels per batch size.",
+    )
+    p.add_argument(
+        "--fuse-projections",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Run each layer's q/k/v and gate/up projections as one matmul each (the same "
+        "values, fewer primitives a step: mlx_paged.fuse_projections). Default: on, except "
+        "for a model sharded under mlx.launch.",
     )
     p.add_argument(
         "--pipeline",
@@ -220,15 +214,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error("--kv-disk-preload-bytes needs --kv-disk-dir.")
     if args.kv_disk_restore and args.kv_disk_preload_bytes is None:
         parser.error("--kv-disk-restore needs --kv-disk-preload-bytes (what it restores).")
-    bad = {
-        "temp": args.temp is not None and not 0 <= args.temp <= 2,
-        "top_p": args.top_p is not None and not 0 < args.top_p <= 1,
-        "top_k": args.top_k is not None and args.top_k < 0,
-        "min_p": args.min_p is not None and not 0 <= args.min_p <= 1,
-    }
-    for name in (n for n, b in bad.items() if b):
-        span = {"temp": "in [0, 2]", "top_p": "in (0, 1]", "top_k": ">= 0", "min_p": "in [0, 1]"}
-        parser.error(f"--{name.replace('_', '-')} must be {span[name]}, got {getattr(args, name)}.")
+    sampling.check_arguments(parser, args)
     if not isinstance(args.chat_template_args, dict):
         parser.error("--chat-template-args must be a JSON object.")
     if args.distributed_timeout <= 0:
@@ -252,14 +238,17 @@ def loader(args: argparse.Namespace, group=None):
 
         from ..cache.memory import blocks_for_memory, parse_memory, probe_footprint
         from ..embedded import load_model
-        from ..engine import PagedEngine
+        from ..engine import PagedEngine, fuse_projections
         from ..engine.distributed import shard_model
 
+        log = logging.getLogger("mlx_paged.server")
         sharded = group is not None and group.size() > 1
         model, tokenizer = load_model(args.model, dtype=args.model_dtype, lazy=sharded)
         if sharded:  # each rank reads only its share of the weights
             shard_model(model, group, pipeline=args.pipeline)
             mx.eval(model.parameters())
+        elif args.fuse_projections:
+            log.info("mlx_paged: fused %d projection groups", fuse_projections(model))
         kv_dtype = getattr(mx, args.kv_dtype) if args.kv_dtype else None
         num_blocks = args.num_blocks
         if args.kv_memory is not None:
@@ -289,7 +278,6 @@ def loader(args: argparse.Namespace, group=None):
             from ..engine.warmup import warm_up
 
             sampler = None if sharded else warm_up_sampler(args, args.model or embedded_path())
-            log = logging.getLogger("mlx_paged.server")
             log.info("mlx_paged: warming up at batch sizes up to %d", args.max_batch_size)
             log.info("mlx_paged: warmed up in %.2f s", warm_up(engine, sampler=sampler))
         memory.bound_cache(args.mlx_cache_limit)

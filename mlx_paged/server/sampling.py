@@ -88,3 +88,32 @@ def sampling_defaults(args: argparse.Namespace, model_path: str | Path) -> dict[
     flags = {"temperature": args.temp, "top_p": args.top_p, "top_k": args.top_k}
     found.update({k: v for k, v in {**flags, "min_p": args.min_p}.items() if v is not None})
     return found
+
+
+# mlx_lm.server's request defaults: flag, type, what it sets, the values it takes.
+FLAGS = (
+    ("--temp", float, "Sampling temperature", "in [0, 2]", lambda v: 0 <= v <= 2),
+    ("--top-p", float, "Nucleus sampling top_p", "in (0, 1]", lambda v: 0 < v <= 1),
+    ("--top-k", int, "top_k", ">= 0", lambda v: v >= 0),
+    ("--min-p", float, "min_p", "in [0, 1]", lambda v: 0 <= v <= 1),
+)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The server's sampling defaults for requests that give none (``FLAGS``)."""
+    for flag, kind, what, _, _ in FLAGS:
+        p.add_argument(
+            flag,
+            type=kind,
+            default=None,
+            help=f"{what} for requests that give none; default: the model's "
+            "generation_config.json, else the API's default.",
+        )
+
+
+def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Exit with a usage error for a sampling default out of its range."""
+    for flag, _, _, span, ok in FLAGS:
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None and not ok(value):
+            parser.error(f"{flag} must be {span}, got {value}.")
