@@ -243,12 +243,15 @@ def loader(args: argparse.Namespace, group=None):
 
         log = logging.getLogger("mlx_paged.server")
         sharded = group is not None and group.size() > 1
-        model, tokenizer = load_model(args.model, dtype=args.model_dtype, lazy=sharded)
-        if sharded:  # each rank reads only its share of the weights
+        # Lazy where the weights change first: each rank reads only its share, and fused
+        # layers are read straight into their fused arrays (never both copies at once).
+        lazy = sharded or args.fuse_projections
+        model, tokenizer = load_model(args.model, dtype=args.model_dtype, lazy=lazy)
+        if sharded:
             shard_model(model, group, pipeline=args.pipeline)
-            mx.eval(model.parameters())
         elif args.fuse_projections:
             log.info("mlx_paged: fused %d projection groups", fuse_projections(model))
+        mx.eval(model.parameters())
         kv_dtype = getattr(mx, args.kv_dtype) if args.kv_dtype else None
         num_blocks = args.num_blocks
         if args.kv_memory is not None:
