@@ -36,7 +36,7 @@ from .cache.memory import (
     probe_footprint,
 )
 from .embedded import MODEL_DTYPES, EmbeddedModelMissing, load_model
-from .engine import PagedEngine
+from .engine import PagedEngine, fuse_projections
 from .engine.distributed import join_ranks
 from .progress import ProgressBar
 from .prompts import encode_prompt, read_prompts
@@ -93,6 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
         '{"prompt": ...} or {"messages": [...]} per line.',
     )
     g.add_argument("--max-batch-size", type=int, default=64, help="Sequences at once (engine).")
+    fuse = "Run each layer's q/k/v and gate/up projections as one matmul each (default)."
+    g.add_argument(
+        "--fuse-projections", action=argparse.BooleanOptionalAction, default=True, help=fuse
+    )
     g.add_argument(
         "--state-snapshot-interval",
         type=int,
@@ -112,13 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Reject flag combinations that cannot work, argparse-style (exit code 2)."""
-    for name in ("block_size", "max_batch_size", "prefill_step_size"):
-        if getattr(args, name) <= 0:
+    sizes = ("block_size", "max_batch_size", "prefill_step_size", "num_blocks")
+    for name in (*sizes, "num_state_snapshots"):
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be a positive integer.")
-    if args.num_blocks is not None and args.num_blocks <= 0:
-        parser.error("--num-blocks must be a positive integer (or leave it out to grow).")
-    if args.num_state_snapshots is not None and args.num_state_snapshots <= 0:
-        parser.error("--num-state-snapshots must be a positive integer.")
     interval = args.state_snapshot_interval
     if interval is not None and (interval <= 0 or interval % args.block_size):
         parser.error("--state-snapshot-interval must be a positive multiple of --block-size.")
@@ -363,8 +364,12 @@ def main(argv: list[str] | None = None) -> None:
             adapter_path=args.adapter_path,
             tokenizer_config=tokenizer_config,
             model_config={"quantize_activations": args.quantize_activations},
+            lazy=True,  # a shard or fused layers read straight into their own arrays
         )
         group = join_ranks(model, args.seed, args.pipeline)  # under mlx.launch: its shard
+        if group is None and args.fuse_projections:
+            fuse_projections(model)
+        mx.eval(model.parameters())
     except (EmbeddedModelMissing, ValueError) as e:
         raise SystemExit(f"mlx_paged.generate: error: {e}") from e
     if group is not None and group.rank() > 0:

@@ -105,6 +105,21 @@ def test_cli_end_to_end_on_the_embedded_model():
 
 
 @needs_embedded
+def test_projections_are_fused_unless_told_not_to_and_the_text_is_the_same(monkeypatch, capsys):
+    import mlx_paged.generate as cli
+
+    fused = []
+    real = cli.fuse_projections
+    monkeypatch.setattr(cli, "fuse_projections", lambda model: fused.append(real(model)))
+    argv = ["--prompt", "The capital of France is", "--ignore-chat-template", "--temp", "0"]
+    main([*argv, "--max-tokens", "6"])
+    text = capsys.readouterr().out.split("==========")[1]
+    main([*argv, "--max-tokens", "6", "--no-fuse-projections"])
+    assert capsys.readouterr().out.split("==========")[1] == text
+    assert fused == [60]  # SmolLM2's 30 layers, two groups each; none the second time
+
+
+@needs_embedded
 def test_prompts_file_runs_through_the_engine(tmp_path, capsys):
     f = tmp_path / "prompts.txt"
     f.write_text("The capital of France is\nThe capital of Italy is\n")
