@@ -3,7 +3,7 @@
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models.cache import make_prompt_cache
 from tiny_models import CONFIGS, solo, tiny_model
 
@@ -61,23 +61,39 @@ def test_quantized_layers_fuse_into_one_quantized_layer():
     assert mx.allclose(before, logits(model, PROMPT), atol=1e-5, rtol=1e-5).item()
 
 
-class Crossed(nn.Module):
-    """Attention-like projections where k_proj takes another input than q_proj and v_proj."""
+def test_adapted_layers_stay_as_they_are_and_their_plain_siblings_fuse():
+    from mlx_lm.tuner.utils import linear_to_lora_layers
 
-    def __init__(self):
+    model = tiny_model("llama")
+    config = {"rank": 4, "scale": 10.0, "dropout": 0.0, "keys": ["self_attn.q_proj"]}
+    linear_to_lora_layers(model, len(model.layers), config)
+    model.update(tree_map(lambda p: p + 0.01, model.trainable_parameters()))  # lora_b: not 0
+    before = logits(model, PROMPT)
+    assert fuse_projections(model) == len(model.layers)  # gate/up only: q_proj is a LoRA layer
+    assert all("fused_qkv" not in layer.self_attn for layer in model.layers)
+    assert mx.allclose(before, logits(model, PROMPT), atol=1e-5, rtol=1e-5).item()
+
+
+class Projections(nn.Module):
+    """Attention-like q/k/v and MLP-like gate/up projections of one embedding; ``crossed``:
+    k_proj takes another input than its siblings; ``biased``: those with a bias."""
+
+    def __init__(self, crossed: bool = False, biased: tuple[str, ...] = ()):
         super().__init__()
+        self.crossed = crossed
         self.embed = nn.Embedding(16, 8)
-        self.q_proj, self.k_proj, self.v_proj = nn.Linear(8, 8), nn.Linear(8, 4), nn.Linear(8, 4)
-        self.gate_proj, self.up_proj = nn.Linear(8, 8), nn.Linear(8, 8)
+        widths = {"q_proj": 8, "k_proj": 4, "v_proj": 4, "gate_proj": 8, "up_proj": 8}
+        for name, width in widths.items():
+            self[name] = nn.Linear(8, width, bias=name in biased)
 
     def __call__(self, tokens: mx.array) -> mx.array:
         x = self.embed(tokens)
-        q, k, v = self.q_proj(x), self.k_proj(x * 2), self.v_proj(x)
+        q, k, v = self.q_proj(x), self.k_proj(x * 2 if self.crossed else x), self.v_proj(x)
         return q.sum(-1) + k.sum(-1) + v.sum(-1) + (self.gate_proj(x) * self.up_proj(x)).sum(-1)
 
 
 def test_only_groups_whose_members_take_one_input_are_fused():
-    model = Crossed()
+    model = Projections(crossed=True)
     tokens = mx.array([[1, 2, 3]])
     before = model(tokens)
     q, k, v = model.q_proj, model.k_proj, model.v_proj
@@ -87,7 +103,16 @@ def test_only_groups_whose_members_take_one_input_are_fused():
     assert mx.allclose(before, model(tokens), atol=1e-6).item()
 
 
-class NeedsCache(Crossed):
+def test_biased_layers_fuse_with_their_biases_and_mixed_groups_do_not():
+    model = Projections(biased=("q_proj", "gate_proj", "up_proj"))  # k and v without a bias
+    tokens = mx.array([[1, 2, 3]])
+    before = model(tokens)
+    assert fuse_projections(model) == 1
+    assert "fused_qkv" not in model and "bias" in model.fused_gate_up
+    assert mx.allclose(before, model(tokens), atol=1e-6).item()
+
+
+class NeedsCache(Projections):
     def __call__(self, tokens: mx.array, cache: list) -> mx.array:
         return super().__call__(tokens) + len(cache)
 
