@@ -124,6 +124,11 @@ def test_a_model_whose_probe_forward_fails_is_left_as_it_is():
     assert [model[n] for n in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")] == layers
 
 
+def test_something_other_than_a_module_is_a_value_error():
+    with pytest.raises(ValueError, match="takes an mlx.nn.Module, got dict"):
+        fuse_projections({"q_proj": nn.Linear(2, 2)})
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3_5"])
 def test_an_engine_on_a_fused_model_decodes_what_mlx_lm_does_unfused(family):
     prompts = [tuple(PROMPT), tuple(PROMPT[:5] + [90, 91, 92]), tuple(PROMPT[::-1])]

@@ -89,7 +89,12 @@ def fuse_projections(model: nn.Module) -> int:
 
     Each group's members must take the same input in a forward of one token (checked
     first); a model whose forward fails without a cache is left as it is (0).
+
+    Raises:
+        ValueError: for a ``model`` that is not an ``mlx.nn.Module``.
     """
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"fuse_projections takes an mlx.nn.Module, got {type(model).__name__}.")
     candidates = [
         (module, group)
         for _, module in model.named_modules()
