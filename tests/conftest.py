@@ -7,15 +7,17 @@ from pathlib import Path
 os.environ.setdefault("MLX_ENABLE_TF32", "0")
 
 import mlx.core as mx
-import pytest
 
-from mlx_paged.attention.kernels import cubin, fatbin
+# Before mlx-lm is imported (importing mlx_paged imports it): mlx-lm makes its generation
+# stream on the default device then, and unmarked tests' generate_step runs on that stream.
+mx.set_default_device(mx.cpu)
+
+import pytest  # noqa: E402
+
+from mlx_paged.attention.kernels import cubin, fatbin  # noqa: E402
 
 # Make tests/tiny_models.py importable as a plain module.
 sys.path.insert(0, str(Path(__file__).parent))
-
-# Before mlx-lm is imported: it makes its generation stream on the default device then.
-mx.set_default_device(mx.cpu)
 
 
 def pytest_configure(config):

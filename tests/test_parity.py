@@ -69,6 +69,16 @@ def run_generate_step(model, prompt, cache, steps=DECODE_STEPS, prefill_step_siz
     return tokens, mx.concatenate(logits)
 
 
+@pytest.mark.skipif(not mx.is_available(mx.gpu), reason="only a GPU machine can differ")
+def test_unmarked_tests_generate_on_the_cpu():
+    """mlx-lm's generate_step runs on the stream mlx-lm made at import, on the default device
+    then: conftest makes that the CPU first, so unmarked tests run where they say, not on a
+    GPU's nondeterministic reductions (BatchGenerator parity flaked there before)."""
+    from mlx_lm.generate import generation_stream
+
+    assert generation_stream.device == mx.cpu
+
+
 def max_diff(a: mx.array, b: mx.array) -> float:
     return mx.abs(a - b).max().item()
 
