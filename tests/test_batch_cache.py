@@ -12,7 +12,10 @@ import copy
 import random
 
 import mlx.core as mx
+import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from mlx_lm.generate import BatchGenerator, batch_generate
 from mlx_lm.models.cache import make_prompt_cache
 from test_engine import reference_prefill
@@ -27,6 +30,8 @@ from mlx_paged import (
     uninstall_paged_cache,
 )
 from mlx_paged.attention import routing
+from mlx_paged.cache import DecodeBatch
+from mlx_paged.storage import KVPool
 
 # lfm2, qwen3_5, falcon_h1 (inside CacheList): recurrent layers merge as mlx-lm's ArraysCache.
 FAMILIES = [
@@ -278,3 +283,51 @@ def test_a_window_wider_than_the_layer_is_accepted():
         sliding.make_mask(3, return_array=True, window_size=10 * sliding.window),
         sliding.make_mask(3, return_array=True),
     ).item()
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from("grow fork drop truncate same".split()),
+            st.integers(0, 2),
+            st.integers(1, 9),
+        ),
+        max_size=25,
+    )
+)
+def test_a_steps_block_tables_follow_every_table_change(ops):
+    """Each row of a decode step's block tables (as read, and padded for the kernels) is its
+    table's blocks as they are now, whatever changed them; a table that did not change
+    hands its row over as it was (no conversion a step)."""
+    bs = 4
+    pool = KVPool(num_layers=1, block_size=bs)
+    tables = [pool.new_table() for _ in range(3)]
+    for t in tables:
+        pool.reserve(t, 0, 1)
+    for op, i, k in ops:
+        t = tables[i]
+        n = t.lengths[0]
+        if op == "grow":  # write k tokens: new blocks, or private copies of shared ones
+            t.lengths[0] = n + k
+        elif op == "fork":  # shares every block, so the next write copies the last one
+            tables[(i + 1) % 3] = t = pool.fork(t)
+        elif op == "drop":
+            pool.drop_before(t, min(n, k * bs))
+        elif op == "truncate":
+            pool.truncate(t, 0, max(n - k, t.first * bs))
+        pool.reserve(t, t.lengths[0], t.lengths[0] + 1)
+        kept = [t._derived.get("row") for t in tables]
+        batch = DecodeBatch(pool, tables, None)
+        rows = [t.blocks[: t.lengths[0] // bs - t.first + 1] for t in tables]
+        width = max(map(len, rows))
+        for cols, got in (
+            (width, batch.block_tables),
+            (width + 3, batch._padded_tables(width + 3)),
+        ):
+            want = [r + [r[-1]] * (cols - len(r)) for r in rows]
+            assert np.array(got).tolist() == want
+        for t, before in zip(tables, kept, strict=True):
+            key, row = t._derived["row"]
+            if before is not None and before[0] == key:
+                assert row is before[1]

@@ -11,9 +11,10 @@ K/V moving: only the small block-table arrays are rebuilt.
 
 from __future__ import annotations
 
-from functools import cached_property
+from functools import cached_property, partial
 
 import mlx.core as mx
+import numpy as np
 
 from ..attention import (
     ColdView,
@@ -65,18 +66,18 @@ class DecodeBatch:
         self.tables, self.n_new = tables, n_new
         lengths = offsets if offsets is not None else [t.lengths[0] for t in tables]
         counts = counts if counts is not None else [n_new] * len(tables)
-        rows, starts, write_ids, write_rows = [], [], [], []
+        spans, starts, write_ids, write_rows = [], [], [], []
         for i, (t, n, c) in enumerate(zip(tables, lengths, counts, strict=True)):
             start = t.first if window is None else max(0, n - window + 1) // bs
             assert start >= t.first, f"block {start} was given back before the query read it"
             last = (n + max(c, 1) - 1) // bs
-            rows.append(t.blocks[start - t.first : last - t.first + 1])
+            lo = start - t.first
+            spans.append((t, lo, max(lo, min(last - t.first + 1, len(t.blocks)))))
             starts.append(start * bs)
             write_ids.append([t.blocks[p // bs - t.first] for p in range(n, n + c)])
             write_rows.extend(range(i * n_new, i * n_new + c))
-        width = max(len(r) for r in rows)
-        # Pad rows with a real id; the mask (and kernels, by ``lengths``) ignore them.
-        self._rows = [r + [r[-1] if r else 0] * (width - len(r)) for r in rows]  # (B, width)
+        self._spans = spans  # each row's table and the blocks [lo, hi) its queries read
+        width = max(hi - lo for _, lo, hi in spans)
         self.has_cold = any(map(pool.has_cold, tables))
         self._plan: TierPlan | None = None
         self._pool = pool
@@ -102,8 +103,20 @@ class DecodeBatch:
 
     @cached_property
     def block_tables(self) -> mx.array:
-        """``(B, width)`` block ids each row's queries read."""
-        return mx.array(self._rows, dtype=mx.int32)
+        """``(B, width)`` block ids each row's queries read, each row padded with its last
+        id (the mask, and the kernels by ``lengths``, ignore them)."""
+        return self._table_rows(self.width // self.block_size, "row")
+
+    def _table_rows(self, cols: int, name: str) -> mx.array:
+        """``(B, cols)`` int32 block ids of the rows, each padded on the right with its last
+        id (0 for a row of none). A table keeps its row under ``name`` until it changes: most
+        gain a block only every ``block_size`` steps, and a long row is slow to convert each
+        step (BENCHMARKS.md, "A step's block tables kept")."""
+        rows = []
+        for t, lo, hi in self._spans:
+            key = (t.version, t.first, len(t.blocks), lo, hi, cols)
+            rows.append(t.derived(name, key, partial(_row, t, lo, hi, cols)))
+        return mx.array(np.stack(rows))
 
     @cached_property
     def write_slots(self) -> mx.array:
@@ -126,7 +139,7 @@ class DecodeBatch:
         tables, starts, offset, write_ids = arrays
         self = cls.__new__(cls)
         self.block_size, self._pool = pool.block_size, pool
-        self.tables, self.n_new, self._rows = [None] * offset.shape[0], 1, []
+        self.tables, self.n_new, self._spans = [None] * offset.shape[0], 1, []
         self.block_tables = self._view_tables = tables
         self.has_cold = has_cold
         self._plan = TierPlan.of_ids(tables, pool.block_size) if has_cold else None
@@ -174,7 +187,7 @@ class DecodeBatch:
         """How gathers read both tiers when any row holds a cold block (made once, when a
         gather first needs it: a step that a fused kernel serves never does)."""
         if self.has_cold and self._plan is None:
-            self._plan = self._pool.tier_plan(self._rows)
+            self._plan = self._pool.tier_plan(np.array(self.block_tables).tolist())
         return self._plan
 
     @property
@@ -188,10 +201,8 @@ class DecodeBatch:
         """``block_tables`` padded as ``pad_tables`` pads them, made on the host from the rows
         (no pad in the step's graph)."""
         width = self.width // self.block_size
-        extra = max(table_width(width), to or 0) - width
-        if not extra:
-            return self.block_tables
-        return mx.array([r + (r[-1:] or [0]) * extra for r in self._rows], dtype=mx.int32)
+        cols = max(table_width(width), to or 0)
+        return self.block_tables if cols == width else self._table_rows(cols, "padded row")
 
     def stand_ins(self, h: int, dk: int, dv: int, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
         """``(B, h, width, dk|dv)`` stand-ins for deferred reads, made once per step."""
@@ -206,6 +217,15 @@ class DecodeBatch:
         for t, c in zip(self.tables, self.new_tokens, strict=True):
             n = t.lengths[0] + c
             t.lengths[:] = [n] * len(t.lengths)
+
+
+def _row(table: BlockTable, lo: int, hi: int, cols: int) -> np.ndarray:
+    """``table.blocks[lo:hi]`` as ``cols`` int32, padded on the right with the last one."""
+    row = np.zeros(cols, dtype=np.int32)
+    if hi > lo:
+        row[: hi - lo] = table.blocks[lo:hi]
+        row[hi - lo :] = table.blocks[hi - 1]
+    return row
 
 
 def pad_tables(block_tables: mx.array, to: int | None = None) -> mx.array:
