@@ -82,8 +82,8 @@ def test_the_server_bounds_mlxs_cache_by_the_warm_ups_peak_or_the_flag(monkeypat
 
 
 def test_under_a_cache_limit_steps_keep_no_more_than_it():
-    """MLX honours the limit the server sets: a busy engine's cache stays under it, and
-    without one the same work leaves more cached."""
+    """MLX honours the limit the server sets: a busy engine's cache stays within a buffer
+    of it, and without one the same work leaves several times more cached."""
     cached = {}
     for limit in (None, 64 << 10):
         mx.clear_cache()
@@ -95,4 +95,7 @@ def test_under_a_cache_limit_steps_keep_no_more_than_it():
         finally:
             if before is not None:
                 mx.set_cache_limit(before)
-    assert cached[64 << 10] <= 64 << 10 < cached[None]
+    # MLX's CUDA allocator compares the cache with the limit before it keeps a freed buffer,
+    # so there the cache may pass the limit by that buffer (69,408 bytes on an H200).
+    assert cached[64 << 10] <= (64 << 10) + (16 << 10)
+    assert cached[None] > 4 * (64 << 10)
