@@ -14,6 +14,9 @@ behind ``--hot-tokens``. ``--profile`` brackets three timed steps with
 ``--tiers ROUNDS`` (with ``--kv-bits``) times the full-precision and the
 cold-tier engines in one process, taking turns, and prints the ratio of their
 tokens/s per round: the lent host changes speed between and within processes.
+``--functions`` also prints the host time a step of the engine's own functions that run
+per request (scheduling, the step's tables and arrays, the picks' read, the events) and of
+the compiled step's call, which includes the tables and arrays.
 ``--fuse-projections`` runs both cases on the model with its q/k/v and gate/up
 projections fused (``mlx_paged.fuse_projections``): fewer matmuls a layer; ``--fused ROUNDS``
 times engines on the model as loaded and on a fused copy in one process, taking turns.
@@ -21,6 +24,7 @@ times engines on the model as loaded and on a fused copy in one process, taking 
 Usage:
     python benchmarks/decode_step.py --model /root/l1b --batch 64 32 --cases paged dense
     python benchmarks/decode_step.py --model /root/l1b --batch 64 --cases paged --graph
+    python benchmarks/decode_step.py --model /root/l1b --batch 64 1 --cases paged --functions
     python benchmarks/decode_step.py --model /root/l1b --batch 1 --cases paged --kv-bits 8
     python benchmarks/decode_step.py --model /root/l1b --batch 1 14 --cases paged --kv-bits 8 \\
         --tiers 8 --steps 200
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import copy
 import ctypes
 import io
@@ -45,6 +50,19 @@ from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_paged import PagedEngine, fuse_projections
+from mlx_paged.cache import DecodeBatch
+from mlx_paged.engine import compiled, decode, picks, scheduler
+
+#: ``--functions``: what is timed, as (owner, attribute, label).
+FUNCTIONS = (
+    (scheduler.Scheduler, "schedule_decode", "schedule_decode"),
+    (DecodeBatch, "__init__", "DecodeBatch"),
+    (DecodeBatch, "arrays", "arrays"),
+    (compiled.CompiledDecode, "__call__", "compiled call"),
+    (decode, "pick", "pick"),
+    (picks.Picks, "read", "picks read"),
+    (decode, "emit", "emit"),
+)
 
 
 def profiler(on: bool) -> None:
@@ -59,6 +77,31 @@ def graph_counts(arr: mx.array) -> collections.Counter[str]:
     out = io.StringIO()
     mx.export_to_dot(out, arr)
     return collections.Counter(re.findall(r'label ="([A-Za-z_0-9]+)', out.getvalue()))
+
+
+@contextlib.contextmanager
+def timed_functions():
+    """Seconds spent in each of ``FUNCTIONS`` while the block runs, by label."""
+    seconds: collections.Counter[str] = collections.Counter()
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in FUNCTIONS]
+
+    def timed(fn, label):
+        def call(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                seconds[label] += time.perf_counter() - start
+
+        return call
+
+    for (owner, name, fn), (_, _, label) in zip(saved, FUNCTIONS, strict=True):
+        setattr(owner, name, timed(fn, label))
+    try:
+        yield seconds
+    finally:
+        for owner, name, fn in saved:
+            setattr(owner, name, fn)
 
 
 def timed_steps(step, n: int, profile: bool) -> list[float]:
@@ -121,10 +164,14 @@ def paged(model, prompts: list[list[int]], args) -> None:
         return
     mx.synchronize()
     engine.clock.reset()
-    times = timed_steps(engine.step, args.steps, args.profile)
+    with timed_functions() if args.functions else contextlib.nullcontext() as seconds:
+        times = timed_steps(engine.step, args.steps, args.profile)
     steps = engine.clock.decode_steps
     phases = {k: round(v / steps * 1e3, 2) for k, v in engine.clock.seconds.items() if v}
     print(f"paged B={b}: step {spread(times)}; host ms/step {phases}", flush=True)
+    if seconds is not None:
+        each = {k: round(v / steps * 1e3, 3) for k, v in seconds.items()}
+        print(f"paged B={b}: functions, host ms/step {each}", flush=True)
 
 
 def tiers(model, prompts: list[list[int]], args) -> None:
@@ -216,6 +263,9 @@ def main() -> None:
     parser.add_argument("--kv-group-size", type=int, default=64, help="with --kv-bits")
     parser.add_argument("--hot-tokens", type=int, default=64, help="with --kv-bits")
     parser.add_argument("--profile", action="store_true", help="three steps in a profiler range")
+    parser.add_argument(
+        "--functions", action="store_true", help="paged: the host time of the engine's functions"
+    )
     parser.add_argument(
         "--tiers",
         type=int,
