@@ -331,3 +331,49 @@ def test_a_steps_block_tables_follow_every_table_change(ops):
             key, row = t._derived["row"]
             if before is not None and before[0] == key:
                 assert row is before[1]
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.sampled_from([None, 6, 13]),
+    st.lists(
+        st.tuples(
+            st.sampled_from("grow fork drop truncate".split()),
+            st.integers(0, 2),
+            st.integers(1, 9),
+        ),
+        max_size=20,
+    ),
+)
+def test_a_one_token_step_is_built_as_any_step_would_be(window, ops):
+    """A decode step's own loop gives what the general one gives for one real token a row:
+    the same tables, starts, offsets, lengths and new tokens' blocks and slots, or the same
+    refusal of a block given back before its query reads it."""
+    bs = 4
+    pool = KVPool(num_layers=1, block_size=bs)
+    tables = [pool.new_table() for _ in range(3)]
+    for t in tables:
+        pool.reserve(t, 0, 1)
+
+    def built(**given) -> tuple | type:
+        try:
+            b = DecodeBatch(pool, tables, window, **given)
+        except AssertionError as e:
+            return type(e)
+        parts = (b.block_tables, b.starts, b.offset, b.lengths, b.counts, b.write_ids)
+        arrays = [np.array(a).tolist() for a in (*parts, b.write_slots)]
+        return b.width, b.new_tokens, b.padded, arrays
+
+    for op, i, k in ops:
+        t = tables[i]
+        n = t.lengths[0]
+        if op == "grow":
+            t.lengths[0] = n + k
+        elif op == "fork":
+            tables[(i + 1) % 3] = t = pool.fork(t)
+        elif op == "drop":
+            pool.drop_before(t, min(n, k * bs))
+        else:
+            pool.truncate(t, 0, max(n - k, t.first * bs))
+        pool.reserve(t, t.lengths[0], t.lengths[0] + 1)
+        assert built() == built(counts=[1] * len(tables))

@@ -7,6 +7,8 @@ checks exact block ids, refcounts and queue states in milliseconds.
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -304,3 +306,17 @@ def test_tokens_between_is_a_slice_of_the_tokens(prompt, generated, lo, n):
     req.generated = list(generated)
     assert req.tokens_between(lo, lo + n) == req.tokens[lo : lo + n]
     assert req.kv_target == len(req.tokens) - (1 if generated else 0)
+
+
+def test_a_layer_kind_keeps_its_hash_and_is_pickled_without_it():
+    """Kinds key every table lookup; the kept hash must be the fields' own, and an
+    unpickled kind (another rank, a restart) computes its own: ``hash(None)`` is per
+    process."""
+    kinds = [LayerKind(), LayerKind(window=8), LayerKind(window=8, keep=4)]
+    for kind in kinds:
+        assert hash(kind) == hash((kind.window, kind.keep))
+        again = pickle.loads(pickle.dumps(kind))
+        assert again == kind and hash(again) == hash(kind)
+        assert b"_hash" not in pickle.dumps(kind)
+    assert {k: i for i, k in enumerate(kinds)}[LayerKind(window=8, keep=4)] == 2
+    assert LayerKind(window=8) != LayerKind(window=8, keep=4)

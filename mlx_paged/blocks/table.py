@@ -37,6 +37,15 @@ class LayerKind:
     window: int | None = None
     keep: int = 0
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_hash", hash((self.window, self.keep)))
+
+    def __hash__(self) -> int:  # kept: every step looks up each request's tables by kind
+        return self._hash
+
+    def __reduce__(self) -> tuple:  # made anew where unpickled: hash(None) is per process
+        return LayerKind, (self.window, self.keep)
+
 
 @dataclass
 class BlockTable:
@@ -68,11 +77,12 @@ class BlockTable:
         """Tokens written by the furthest layer."""
         return max(self.lengths, default=0)
 
-    def derived(self, name: str, key: tuple, make: Callable[[], T]) -> T:
-        """The value ``make()`` gave for ``key`` under ``name``, made again when ``key`` changes."""
+    def derived(self, name: str, key: tuple, make: Callable[..., T], *args: Any) -> T:
+        """The value ``make(*args)`` gave for ``key`` under ``name``, made again when ``key``
+        changes."""
         held = self._derived.get(name)
         if held is None or held[0] != key:
-            held = self._derived[name] = (key, make())
+            held = self._derived[name] = (key, make(*args))
         return held[1]
 
 

@@ -11,7 +11,7 @@ K/V moving: only the small block-table arrays are rebuilt.
 
 from __future__ import annotations
 
-from functools import cached_property, partial
+from functools import cached_property
 
 import mlx.core as mx
 import numpy as np
@@ -65,7 +65,33 @@ class DecodeBatch:
         bs = self.block_size = pool.block_size
         self.tables, self.n_new = tables, n_new
         lengths = offsets if offsets is not None else [t.lengths[0] for t in tables]
-        counts = counts if counts is not None else [n_new] * len(tables)
+        if counts is None and n_new == 1:  # a decode step: the common case, kept lean
+            spans, starts, ids = _one_token_rows(tables, lengths, window, bs)
+            self.new_tokens, self.padded, self.write_rows = [1] * len(tables), False, None
+            self.counts = mx.array(self.new_tokens, dtype=mx.int32)
+            self.write_ids = mx.array(np.array(ids, dtype=np.int32).reshape(-1, 1))  # (B, 1)
+        else:
+            counts = counts if counts is not None else [n_new] * len(tables)
+            spans, starts = self._rows(tables, lengths, counts, window)
+        self._spans = spans  # each row's table and the blocks [lo, hi) its queries read
+        width = max(hi - lo for _, lo, hi in spans)
+        self.has_cold = any(map(pool.has_cold, tables))
+        self._plan: TierPlan | None = None
+        self._pool = pool
+        self.starts = mx.array(starts, dtype=mx.int32)  # (B,)
+        self.offset = mx.array(lengths, dtype=mx.int32)  # (B,) position of the first new token
+        self.lengths = self.offset + self.counts
+        self.width = width * bs
+        self.masks: dict[int | None, mx.array] = {}
+        self._slots: mx.array | None = None
+        self._stand_ins: dict[tuple, tuple[mx.array, mx.array]] = {}
+        self._view_tables: mx.array | None = None
+
+    def _rows(
+        self, tables: list[BlockTable], lengths: list[int], counts: list[int], window: int | None
+    ) -> tuple[list[tuple[BlockTable, int, int]], list[int]]:
+        """Each row's span and first position, for any step; sets the new tokens' writes."""
+        bs, n_new = self.block_size, self.n_new
         spans, starts, write_ids, write_rows = [], [], [], []
         for i, (t, n, c) in enumerate(zip(tables, lengths, counts, strict=True)):
             start = t.first if window is None else max(0, n - window + 1) // bs
@@ -76,16 +102,8 @@ class DecodeBatch:
             starts.append(start * bs)
             write_ids.append([t.blocks[p // bs - t.first] for p in range(n, n + c)])
             write_rows.extend(range(i * n_new, i * n_new + c))
-        self._spans = spans  # each row's table and the blocks [lo, hi) its queries read
-        width = max(hi - lo for _, lo, hi in spans)
-        self.has_cold = any(map(pool.has_cold, tables))
-        self._plan: TierPlan | None = None
-        self._pool = pool
-        self.starts = mx.array(starts, dtype=mx.int32)  # (B,)
-        self.offset = mx.array(lengths, dtype=mx.int32)  # (B,) position of the first new token
         self.new_tokens = counts  # real new tokens per sequence
         self.counts = mx.array(counts, dtype=mx.int32)  # (B,)
-        self.lengths = self.offset + self.counts
         self.padded = any(c != n_new for c in counts)
         if self.padded:  # flat (M,) indices of the real tokens
             self.write_rows = mx.array(write_rows, dtype=mx.int32)  # into (B * n_new)
@@ -95,11 +113,7 @@ class DecodeBatch:
         else:  # write_slots (B, n_new) made when first read
             self.write_rows = None
             self.write_ids = mx.array(write_ids, dtype=mx.int32)  # (B, n_new)
-        self.width = width * bs
-        self.masks: dict[int | None, mx.array] = {}
-        self._slots: mx.array | None = None
-        self._stand_ins: dict[tuple, tuple[mx.array, mx.array]] = {}
-        self._view_tables: mx.array | None = None
+        return spans, starts
 
     @cached_property
     def block_tables(self) -> mx.array:
@@ -112,11 +126,13 @@ class DecodeBatch:
         id (0 for a row of none). A table keeps its row under ``name`` until it changes: most
         gain a block only every ``block_size`` steps, and a long row is slow to convert each
         step (BENCHMARKS.md, "A step's block tables kept")."""
-        rows = []
-        for t, lo, hi in self._spans:
-            key = (t.version, t.first, len(t.blocks), lo, hi, cols)
-            rows.append(t.derived(name, key, partial(_row, t, lo, hi, cols)))
-        return mx.array(np.stack(rows))
+        rows = [
+            t.derived(
+                name, (t.version, t.first, len(t.blocks), lo, hi, cols), _row, t, lo, hi, cols
+            )
+            for t, lo, hi in self._spans
+        ]
+        return mx.array(np.frombuffer(b"".join(rows), dtype=np.int32).reshape(len(rows), cols))
 
     @cached_property
     def write_slots(self) -> mx.array:
@@ -219,13 +235,30 @@ class DecodeBatch:
             t.lengths[:] = [n] * len(t.lengths)
 
 
-def _row(table: BlockTable, lo: int, hi: int, cols: int) -> np.ndarray:
-    """``table.blocks[lo:hi]`` as ``cols`` int32, padded on the right with the last one."""
+def _one_token_rows(
+    tables: list[BlockTable], lengths: list[int], window: int | None, bs: int
+) -> tuple[list[tuple[BlockTable, int, int]], list[int], list[int]]:
+    """Each row's span, first position and new token's block in a one-token step. The new
+    token's block is the last one its query reads: its table already holds it."""
+    spans, starts, ids = [], [], []
+    for t, n in zip(tables, lengths, strict=True):
+        first = t.first
+        start = first if window is None else max(0, n - window + 1) // bs
+        assert start >= first, f"block {start} was given back before the query read it"
+        i = n // bs - first  # the new token's block
+        spans.append((t, start - first, i + 1))
+        starts.append(start * bs)
+        ids.append(t.blocks[i])
+    return spans, starts, ids
+
+
+def _row(table: BlockTable, lo: int, hi: int, cols: int) -> bytes:
+    """``table.blocks[lo:hi]`` as ``cols`` int32s, padded on the right with the last one."""
     row = np.zeros(cols, dtype=np.int32)
     if hi > lo:
         row[: hi - lo] = table.blocks[lo:hi]
         row[hi - lo :] = table.blocks[hi - 1]
-    return row
+    return row.tobytes()
 
 
 def pad_tables(block_tables: mx.array, to: int | None = None) -> mx.array:
