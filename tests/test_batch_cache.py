@@ -285,17 +285,14 @@ def test_a_window_wider_than_the_layer_is_accepted():
     ).item()
 
 
+def table_ops(names: str, max_size: int) -> st.SearchStrategy:
+    """Lists of ``(op, table index 0-2, amount 1-9)``, ``op`` one of ``names``."""
+    ops = st.tuples(st.sampled_from(names.split()), st.integers(0, 2), st.integers(1, 9))
+    return st.lists(ops, max_size=max_size)
+
+
 @settings(max_examples=40, deadline=None)
-@given(
-    st.lists(
-        st.tuples(
-            st.sampled_from("grow fork drop truncate same".split()),
-            st.integers(0, 2),
-            st.integers(1, 9),
-        ),
-        max_size=25,
-    )
-)
+@given(table_ops("grow fork drop truncate same", 25))
 def test_a_steps_block_tables_follow_every_table_change(ops):
     """Each row of a decode step's block tables (as read, and padded for the kernels) is its
     table's blocks as they are now, whatever changed them; a table that did not change
@@ -334,17 +331,7 @@ def test_a_steps_block_tables_follow_every_table_change(ops):
 
 
 @settings(max_examples=150, deadline=None)
-@given(
-    st.sampled_from([None, 6, 13]),
-    st.lists(
-        st.tuples(
-            st.sampled_from("grow fork drop truncate".split()),
-            st.integers(0, 2),
-            st.integers(1, 9),
-        ),
-        max_size=20,
-    ),
-)
+@given(st.sampled_from([None, 6, 13]), table_ops("grow fork drop truncate", 20))
 def test_a_one_token_step_is_built_as_any_step_would_be(window, ops):
     """A decode step's own loop gives what the general one gives for one real token a row:
     the same tables, starts, offsets, lengths and new tokens' blocks and slots, or the same
