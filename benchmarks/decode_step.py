@@ -20,6 +20,9 @@ the compiled step's call, which includes the tables and arrays.
 ``--fuse-projections`` runs both cases on the model with its q/k/v and gate/up
 projections fused (``mlx_paged.fuse_projections``): fewer matmuls a layer; ``--fused ROUNDS``
 times engines on the model as loaded and on a fused copy in one process, taking turns.
+``--few-row-matmuls`` routes the model's linear layers through the few-row kernel
+(``mlx_paged.few_row_matmuls``, CUDA); ``--few-rows ROUNDS`` times engines on the model and on
+a routed copy (both fused with ``--fuse-projections``) in one process, taking turns.
 
 Usage:
     python benchmarks/decode_step.py --model /root/l1b --batch 64 32 --cases paged dense
@@ -49,7 +52,7 @@ import mlx.core as mx
 from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlx_paged import PagedEngine, fuse_projections
+from mlx_paged import PagedEngine, few_row_matmuls, fuse_projections
 from mlx_paged.cache import DecodeBatch
 from mlx_paged.engine import compiled, decode, picks, scheduler
 
@@ -133,7 +136,7 @@ def ready_engine(model, prompts: list[list[int]], args, kv_bits: int | None) -> 
     engine = PagedEngine(model, max_batch_size=len(prompts), prefill_step_size=2048, **tier)
     engine.generate([prompts[0]], max_tokens=1)  # caches the shared prompt
     for p in prompts:
-        engine.add_request(p, args.steps * max(args.tiers, args.fused, 1) + 40)
+        engine.add_request(p, args.steps * max(args.tiers, args.fused, args.few_rows, 1) + 40)
     while engine.waiting or any(not r.generated for r in engine.running):
         engine.step()
     for _ in range(10):  # the step's shapes traced
@@ -146,7 +149,7 @@ def paged(model, prompts: list[list[int]], args) -> None:
     if args.tiers:
         tiers(model, prompts, args)
         return
-    if args.fused:
+    if args.fused or args.few_rows:
         fusion(model, args.fused_model, prompts, args)
         return
     engine = ready_engine(model, prompts, args, args.kv_bits)
@@ -181,9 +184,12 @@ def tiers(model, prompts: list[list[int]], args) -> None:
 
 
 def fusion(model, fused_model, prompts: list[list[int]], args) -> None:
-    """An engine on the model as loaded and one on its fused copy, taking turns."""
+    """An engine on the model and one on its fused (or routed) copy, taking turns."""
     engines = [ready_engine(m, prompts, args, args.kv_bits) for m in (model, fused_model)]
-    turns(["as loaded", "fused"], engines, args.fused, args, "fused")
+    if args.few_rows:
+        turns(["cuBLAS", "few-row kernel"], engines, args.few_rows, args, "few-rows")
+    else:
+        turns(["as loaded", "fused"], engines, args.fused, args, "fused")
 
 
 def turns(names: list[str], engines: list[PagedEngine], rounds: int, args, tag: str) -> None:
@@ -285,17 +291,35 @@ def main() -> None:
         help="paged: engines on the model as loaded and on a fused copy in one process, "
         "taking turns for ROUNDS rounds of --steps steps",
     )
+    parser.add_argument(
+        "--few-row-matmuls", action="store_true", help="2-64 rows in the few-row kernel (CUDA)"
+    )
+    parser.add_argument(
+        "--few-rows",
+        type=int,
+        default=0,
+        metavar="ROUNDS",
+        help="paged: engines on the model and on a copy with --few-row-matmuls in one "
+        "process, taking turns for ROUNDS rounds of --steps steps",
+    )
     args = parser.parse_args()
     if args.tiers and not args.kv_bits:
         parser.error("--tiers needs --kv-bits")
-    if args.tiers and args.fused:
-        parser.error("--tiers and --fused each take turns of their own: one at a time")
+    if sum(map(bool, (args.tiers, args.fused, args.few_rows))) > 1:
+        parser.error("--tiers, --fused and --few-rows each take turns of their own: one at a time")
     model, _ = load(args.model)
     if args.fused:
         args.fused_model, _ = load(args.model)
         print(f"fused {fuse_projections(args.fused_model)} projection groups of the copy")
+    if args.few_rows:
+        args.fused_model, _ = load(args.model)
+        if args.fuse_projections:
+            fuse_projections(args.fused_model)
+        print(f"{few_row_matmuls(args.fused_model)} layers of the copy take few rows in a kernel")
     if args.fuse_projections:
         print(f"fused {fuse_projections(model)} projection groups")
+    if args.few_row_matmuls:
+        print(f"{few_row_matmuls(model)} layers take few rows in a kernel")
     rng = random.Random(0)
     vocab = model.args.vocab_size
     system = [rng.randrange(vocab) for _ in range(args.system)]

@@ -49,7 +49,7 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models import llama
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlx_paged import PagedEngine, fuse_projections
+from mlx_paged import PagedEngine, few_row_matmuls, fuse_projections
 from mlx_paged.attention import path_counts
 from mlx_paged.attention.kernels import compiled_variants
 
@@ -377,13 +377,23 @@ def main() -> None:
         help="the paged cases' model with q/k/v and gate/up as one matmul each, as "
         "mlx_paged.server runs it (mlx-lm's cases keep the model as loaded)",
     )
+    parser.add_argument(
+        "--few-row-matmuls",
+        action="store_true",
+        help="the paged cases' linear layers take 2-64 rows in the few-row kernel (CUDA), "
+        "as mlx_paged.server runs them",
+    )
     args = parser.parse_args()
 
     model = paged_model = build_model(args)
-    if args.fuse_projections:
+    if args.fuse_projections or args.few_row_matmuls:
         paged_model = build_model(args)
-        paged_model.update(model.parameters())  # the same weights, then fused
+        paged_model.update(model.parameters())  # the same weights, then fused or routed
+    if args.fuse_projections:
         print(f"fused {fuse_projections(paged_model)} projection groups of the paged cases' model")
+    if args.few_row_matmuls:
+        routed = few_row_matmuls(paged_model)
+        print(f"{routed} layers of the paged cases' model take few rows in a kernel")
     weights_gb = sum(v.nbytes for _, v in tree_flatten(model.parameters())) / 1e9
     print(
         f"device={mx.default_device()} shape={args.shape} dtype={args.dtype} layers={args.layers} "

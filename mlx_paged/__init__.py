@@ -23,7 +23,7 @@ from .cache import (
     save_prefix,
     uninstall_paged_cache,
 )
-from .engine import EngineStats, Event, PagedEngine, fuse_projections
+from .engine import EngineStats, Event, PagedEngine, few_row_matmuls, fuse_projections
 
 __all__ = [
     "BlockPool",
@@ -36,6 +36,7 @@ __all__ = [
     "PoolExhaustedError",
     "PoolTooSmallError",
     "PrefixIndex",
+    "few_row_matmuls",
     "fuse_projections",
     "install_paged_cache",
     "load_prefix",

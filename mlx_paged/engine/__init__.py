@@ -2,6 +2,7 @@
 
 from .engine import PagedEngine
 from .fusion import fuse_projections
+from .linears import few_row_matmuls
 from .request import EngineStats, Event, Request
 from .runner import ModelRunner
 from .scheduler import Scheduler
@@ -13,5 +14,6 @@ __all__ = [
     "PagedEngine",
     "Request",
     "Scheduler",
+    "few_row_matmuls",
     "fuse_projections",
 ]

@@ -177,6 +177,14 @@ def build_parser() -> argparse.ArgumentParser:
         "for a model sharded under mlx.launch.",
     )
     p.add_argument(
+        "--few-row-matmuls",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="On a CUDA GPU, multiply 2 to 64 rows by a float16 or bfloat16 linear layer's "
+        "weight in a kernel of our own instead of cuBLAS, which costs a decode step more "
+        "host time (mlx_paged.few_row_matmuls). Default: on, except for a sharded model.",
+    )
+    p.add_argument(
         "--pipeline",
         action="store_true",
         help="Under mlx.launch: split the model by layers (pipeline stages) instead of by tensor.",
@@ -238,7 +246,7 @@ def loader(args: argparse.Namespace, group=None):
 
         from ..cache.memory import blocks_for_memory, parse_memory, probe_footprint
         from ..embedded import load_model
-        from ..engine import PagedEngine, fuse_projections
+        from ..engine import PagedEngine, few_row_matmuls, fuse_projections
         from ..engine.distributed import shard_model
 
         log = logging.getLogger("mlx_paged.server")
@@ -252,6 +260,8 @@ def loader(args: argparse.Namespace, group=None):
         elif args.fuse_projections:
             log.info("mlx_paged: fused %d projection groups", fuse_projections(model))
         mx.eval(model.parameters())
+        if args.few_row_matmuls and not sharded:
+            log.info("mlx_paged: %d layers take few rows in a kernel", few_row_matmuls(model))
         kv_dtype = getattr(mx, args.kv_dtype) if args.kv_dtype else None
         num_blocks = args.num_blocks
         if args.kv_memory is not None:

@@ -1,0 +1,74 @@
+"""Matmuls of a few rows on CUDA tensor cores, at a custom kernel's host cost.
+
+A decode step of B sequences multiplies B rows by each linear layer's weight. MLX's CUDA
+backend runs one row through its own ``gemv``, but two or more through cuBLASLt, whose
+call MLX sets up and captures into the step's CUDA graph anew each time: on an H200 a
+llama-1B step's 65 matmuls took 1.5-1.8 ms of host dispatch at 8-64 rows, against
+0.6 ms for this kernel (BENCHMARKS.md, run 486), and the step is host-bound.
+``few_rows_matmul`` computes ``x @ w.T`` for up to ``MAX_ROWS`` rows of float16 or
+bfloat16 (``few_rows.kernel``) in one launch. Metal does not use it: MLX's Metal
+matmuls do not go through cuBLAS.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import mlx.core as mx
+
+from .cubin import CudaKernel
+from .dispatch import backend_available
+from .source import sections
+
+MAX_ROWS = 64  # four 16-row tiles
+NT = 2  # 8-column tiles a block owns
+WARPS = 8  # a block's warps, splitting K
+UNROLL = 2  # K chunks a warp loads before it multiplies
+DTYPES = (mx.float16, mx.bfloat16)
+
+
+@cache
+def _kernel() -> CudaKernel:
+    text = sections("few_rows.kernel")
+    return CudaKernel("few_rows", ["x", "w"], ["out"], text["matmul"], header=text["header"])
+
+
+def available() -> bool:
+    """Whether the default device is a CUDA GPU (where the kernel runs)."""
+    return backend_available("cuda")
+
+
+def rows_reason(x: mx.array, w: mx.array) -> str | None:
+    """Why ``few_rows_matmul(x, w)`` cannot run, or ``None`` where it can."""
+    if x.ndim != 2 or w.ndim != 2:
+        return f"x and w must be 2-D, got {x.ndim}-D and {w.ndim}-D"
+    if x.dtype not in DTYPES or w.dtype != x.dtype:
+        return f"x and w must be both float16 or both bfloat16, got {x.dtype} and {w.dtype}"
+    if x.shape[1] != w.shape[1] or x.shape[1] % 32:
+        return f"K must match and be a multiple of 32, got {x.shape[1]} and {w.shape[1]}"
+    if not 1 <= x.shape[0] <= MAX_ROWS:
+        return f"x must have 1 to {MAX_ROWS} rows, got {x.shape[0]}"
+    return None
+
+
+def few_rows_matmul(x: mx.array, w: mx.array) -> mx.array:
+    """``x @ w.T`` for ``x`` of ``(M, K)`` and a weight ``w`` of ``(N, K)``, on a CUDA GPU.
+
+    Raises:
+        ValueError: where ``rows_reason`` gives a reason.
+    """
+    reason = rows_reason(x, w)
+    if reason is not None:
+        raise ValueError(f"few_rows_matmul: {reason}.")
+    m, n = x.shape[0], w.shape[0]
+    blocks = -(-n // (8 * NT))
+    template = [("T", x.dtype), ("BF16", x.dtype == mx.bfloat16), ("MT", -(-m // 16))]
+    template += [("NT", NT), ("WARPS", WARPS), ("U", UNROLL)]
+    return _kernel()(
+        inputs=[x, w],
+        template=template,
+        grid=(blocks * WARPS * 32, 1, 1),
+        threadgroup=(WARPS * 32, 1, 1),
+        output_shapes=[(m, n)],
+        output_dtypes=[x.dtype],
+    )[0]

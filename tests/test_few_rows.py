@@ -1,0 +1,198 @@
+"""``few_row_matmuls``: which layers take few rows in the kernel, and when; the kernel itself
+against a float32 matmul on a CUDA GPU."""
+
+from __future__ import annotations
+
+import logging
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from test_kernels import cuda_only
+from tiny_models import tiny_model
+
+from mlx_paged import PagedEngine, few_row_matmuls, fuse_projections
+from mlx_paged.attention.kernels import cubin, rows
+from mlx_paged.engine import linears
+from mlx_paged.engine.linears import FewRowsEmbedding, FewRowsLinear
+
+LAYERS = 4  # tiny_model's llama: 7 linear layers a layer, and a tied head
+
+
+def half_llama() -> nn.Module:
+    model = tiny_model("llama")
+    model.set_dtype(mx.float16)
+    return model
+
+
+@pytest.fixture
+def kernel(monkeypatch):
+    """A CUDA GPU as far as the routing knows, and a kernel that records each call's rows
+    and computes what the layer's own matmul does (``wrong``: one value off)."""
+    calls: list[int] = []
+    state = {"wrong": False}
+
+    def fake(x, w):
+        assert rows.rows_reason(x, w) is None
+        calls.append(x.shape[0])
+        out = x @ w.T
+        return out + 1 if state["wrong"] else out
+
+    monkeypatch.setattr(rows, "available", lambda: True)
+    monkeypatch.setattr(rows, "few_rows_matmul", fake)
+    return calls, state
+
+
+def forward(model: nn.Module, tokens: mx.array) -> mx.array:
+    return model(tokens).astype(mx.float32)
+
+
+def test_nothing_changes_without_a_cuda_gpu():
+    model = half_llama()
+    assert few_row_matmuls(model) == 0
+    assert not any(
+        isinstance(m, (FewRowsLinear, FewRowsEmbedding)) for _, m in model.named_modules()
+    )
+
+
+def test_every_half_linear_layer_and_the_tied_head_is_routed(kernel):
+    calls, _ = kernel
+    model = half_llama()
+    assert few_row_matmuls(model) == 7 * LAYERS + 1
+    assert sorted(calls) == sorted(list(linears.CHECK_ROWS) * 5)  # five weight shapes checked
+    layer = model.model.layers[0]
+    assert type(layer.self_attn.q_proj) is FewRowsLinear
+    assert type(layer.mlp.down_proj) is FewRowsLinear
+    assert type(model.model.embed_tokens) is FewRowsEmbedding
+
+
+@pytest.mark.parametrize("batch, length, expected", [(4, 1, 4), (2, 3, 6), (1, 1, None)])
+def test_the_kernel_takes_two_to_max_rows_with_the_layers_values(kernel, batch, length, expected):
+    calls, _ = kernel
+    model = half_llama()
+    tokens = mx.array([[(7 * b + t) % 100 for t in range(length)] for b in range(batch)])
+    want = forward(model, tokens)
+    few_row_matmuls(model)
+    calls.clear()
+    got = forward(model, tokens)
+    assert calls == ([] if expected is None else [expected] * (7 * LAYERS + 1))
+    assert mx.array_equal(got, want).item()
+
+
+def test_more_rows_than_the_kernel_takes_go_to_the_layers_own_matmul(kernel):
+    calls, _ = kernel
+    model = half_llama()
+    few_row_matmuls(model)
+    calls.clear()
+    forward(model, mx.zeros((1, rows.MAX_ROWS + 1), dtype=mx.int32))
+    assert calls == []
+    forward(model, mx.zeros((1, rows.MAX_ROWS), dtype=mx.int32))
+    assert calls == [rows.MAX_ROWS] * (7 * LAYERS + 1)
+
+
+def test_biases_are_added_and_fused_layers_are_routed(kernel):
+    calls, _ = kernel
+    model = half_llama()
+    fuse_projections(model)
+    layer = model.model.layers[0].self_attn.o_proj
+    layer.bias = mx.arange(layer.weight.shape[0], dtype=mx.float16)
+    tokens = mx.array([[3], [9], [27]])
+    want = forward(model, tokens)
+    assert few_row_matmuls(model) == 4 * LAYERS + 1  # fused q|k|v and gate|up, o, down
+    assert type(model.model.layers[0].self_attn.fused_qkv) is FewRowsLinear
+    # addmm rounds once where the routed layer rounds its product, then adds: float16's step
+    assert mx.allclose(forward(model, tokens), want, atol=3e-2, rtol=1e-2).item()
+
+
+def test_float32_quantized_and_ragged_layers_are_left_as_they_are(kernel):
+    model = tiny_model("llama")  # float32
+    assert few_row_matmuls(model) == 0
+    model = half_llama()
+    nn.quantize(
+        model, group_size=32, bits=8, class_predicate=lambda p, m: p.endswith("mlp.up_proj")
+    )
+    odd = nn.Linear(48, 16)  # K = 48: not a multiple of 32
+    odd.set_dtype(mx.float16)
+    model.model.layers[0].mlp.extra = odd
+    assert few_row_matmuls(model) == 6 * LAYERS + 1
+    assert type(model.model.layers[1].mlp.up_proj) is nn.QuantizedLinear
+    assert type(odd) is nn.Linear
+
+
+def test_a_shape_whose_check_fails_keeps_mlxs_matmul(kernel, caplog):
+    _, state = kernel
+    state["wrong"] = True
+    model = half_llama()
+    with caplog.at_level(logging.WARNING, logger="mlx_paged.engine"):
+        assert few_row_matmuls(model) == 0
+    assert "few-row kernel differs from a matmul" in caplog.text
+    assert type(model.model.layers[0].self_attn.q_proj) is nn.Linear
+
+
+def test_bad_inputs_are_value_errors():
+    with pytest.raises(ValueError, match="takes an mlx.nn.Module"):
+        few_row_matmuls("a model")
+    w = mx.zeros((16, 64), dtype=mx.float16)
+    cases = [
+        (mx.zeros((2, 64), dtype=mx.float32), w, "both float16 or both bfloat16"),
+        (mx.zeros((2, 32), dtype=mx.float16), w, "K must match"),
+        (
+            mx.zeros((2, 48), dtype=mx.float16),
+            mx.zeros((16, 48), dtype=mx.float16),
+            "multiple of 32",
+        ),
+        (mx.zeros((rows.MAX_ROWS + 1, 64), dtype=mx.float16), w, "1 to 64 rows"),
+        (mx.zeros((2, 1, 64), dtype=mx.float16), w, "2-D"),
+    ]
+    for x, weight, message in cases:
+        with pytest.raises(ValueError, match=message):
+            rows.few_rows_matmul(x, weight)
+
+
+def test_the_kernel_reads_both_shapes_and_takes_its_tiles_as_constants():
+    body = rows.sections("few_rows.kernel")
+    src, shaped = cubin.render(
+        "k",
+        body["header"],
+        body["matmul"],
+        ["x", "w"],
+        [mx.float16, mx.float16],
+        [2, 2],
+        ["out"],
+        [mx.float16],
+        [("T", mx.float16), ("BF16", False), ("MT", 3), ("NT", 2), ("WARPS", 8), ("U", 2)],
+    )
+    assert shaped == [0, 1]
+    signature = " ".join(src.split())
+    assert "__half* out, int x_shape_0, int x_shape_1, int w_shape_0, int w_shape_1)" in signature
+    assert "constexpr int MT = 3;" in src and "constexpr bool BF16 = false;" in src
+
+
+# ---- on a CUDA GPU
+
+
+@cuda_only
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("n, k", [(40, 64), (3072, 2048), (100, 8192)])
+def test_the_kernel_matches_a_float32_matmul(dtype, n, k):
+    mx.random.seed(1)
+    w = (mx.random.normal((n, k)) * 0.05).astype(dtype)
+    for m in (1, 2, 15, 16, 17, 33, 48, 63, 64):
+        x = mx.random.normal((m, k)).astype(dtype)
+        want = x.astype(mx.float32) @ w.astype(mx.float32).T
+        got = rows.few_rows_matmul(x, w).astype(mx.float32)
+        err = (mx.abs(got - want).max() / mx.abs(want).max()).item()
+        assert err <= linears.TOLERANCE[dtype], (m, n, k, err)
+
+
+@cuda_only
+def test_an_engine_on_a_routed_model_decodes_as_on_the_model_as_loaded():
+    prompts = [[5 + i, 17, 3, 99, 42, 8, 61][: 3 + i] for i in range(4)]
+    outs = []
+    for route in (False, True):
+        model = half_llama()
+        if route:
+            assert few_row_matmuls(model) == 7 * LAYERS + 1
+        engine = PagedEngine(model, max_batch_size=4)
+        outs.append(engine.generate(prompts, max_tokens=8))
+    assert outs[0] == outs[1]
