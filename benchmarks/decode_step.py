@@ -292,7 +292,7 @@ def main() -> None:
         "taking turns for ROUNDS rounds of --steps steps",
     )
     parser.add_argument(
-        "--few-row-matmuls", action="store_true", help="2-64 rows in the few-row kernel (CUDA)"
+        "--few-row-matmuls", action="store_true", help="2-48 rows in the few-row kernel (CUDA)"
     )
     parser.add_argument(
         "--few-rows",

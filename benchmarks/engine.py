@@ -380,7 +380,7 @@ def main() -> None:
     parser.add_argument(
         "--few-row-matmuls",
         action="store_true",
-        help="the paged cases' linear layers take 2-64 rows in the few-row kernel (CUDA), "
+        help="the paged cases' linear layers take 2-48 rows in the few-row kernel (CUDA), "
         "as mlx_paged.server runs them",
     )
     args = parser.parse_args()

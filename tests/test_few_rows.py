@@ -141,7 +141,7 @@ def test_bad_inputs_are_value_errors():
             mx.zeros((16, 48), dtype=mx.float16),
             "multiple of 32",
         ),
-        (mx.zeros((rows.MAX_ROWS + 1, 64), dtype=mx.float16), w, "1 to 64 rows"),
+        (mx.zeros((rows.MAX_ROWS + 1, 64), dtype=mx.float16), w, f"1 to {rows.MAX_ROWS} rows"),
         (mx.zeros((2, 1, 64), dtype=mx.float16), w, "2-D"),
     ]
     for x, weight, message in cases:
@@ -177,7 +177,7 @@ def test_the_kernel_reads_both_shapes_and_takes_its_tiles_as_constants():
 def test_the_kernel_matches_a_float32_matmul(dtype, n, k):
     mx.random.seed(1)
     w = (mx.random.normal((n, k)) * 0.05).astype(dtype)
-    for m in (1, 2, 15, 16, 17, 33, 48, 63, 64):
+    for m in (1, 2, 15, 16, 17, 31, 32, 33, 47, 48):
         x = mx.random.normal((m, k)).astype(dtype)
         want = x.astype(mx.float32) @ w.astype(mx.float32).T
         got = rows.few_rows_matmul(x, w).astype(mx.float32)

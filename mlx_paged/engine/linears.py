@@ -1,13 +1,13 @@
-"""A model's linear layers through the few-row kernel at 2 to 64 rows, on CUDA.
+"""A model's linear layers through the few-row kernel at 2 to 48 rows, on CUDA.
 
 A decode step of B sequences calls each linear layer with B rows, and on MLX's CUDA
 backend every matmul of two or more rows goes through cuBLASLt, whose host cost per
 call is most of a host-bound step's dispatch at 8 to 64 streams (BENCHMARKS.md, runs
 481 and 486). ``few_row_matmuls`` gives each plain float16 or bfloat16 ``nn.Linear``
 (and the ``nn.Embedding`` a tied head multiplies by) a ``__call__`` that runs
-``few_rows_matmul`` for 2 to ``MAX_ROWS`` rows and the layer's own matmul otherwise
-(one row goes to MLX's ``gemv``, which costs the host less; prefill chunks to cuBLAS).
-The layers keep their parameters; only their class changes.
+``few_rows_matmul`` for 2 to ``MAX_ROWS`` (48) rows and the layer's own matmul
+otherwise: one row goes to MLX's ``gemv``, which costs the host less, and more rows to
+cuBLAS. The layers keep their parameters; only their class changes.
 
 Each weight shape is checked first: the kernel's result for each row tile count must
 match a float32 matmul, or that shape's layers are left as they are. Elsewhere than on
@@ -28,7 +28,7 @@ logger = logging.getLogger("mlx_paged.engine")
 #: Largest error of a check against float32, as a share of the result's largest magnitude.
 TOLERANCE = {mx.float16: 5e-3, mx.bfloat16: 3e-2}
 #: Rows the checks multiply: one per 16-row tile count, ragged where a tile can be.
-CHECK_ROWS = (2, 27, 45, rows.MAX_ROWS)
+CHECK_ROWS = (2, 27, rows.MAX_ROWS)
 
 
 def _matmul(x: mx.array, w: mx.array) -> mx.array | None:

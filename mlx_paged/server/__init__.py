@@ -180,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--few-row-matmuls",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="On a CUDA GPU, multiply 2 to 64 rows by a float16 or bfloat16 linear layer's "
+        help="On a CUDA GPU, multiply 2 to 48 rows by a float16 or bfloat16 linear layer's "
         "weight in a kernel of our own instead of cuBLAS, which costs a decode step more "
         "host time (mlx_paged.few_row_matmuls). Default: on, except for a sharded model.",
     )

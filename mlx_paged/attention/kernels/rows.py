@@ -4,7 +4,7 @@ A decode step of B sequences multiplies B rows by each linear layer's weight. ML
 backend runs one row through its own ``gemv``, but two or more through cuBLASLt, whose
 call MLX sets up and captures into the step's CUDA graph anew each time: on an H200 a
 llama-1B step's 65 matmuls took 1.5-1.8 ms of host dispatch at 8-64 rows, against
-0.6 ms for this kernel (BENCHMARKS.md, run 486), and the step is host-bound.
+0.6 ms for this kernel (BENCHMARKS.md, run 486), and at those sizes the step is host-bound.
 ``few_rows_matmul`` computes ``x @ w.T`` for up to ``MAX_ROWS`` rows of float16 or
 bfloat16 (``few_rows.kernel``) in one launch. Metal does not use it: MLX's Metal
 matmuls do not go through cuBLAS.
@@ -20,7 +20,10 @@ from .cubin import CudaKernel
 from .dispatch import backend_available
 from .source import sections
 
-MAX_ROWS = 64  # four 16-row tiles
+#: Rows a call may have: three 16-row tiles. At 64 rows a llama-1B step on an H200 was
+#: GPU-bound with this kernel and no faster than with cuBLAS (0.76x-1.22x a round; runs
+#: 487 and 492), at 48 it was 1.28x (BENCHMARKS.md, run 491).
+MAX_ROWS = 48
 NT = 2  # 8-column tiles a block owns
 WARPS = 8  # a block's warps, splitting K
 UNROLL = 2  # K chunks a warp loads before it multiplies
@@ -61,13 +64,12 @@ def few_rows_matmul(x: mx.array, w: mx.array) -> mx.array:
     if reason is not None:
         raise ValueError(f"few_rows_matmul: {reason}.")
     m, n = x.shape[0], w.shape[0]
-    blocks = -(-n // (8 * NT))
     template = [("T", x.dtype), ("BF16", x.dtype == mx.bfloat16), ("MT", -(-m // 16))]
     template += [("NT", NT), ("WARPS", WARPS), ("U", UNROLL)]
     return _kernel()(
         inputs=[x, w],
         template=template,
-        grid=(blocks * WARPS * 32, 1, 1),
+        grid=(-(-n // (8 * NT)) * WARPS * 32, 1, 1),
         threadgroup=(WARPS * 32, 1, 1),
         output_shapes=[(m, n)],
         output_dtypes=[x.dtype],
