@@ -2,8 +2,8 @@
 
 A decode step of B sequences calls each linear layer with B rows, and on MLX's CUDA
 backend every matmul of two or more rows goes through cuBLASLt, whose host cost per
-call is most of a host-bound step's dispatch at 8 to 64 streams (BENCHMARKS.md, runs
-481 and 486). ``few_row_matmuls`` gives each plain float16 or bfloat16 ``nn.Linear``
+call is about a third of a host-bound step's dispatch at 2 to 64 streams (BENCHMARKS.md,
+runs 481 and 487). ``few_row_matmuls`` gives each plain float16 or bfloat16 ``nn.Linear``
 (and the ``nn.Embedding`` a tied head multiplies by) a ``__call__`` that runs
 ``few_rows_matmul`` for 2 to ``MAX_ROWS`` (48) rows and the layer's own matmul
 otherwise: one row goes to MLX's ``gemv``, which costs the host less, and more rows to
