@@ -186,13 +186,16 @@ def test_the_kernel_matches_a_float32_matmul(dtype, n, k):
 
 
 @cuda_only
-def test_an_engine_on_a_routed_model_decodes_as_on_the_model_as_loaded():
+def test_a_routed_model_gives_mlxs_logits_and_an_engine_on_it_the_same_tokens():
+    # The float16 engine is checked against mlx-lm's dense caches elsewhere; here the routed
+    # model against the model as loaded. (mlx-lm's own float16 single-sequence decode left
+    # this engine at a near tie of prompt 0, where the float32 model agreed with the engine.)
     prompts = [[5 + i, 17, 3, 99, 42, 8, 61][: 3 + i] for i in range(4)]
-    outs = []
-    for route in (False, True):
-        model = half_llama()
-        if route:
-            assert few_row_matmuls(model) == 7 * LAYERS + 1
-        engine = PagedEngine(model, max_batch_size=4)
-        outs.append(engine.generate(prompts, max_tokens=8))
-    assert outs[0] == outs[1]
+    tokens = mx.array([[p[-1]] for p in prompts])
+    model = half_llama()
+    want = forward(model, tokens)
+    as_loaded = PagedEngine(model, max_batch_size=4).generate(prompts, max_tokens=8)
+    routed = half_llama()
+    assert few_row_matmuls(routed) == 7 * LAYERS + 1
+    assert mx.allclose(forward(routed, tokens), want, atol=5e-2, rtol=1e-2).item()
+    assert PagedEngine(routed, max_batch_size=4).generate(prompts, max_tokens=8) == as_loaded
