@@ -14,7 +14,8 @@ import mlx.nn as nn
 import pytest
 from tiny_models import VOCAB, tiny_model
 
-from mlx_paged import PagedEngine
+from mlx_paged import PagedEngine, few_row_matmuls
+from mlx_paged.attention.kernels import rows
 from mlx_paged.engine import warmup
 
 BS = 8
@@ -101,3 +102,19 @@ def test_warm_matmuls_runs_nothing_off_cuda(monkeypatch):
     assert warmup.warm_matmuls(model, scheduler, VOCAB) == 0
     if not mx.cuda.is_available():  # no cuBLASLt in this process: nothing to resize
         assert warmup._hold_heuristics(1) is False
+
+
+def test_layers_routed_through_the_few_row_kernel_are_warmed_too(calls, monkeypatch):
+    monkeypatch.setattr(rows, "available", lambda: True)
+    monkeypatch.setattr(rows, "few_rows_matmul", lambda x, w: x @ w.T)
+    monkeypatch.setattr(warmup, "_hold_heuristics", lambda n: True)
+    model = nn.Module()
+    model.a = nn.Linear(64, 32)
+    model.set_dtype(mx.float16)
+    assert few_row_matmuls(model) == 1
+    most = rows.MAX_ROWS + 4
+    scheduler = SimpleNamespace(prefill_step_size=most, prefill_batch_tokens=3)
+    assert warmup.warm_matmuls(model, scheduler, None) == most
+    # rows the kernel takes do not reach nn.Linear's call; the rest (cuBLAS's) are warmed there
+    warmed = sorted(r for kind, _, r in calls if kind == "FewRowsLinear")
+    assert warmed == [1, *range(rows.MAX_ROWS + 1, most + 1)]

@@ -42,8 +42,13 @@ import mlx.nn as nn
 from ..attention.kernels import prebuild_kernels
 from ..attention.prefill import on_cuda
 from .engine import PagedEngine
+from .linears import FewRowsLinear
 from .request import Sampler
 from .scheduler import COUNTERS, Scheduler
+
+#: Full-precision linear layers, as loaded or routed through the few-row kernel (whose rows
+#: past ``MAX_ROWS`` still go to cuBLAS).
+PLAIN = (nn.Linear, FewRowsLinear)
 
 #: cuBLASLt cache entries kept beyond the warmed matmuls: the decode's, the head's and others.
 HEURISTICS_SPARE = 8192
@@ -106,12 +111,12 @@ def warm_matmuls(model: nn.Module, scheduler: Scheduler, vocab: int | None) -> i
         return 0
     layers: dict[tuple, nn.Module] = {}
     for _, module in model.named_modules():
-        if type(module) not in (nn.Linear, nn.QuantizedLinear):  # sharded ones talk to peers
+        if type(module) not in (*PLAIN, nn.QuantizedLinear):  # sharded ones talk to peers
             continue
         dims, weight = _input_dims(module), module.weight
         if vocab is not None and weight.shape[0] == vocab:
             continue  # the head runs over one position a row: a decode's shapes
-        dtype = weight.dtype if type(module) is nn.Linear else module.scales.dtype
+        dtype = weight.dtype if type(module) in PLAIN else module.scales.dtype
         bias = "bias" in module
         layers.setdefault((type(module), dims, tuple(weight.shape), dtype, bias), module)
     most = min(WARM_ROWS, max(scheduler.prefill_step_size, scheduler.prefill_batch_tokens))
