@@ -105,18 +105,20 @@ def test_cli_end_to_end_on_the_embedded_model():
 
 
 @needs_embedded
-def test_projections_are_fused_unless_told_not_to_and_the_text_is_the_same(monkeypatch, capsys):
+def test_layers_are_fused_and_routed_unless_told_not_and_the_text_is_the_same(monkeypatch, capsys):
     import mlx_paged.generate as cli
 
-    fused = []
-    real = cli.fuse_projections
+    fused, routed = [], []
+    real, route = cli.fuse_projections, cli.few_row_matmuls
     monkeypatch.setattr(cli, "fuse_projections", lambda model: fused.append(real(model)))
+    monkeypatch.setattr(cli, "few_row_matmuls", lambda model: routed.append(route(model)))
     argv = ["--prompt", "The capital of France is", "--ignore-chat-template", "--temp", "0"]
     main([*argv, "--max-tokens", "6"])
     text = capsys.readouterr().out.split("==========")[1]
-    main([*argv, "--max-tokens", "6", "--no-fuse-projections"])
+    main([*argv, "--max-tokens", "6", "--no-fuse-projections", "--no-few-row-matmuls"])
     assert capsys.readouterr().out.split("==========")[1] == text
     assert fused == [60]  # SmolLM2's 30 layers, two groups each; none the second time
+    assert routed == [0]  # asked the first time only; no CUDA GPU here, so no layer routed
 
 
 @needs_embedded
