@@ -168,6 +168,14 @@ def test_the_kernel_reads_both_shapes_and_takes_its_tiles_as_constants():
     assert "constexpr int MT = 3;" in src and "constexpr bool BF16 = false;" in src
 
 
+def test_each_row_tile_count_takes_a_narrow_or_a_wide_tiling():
+    assert rows.tiling(2, 2048) == (2, 16, 1) and rows.tiling(16, 49152) == (2, 8, 2)
+    assert rows.tiling(17, rows.NARROW) == (4, 8, 2)
+    assert rows.tiling(32, rows.NARROW + 1) == (8, 4, 1)
+    assert rows.tiling(rows.MAX_ROWS, 3072) == (4, 8, 1)
+    assert rows.tiling(33, 16384) == (4, 4, 1)
+
+
 # ---- on a CUDA GPU
 
 

@@ -24,10 +24,26 @@ from .source import sections
 #: GPU-bound with this kernel and no faster than with cuBLAS (0.76x-1.22x a round; runs
 #: 487 and 492), at 48 it was 1.28x (BENCHMARKS.md, run 491).
 MAX_ROWS = 48
-NT = 2  # 8-column tiles a block owns
-WARPS = 8  # a block's warps, splitting K
-UNROLL = 2  # K chunks a warp loads before it multiplies
 DTYPES = (mx.float16, mx.bfloat16)
+#: A tiling: 8-column tiles a block owns, its warps (splitting K), and the 32-wide K chunks
+#: a warp loads before it multiplies.
+Tiling = tuple[int, int, int]
+#: Weights of at most this many columns take a narrow tiling (more blocks, each with
+#: more warps); wider ones a wide tiling (each block more columns, so fewer reads of x).
+NARROW = 4096
+#: ``(narrow, wide)`` tilings by 16-row tiles of x: the fastest of each llama-1B step
+#: shape on an H200 under ``ncu`` (BENCHMARKS.md, run 495). At 17-48 rows they took
+#: 0.51x-0.64x the time of the 2 / 8 / 2 tiling every shape took before.
+TILINGS: dict[int, tuple[Tiling, Tiling]] = {
+    1: ((2, 16, 1), (2, 8, 2)),
+    2: ((4, 8, 2), (8, 4, 1)),
+    3: ((4, 8, 1), (4, 4, 1)),
+}
+
+
+def tiling(m: int, n: int) -> Tiling:
+    """The tiling for ``m`` rows (1 to ``MAX_ROWS``) of a weight of ``n`` columns."""
+    return TILINGS[-(-m // 16)][n > NARROW]
 
 
 @cache
@@ -64,13 +80,14 @@ def few_rows_matmul(x: mx.array, w: mx.array) -> mx.array:
     if reason is not None:
         raise ValueError(f"few_rows_matmul: {reason}.")
     m, n = x.shape[0], w.shape[0]
+    nt, warps, unroll = tiling(m, n)
     template = [("T", x.dtype), ("BF16", x.dtype == mx.bfloat16), ("MT", -(-m // 16))]
-    template += [("NT", NT), ("WARPS", WARPS), ("U", UNROLL)]
+    template += [("NT", nt), ("WARPS", warps), ("U", unroll)]
     return _kernel()(
         inputs=[x, w],
         template=template,
-        grid=(-(-n // (8 * NT)) * WARPS * 32, 1, 1),
-        threadgroup=(WARPS * 32, 1, 1),
+        grid=(-(-n // (8 * nt)) * warps * 32, 1, 1),
+        threadgroup=(warps * 32, 1, 1),
         output_shapes=[(m, n)],
         output_dtypes=[x.dtype],
     )[0]
