@@ -34,7 +34,7 @@ def kernel(monkeypatch):
 
     def fake(x, w):
         assert rows.rows_reason(x, w) is None
-        calls.append(x.shape[0])
+        calls.append(x.size // x.shape[-1])
         out = x @ w.T
         return out + 1 if state["wrong"] else out
 
@@ -142,7 +142,10 @@ def test_bad_inputs_are_value_errors():
             "multiple of 32",
         ),
         (mx.zeros((rows.MAX_ROWS + 1, 64), dtype=mx.float16), w, f"1 to {rows.MAX_ROWS} rows"),
-        (mx.zeros((2, 1, 64), dtype=mx.float16), w, "2-D"),
+        (mx.zeros((7, 7, 64), dtype=mx.float16), w, f"1 to {rows.MAX_ROWS} rows"),
+        (mx.zeros((64,), dtype=mx.float16), w, "2 or more dimensions"),
+        (mx.zeros((2, 64), dtype=mx.float16), w[None], "2 or more dimensions and w 2"),
+        (mx.zeros((2, 0), dtype=mx.float16), w[:, :0], "positive multiple of 32"),
     ]
     for x, weight, message in cases:
         with pytest.raises(ValueError, match=message):
@@ -157,14 +160,16 @@ def test_the_kernel_reads_both_shapes_and_takes_its_tiles_as_constants():
         body["matmul"],
         ["x", "w"],
         [mx.float16, mx.float16],
-        [2, 2],
+        [3, 2],
         ["out"],
         [mx.float16],
-        [("T", mx.float16), ("BF16", False), ("MT", 3), ("NT", 2), ("WARPS", 8), ("U", 2)],
+        [("T", mx.float16), ("BF16", False), ("XD", 3), ("MT", 3), ("NT", 2), ("WARPS", 8)]
+        + [("U", 2)],
     )
     assert shaped == [0, 1]
     signature = " ".join(src.split())
-    assert "__half* out, int x_shape_0, int x_shape_1, int w_shape_0, int w_shape_1)" in signature
+    shapes = "int x_shape_0, int x_shape_1, int x_shape_2, int w_shape_0, int w_shape_1)"
+    assert f"__half* out, {shapes}" in signature
     assert "constexpr int MT = 3;" in src and "constexpr bool BF16 = false;" in src
 
 
@@ -195,6 +200,18 @@ def test_the_kernel_matches_a_float32_matmul(dtype, n, k):
         got = rows.few_rows_matmul(x, w).astype(mx.float32)
         err = (mx.abs(got - want).max() / mx.abs(want).max()).item()
         assert err <= linears.TOLERANCE[dtype], (m, n, k, err)
+
+
+@cuda_only
+def test_the_kernel_takes_rows_in_every_leading_dimension():
+    mx.random.seed(2)
+    w = (mx.random.normal((3072, 2048)) * 0.05).astype(mx.float16)
+    for lead in [(4, 1), (2, 3), (3, 2, 5)]:
+        x = mx.random.normal((*lead, 2048)).astype(mx.float16)
+        got = rows.few_rows_matmul(x, w)
+        assert got.shape == (*lead, 3072)
+        flat = rows.few_rows_matmul(x.reshape(-1, 2048), w)
+        assert mx.array_equal(got.reshape(-1, 3072), flat).item(), lead
 
 
 @cuda_only

@@ -36,7 +36,7 @@ def _matmul(x: mx.array, w: mx.array) -> mx.array | None:
     n = x.size // x.shape[-1]
     if not 2 <= n <= rows.MAX_ROWS or x.dtype != w.dtype:
         return None
-    return rows.few_rows_matmul(x.reshape(n, x.shape[-1]), w).reshape(*x.shape[:-1], -1)
+    return rows.few_rows_matmul(x, w)  # (..., K) as it is: no reshapes in the step's graph
 
 
 class FewRowsLinear(nn.Linear):

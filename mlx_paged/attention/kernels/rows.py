@@ -59,19 +59,21 @@ def available() -> bool:
 
 def rows_reason(x: mx.array, w: mx.array) -> str | None:
     """Why ``few_rows_matmul(x, w)`` cannot run, or ``None`` where it can."""
-    if x.ndim != 2 or w.ndim != 2:
-        return f"x and w must be 2-D, got {x.ndim}-D and {w.ndim}-D"
+    if x.ndim < 2 or w.ndim != 2:
+        return f"x must have 2 or more dimensions and w 2, got {x.ndim} and {w.ndim}"
     if x.dtype not in DTYPES or w.dtype != x.dtype:
         return f"x and w must be both float16 or both bfloat16, got {x.dtype} and {w.dtype}"
-    if x.shape[1] != w.shape[1] or x.shape[1] % 32:
-        return f"K must match and be a multiple of 32, got {x.shape[1]} and {w.shape[1]}"
-    if not 1 <= x.shape[0] <= MAX_ROWS:
-        return f"x must have 1 to {MAX_ROWS} rows, got {x.shape[0]}"
+    k = x.shape[-1]
+    if k != w.shape[1] or k % 32 or not k:
+        return f"K must match and be a positive multiple of 32, got {k} and {w.shape[1]}"
+    if not 1 <= x.size // k <= MAX_ROWS:
+        return f"x must have 1 to {MAX_ROWS} rows, got {x.size // k}"
     return None
 
 
 def few_rows_matmul(x: mx.array, w: mx.array) -> mx.array:
-    """``x @ w.T`` for ``x`` of ``(M, K)`` and a weight ``w`` of ``(N, K)``, on a CUDA GPU.
+    """``x @ w.T`` for ``x`` of ``(..., K)`` (its rows all but the last dimension) and a
+    weight ``w`` of ``(N, K)``, on a CUDA GPU: ``(..., N)``.
 
     Raises:
         ValueError: where ``rows_reason`` gives a reason.
@@ -79,15 +81,16 @@ def few_rows_matmul(x: mx.array, w: mx.array) -> mx.array:
     reason = rows_reason(x, w)
     if reason is not None:
         raise ValueError(f"few_rows_matmul: {reason}.")
-    m, n = x.shape[0], w.shape[0]
+    m, n = x.size // x.shape[-1], w.shape[0]
     nt, warps, unroll = tiling(m, n)
-    template = [("T", x.dtype), ("BF16", x.dtype == mx.bfloat16), ("MT", -(-m // 16))]
+    template = [("T", x.dtype), ("BF16", x.dtype == mx.bfloat16), ("XD", x.ndim)]
+    template += [("MT", -(-m // 16))]
     template += [("NT", nt), ("WARPS", warps), ("U", unroll)]
     return _kernel()(
         inputs=[x, w],
         template=template,
         grid=(-(-n // (8 * nt)) * warps * 32, 1, 1),
         threadgroup=(warps * 32, 1, 1),
-        output_shapes=[(m, n)],
+        output_shapes=[(*x.shape[:-1], n)],
         output_dtypes=[x.dtype],
     )[0]
