@@ -21,8 +21,8 @@ from .dispatch import backend_available
 from .source import sections
 
 #: Rows a call may have: three 16-row tiles. At 64 rows a llama-1B step on an H200 was
-#: GPU-bound with this kernel and no faster than with cuBLAS (0.76x-1.22x a round; runs
-#: 487 and 492), at 48 it was 1.28x (BENCHMARKS.md, run 491).
+#: GPU-bound with this kernel and no faster than with cuBLAS (0.99x with its best 64-row
+#: tilings, run 509); at 48 it was 1.37x (BENCHMARKS.md, run 506).
 MAX_ROWS = 48
 DTYPES = (mx.float16, mx.bfloat16)
 #: A tiling: 8-column tiles a block owns, its warps (splitting K), and the 32-wide K chunks
@@ -32,8 +32,9 @@ Tiling = tuple[int, int, int]
 #: more warps); wider ones a wide tiling (each block more columns, so fewer reads of x).
 NARROW = 4096
 #: ``(narrow, wide)`` tilings by 16-row tiles of x: the fastest of each llama-1B step
-#: shape on an H200 under ``ncu`` (BENCHMARKS.md, run 495). At 17-48 rows they took
-#: 0.51x-0.64x the time of the 2 / 8 / 2 tiling every shape took before.
+#: shape on an H200 under ``ncu`` (BENCHMARKS.md, run 495). A step's 65 matmuls took
+#: 937 / 1,241 / 1,353 us at 16 / 32 / 48 rows, against 1,264 / 1,926 / 2,665 with the
+#: 2 / 8 / 2 tiling every shape took before (runs 506 and 495).
 TILINGS: dict[int, tuple[Tiling, Tiling]] = {
     1: ((2, 16, 1), (2, 8, 2)),
     2: ((4, 8, 2), (8, 4, 1)),
