@@ -9,11 +9,18 @@ and the cases back and prints each shape's mean kernel time and a step's sum (ev
 shape times the layers, plus the head). ``ncu`` flushes the caches between kernels, as a
 step's weights would be cold.
 
+``--tilings NT/WARPS/U ...`` also times the kernel with each of these tilings (8-column tiles
+a block, warps, K chunks a warp loads at once; ``rows.TILINGS``), at up to
+``rows.KERNEL_ROWS`` rows, and the report names the fastest for narrow and for wide weights
+(``rows.NARROW``) at each row count: a new GPU's or model's ``TILINGS`` in one run.
+
 Usage:
     ncu --clock-control none --profile-from-start off --metrics gpu__time_duration.sum \\
         --csv --page raw --log-file /tmp/mm.csv \\
         python benchmarks/matmul_shapes.py --rows 16 32 48 --cases /tmp/mm.cases
     python benchmarks/matmul_shapes.py --report /tmp/mm.csv --cases /tmp/mm.cases
+    ncu ... python benchmarks/matmul_shapes.py --rows 64 --tilings 4/8/1 8/4/1 4/4/1 \
+        --cases /tmp/mm.cases
 """
 
 from __future__ import annotations
@@ -22,13 +29,12 @@ import argparse
 import csv
 import ctypes
 import json
-from collections import defaultdict
 
 import mlx.core as mx
 
 from mlx_paged.attention.kernels import rows
 
-IMPLS = ("mlx", "few-row kernel")
+SHIPPED = "few-row kernel"  # the tilings of ``rows.TILINGS``
 
 
 def shapes(args: argparse.Namespace) -> dict[str, tuple[int, int, int]]:
@@ -62,12 +68,12 @@ def run(args: argparse.Namespace) -> None:
     for m in args.rows:
         for name, w in weights.items():
             x = mx.random.normal((m, w.shape[1])).astype(dtype)
-            for impl in IMPLS:
-                call = (
-                    (lambda x=x, w=w: x @ w.T)
-                    if impl == "mlx"
-                    else (lambda x=x, w=w: rows.few_rows_matmul(x, w))
-                )
+            for impl in impls(m, args.tilings):
+                if impl == "mlx":
+                    call = lambda x=x, w=w: x @ w.T  # noqa: E731
+                else:
+                    tiling = None if impl == SHIPPED else parse_tiling(impl)
+                    call = lambda x=x, w=w, t=tiling: rows.few_rows_matmul(x, w, t)  # noqa: E731
                 mx.eval(call())  # built, and its inputs made, before the profiled range
                 cases.append({"rows": m, "shape": name, "impl": impl})
                 calls.append(call)
@@ -110,22 +116,44 @@ def report(args: argparse.Namespace) -> None:
     us = {}
     for case, kernels in zip(meta["cases"], groups, strict=True):
         us[case["rows"], case["shape"], case["impl"]] = sum(kernels) / meta["repeats"] / 1e3
-    steps: dict[tuple[int, str], float] = defaultdict(float)
+    counts = {shape: count for shape, (_, _, count) in meta["shapes"].items()}
+    wide = {shape: n > rows.NARROW for shape, (n, _, _) in meta["shapes"].items()}
+
+    def step(m: int, impl: str, part: bool | None = None) -> float:
+        """A step's µs at ``m`` rows (narrow or wide weights only, with ``part``)."""
+        return sum(us[m, s, impl] * c for s, c in counts.items() if part in (None, wide[s]))
+
     for m in sorted({c["rows"] for c in meta["cases"]}):
-        print(f"rows {m}: µs a matmul, {' / '.join(IMPLS)}")
-        for shape, (n, k, count) in meta["shapes"].items():
-            times = [us[m, shape, impl] for impl in IMPLS]
-            for impl, t in zip(IMPLS, times, strict=True):
-                steps[m, impl] += t * count
+        print(f"rows {m}: µs a matmul, and a step's {sum(counts.values())}")
+        print(f"  {'':16s}" + "".join(f"{s:>9s}" for s in counts) + "      step")
+        done = list(dict.fromkeys(c["impl"] for c in meta["cases"] if c["rows"] == m))
+        for impl in done:
+            ratio = f" ({step(m, impl) / step(m, 'mlx'):.2f}x)" if impl != "mlx" else ""
+            times = "".join(f"{us[m, s, impl]:9.1f}" for s in counts)
+            print(f"  {impl:16s}{times}{step(m, impl):10.0f}{ratio}")
+        tilings = [i for i in done if i not in ("mlx", SHIPPED)]
+        if tilings:
+            best = [min(tilings, key=lambda i, p=part: step(m, i, p)) for part in (False, True)]
+            total = step(m, best[0], False) + step(m, best[1], True)
             print(
-                f"  {shape:8s} {n:6d}x{k:<6d} {times[0]:8.1f} / {times[1]:8.1f}"
-                f"  ({times[1] / times[0]:.2f}x)"
+                f"  fastest: {best[0]} narrow, {best[1]} wide: {total:.0f} µs"
+                f" ({total / step(m, 'mlx'):.2f}x)"
             )
-        total = [steps[m, impl] for impl in IMPLS]
-        print(
-            f"  a step's {sum(c for *_, c in meta['shapes'].values())} matmuls: "
-            f"{total[0]:.0f} / {total[1]:.0f} µs ({total[1] / total[0]:.2f}x)"
-        )
+
+
+def impls(m: int, tilings: list[rows.Tiling]) -> list[str]:
+    """What times ``m`` rows: MLX, the shipped tilings (up to ``MAX_ROWS``), ``tilings``."""
+    named = ["/".join(map(str, t)) for t in tilings]
+    return ["mlx", *([SHIPPED] if m <= rows.MAX_ROWS else []), *named]
+
+
+def parse_tiling(text: str) -> rows.Tiling:
+    """``"NT/WARPS/U"`` as a tiling."""
+    try:
+        tiling = tuple(int(v) for v in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a tiling is NT/WARPS/U, got {text!r}") from None
+    return tiling  # type: ignore[return-value]
 
 
 def main() -> None:
@@ -134,6 +162,14 @@ def main() -> None:
     parser.add_argument("--cases", required=True, help="the cases' file (written, or read)")
     parser.add_argument("--report", help="ncu's CSV of a run: print its table instead")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--tilings",
+        nargs="+",
+        type=parse_tiling,
+        default=[],
+        metavar="NT/WARPS/U",
+        help="tilings to time as well",
+    )
     parser.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16")
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--intermediate", type=int, default=8192)
@@ -146,9 +182,14 @@ def main() -> None:
     if args.report:
         report(args)
         return
-    bad = [m for m in args.rows if not 1 <= m <= rows.MAX_ROWS]
+    most = rows.KERNEL_ROWS if args.tilings else rows.MAX_ROWS
+    bad = [m for m in args.rows if not 1 <= m <= most]
     if bad:
-        parser.error(f"--rows must be 1 to {rows.MAX_ROWS}, got {bad}")
+        parser.error(f"--rows must be 1 to {most}, got {bad}")
+    for tiling in args.tilings:
+        reason = rows.tiling_reason(tiling, max(args.rows))
+        if reason is not None:
+            parser.error(f"--tilings: {reason}")
     run(args)
 
 

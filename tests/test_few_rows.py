@@ -150,6 +150,23 @@ def test_bad_inputs_are_value_errors():
     for x, weight, message in cases:
         with pytest.raises(ValueError, match=message):
             rows.few_rows_matmul(x, weight)
+    x = mx.zeros((rows.KERNEL_ROWS, 64), dtype=mx.float16)
+    for tiling, message in [
+        ((2, 6, 1), "a power of two"),
+        ((2, 32, 1), "a power of two"),
+        ((4, 16, 1), "too many registers for 16 warps"),
+        ((0, 8, 1), "1-16 column tiles"),
+        ((2, 8, 5), "1-4 K chunks"),
+        ((2, 8), "three ints"),
+        ((2.0, 8, 1), "three ints"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            rows.few_rows_matmul(x, w, tiling)
+    assert rows.rows_reason(x, w, (4, 8, 1)) is None  # a named tiling may take 64 rows
+    assert rows.rows_reason(x, w, (2, 16, 1)) is None  # 16 warps, 72 registers
+    too_many = mx.zeros((rows.KERNEL_ROWS + 1, 64), dtype=mx.float16)
+    with pytest.raises(ValueError, match=f"1 to {rows.KERNEL_ROWS} rows"):
+        rows.few_rows_matmul(too_many, w, (4, 8, 1))
 
 
 def test_the_kernel_reads_both_shapes_and_takes_its_tiles_as_constants():
@@ -174,11 +191,14 @@ def test_the_kernel_reads_both_shapes_and_takes_its_tiles_as_constants():
 
 
 def test_each_row_tile_count_takes_a_narrow_or_a_wide_tiling():
-    assert rows.tiling(2, 2048) == (2, 16, 1) and rows.tiling(16, 49152) == (2, 8, 2)
-    assert rows.tiling(17, rows.NARROW) == (4, 8, 2)
-    assert rows.tiling(32, rows.NARROW + 1) == (8, 4, 1)
-    assert rows.tiling(rows.MAX_ROWS, 3072) == (4, 8, 1)
-    assert rows.tiling(33, 16384) == (4, 4, 1)
+    assert rows.tiling_for(2, 2048) == (2, 16, 1) and rows.tiling_for(16, 49152) == (2, 8, 2)
+    assert rows.tiling_for(17, rows.NARROW) == (4, 8, 2)
+    assert rows.tiling_for(32, rows.NARROW + 1) == (8, 4, 1)
+    assert rows.tiling_for(rows.MAX_ROWS, 3072) == (4, 8, 1)
+    assert rows.tiling_for(33, 16384) == (4, 4, 1)
+    for tiles, pair in rows.TILINGS.items():
+        for tiling in pair:  # each launches with its block's registers (tiling_reason)
+            assert rows.tiling_reason(tiling, 16 * tiles) is None, (tiles, tiling)
 
 
 # ---- on a CUDA GPU
@@ -200,6 +220,21 @@ def test_the_kernel_matches_a_float32_matmul(dtype, n, k):
         got = rows.few_rows_matmul(x, w).astype(mx.float32)
         err = (mx.abs(got - want).max() / mx.abs(want).max()).item()
         assert err <= linears.TOLERANCE[dtype], (m, n, k, err)
+
+
+@cuda_only
+@pytest.mark.parametrize(
+    "tiling", [(1, 1, 1), (2, 8, 2), (4, 8, 1), (8, 4, 1), (16, 8, 1), (1, 16, 1)]
+)
+def test_a_named_tiling_matches_a_float32_matmul_up_to_the_kernels_rows(tiling):
+    mx.random.seed(3)
+    w = (mx.random.normal((5000, 256)) * 0.05).astype(mx.float16)
+    for m in (1, 33, 49, rows.KERNEL_ROWS):
+        x = mx.random.normal((m, 256)).astype(mx.float16)
+        want = x.astype(mx.float32) @ w.astype(mx.float32).T
+        got = rows.few_rows_matmul(x, w, tiling).astype(mx.float32)
+        err = (mx.abs(got - want).max() / mx.abs(want).max()).item()
+        assert err <= linears.TOLERANCE[mx.float16], (m, tiling, err)
 
 
 @cuda_only

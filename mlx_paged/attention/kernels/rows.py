@@ -24,6 +24,9 @@ from .source import sections
 #: GPU-bound with this kernel and no faster than with cuBLAS (0.99x with its best 64-row
 #: tilings, run 509); at 48 it was 1.37x (BENCHMARKS.md, run 506).
 MAX_ROWS = 48
+#: Rows the kernel computes (four 16-row tiles): a call that names its tiling may have
+#: this many.
+KERNEL_ROWS = 64
 DTYPES = (mx.float16, mx.bfloat16)
 #: A tiling: 8-column tiles a block owns, its warps (splitting K), and the 32-wide K chunks
 #: a warp loads before it multiplies.
@@ -42,7 +45,7 @@ TILINGS: dict[int, tuple[Tiling, Tiling]] = {
 }
 
 
-def tiling(m: int, n: int) -> Tiling:
+def tiling_for(m: int, n: int) -> Tiling:
     """The tiling for ``m`` rows (1 to ``MAX_ROWS``) of a weight of ``n`` columns."""
     return TILINGS[-(-m // 16)][n > NARROW]
 
@@ -58,8 +61,30 @@ def available() -> bool:
     return backend_available("cuda")
 
 
-def rows_reason(x: mx.array, w: mx.array) -> str | None:
-    """Why ``few_rows_matmul(x, w)`` cannot run, or ``None`` where it can."""
+def tiling_reason(t: Tiling, m: int) -> str | None:
+    """Why the kernel cannot take tiling ``t`` for ``m`` rows, or ``None`` where it can.
+
+    Up to 8 warps a block always launches (256 threads of at most 255 registers fit a
+    multiprocessor's 64K). 16 warps may have 128 registers each, so there the tiling's
+    accumulators and one round of loads (``4 * MT * NT + 4 * U * (NT + 2 * MT)`` 32-bit
+    registers) must stay within 80, leaving the rest for addresses (2 / 16 / 1 at 64 rows,
+    72, ran in run 509).
+    """
+    if len(t) != 3 or not all(type(v) is int for v in t):
+        return f"a tiling is three ints (column tiles, warps, K chunks), got {t!r}"
+    nt, warps, unroll = t
+    if not (1 <= nt <= 16 and warps in (1, 2, 4, 8, 16) and 1 <= unroll <= 4):
+        return (
+            f"a tiling needs 1-16 column tiles, 1-16 warps (a power of two), 1-4 K chunks, got {t}"
+        )
+    mt = -(-m // 16)
+    if warps == 16 and 4 * mt * nt + 4 * unroll * (nt + 2 * mt) > 80:
+        return f"tiling {t} at {m} rows needs too many registers for 16 warps: take 8 or fewer"
+    return None
+
+
+def rows_reason(x: mx.array, w: mx.array, tiling: Tiling | None = None) -> str | None:
+    """Why ``few_rows_matmul(x, w, tiling)`` cannot run, or ``None`` where it can."""
     if x.ndim < 2 or w.ndim != 2:
         return f"x must have 2 or more dimensions and w 2, got {x.ndim} and {w.ndim}"
     if x.dtype not in DTYPES or w.dtype != x.dtype:
@@ -67,23 +92,27 @@ def rows_reason(x: mx.array, w: mx.array) -> str | None:
     k = x.shape[-1]
     if k != w.shape[1] or k % 32 or not k:
         return f"K must match and be a positive multiple of 32, got {k} and {w.shape[1]}"
-    if not 1 <= x.size // k <= MAX_ROWS:
-        return f"x must have 1 to {MAX_ROWS} rows, got {x.size // k}"
-    return None
+    most = MAX_ROWS if tiling is None else KERNEL_ROWS
+    if not 1 <= x.size // k <= most:
+        return f"x must have 1 to {most} rows, got {x.size // k}"
+    return None if tiling is None else tiling_reason(tiling, x.size // k)
 
 
-def few_rows_matmul(x: mx.array, w: mx.array) -> mx.array:
+def few_rows_matmul(x: mx.array, w: mx.array, tiling: Tiling | None = None) -> mx.array:
     """``x @ w.T`` for ``x`` of ``(..., K)`` (its rows all but the last dimension) and a
     weight ``w`` of ``(N, K)``, on a CUDA GPU: ``(..., N)``.
+
+    ``tiling`` (for tuning: ``benchmarks/matmul_shapes.py --tilings``) replaces the one
+    ``TILINGS`` gives and allows up to ``KERNEL_ROWS`` rows.
 
     Raises:
         ValueError: where ``rows_reason`` gives a reason.
     """
-    reason = rows_reason(x, w)
+    reason = rows_reason(x, w, tiling)
     if reason is not None:
         raise ValueError(f"few_rows_matmul: {reason}.")
     m, n = x.size // x.shape[-1], w.shape[0]
-    nt, warps, unroll = tiling(m, n)
+    nt, warps, unroll = tiling or tiling_for(m, n)
     template = [("T", x.dtype), ("BF16", x.dtype == mx.bfloat16), ("XD", x.ndim)]
     template += [("MT", -(-m // 16))]
     template += [("NT", nt), ("WARPS", warps), ("U", unroll)]
