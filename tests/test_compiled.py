@@ -217,8 +217,7 @@ def test_a_prepared_shape_replays_at_its_first_real_step():
         seen.append((got, path_counts - before, decode.traces - traces))
         engine.check_invariants()
     assert seen[0][0] == seen[1][0]
-    dense = [dense_solo("llama", tuple(p), m) for p, m in zip(batch, budgets, strict=True)]
-    assert seen[0][0] == dense
+    assert seen[0][0] == [dense_solo("llama", tuple(p), m) for p, m in zip(batch, budgets)]
     assert seen[0][1] == seen[1][1]
     assert seen[0][2] == 3 and seen[1][2] == 0
 
