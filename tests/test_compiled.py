@@ -192,51 +192,6 @@ def test_replayed_steps_count_their_attention_paths():
     )
 
 
-def test_a_prepared_shape_replays_at_its_first_real_step():
-    """``prepare`` traces a row and width bucket without running it. After a burst of
-    short contexts, requests of 90-odd tokens (12-13 blocks: width bucket 16) at 3, 2 and 1
-    rows then trace nothing new, and give mlx-lm's tokens and the attention counts of an
-    engine that traced them on the request path; the pools are left as they were."""
-    rng = random.Random(6)
-    system = [rng.randrange(VOCAB) for _ in range(80)]
-    batch = [system + [rng.randrange(VOCAB) for _ in range(8 + 2 * i)] for i in range(3)]
-    budgets = [MAX_TOKENS, 5, 9]
-    seen = []
-    for prepared in (False, True):
-        engine = PagedEngine(model_of("llama"), block_size=BS, num_blocks=96, compile_decode=True)
-        run(engine, prompts(5, 2), [3, 3])  # tables of 3-4 blocks
-        decode = engine.runner.compiled
-        if prepared:
-            pools = [a for p in engine.runner.pools.values() for a in (*p.keys, *p.values)]
-            shapes = [(4, 16), (2, 16), (1, 16), (4, 16), (2, 4)]
-            assert [decode.prepare(r, w) for r, w in shapes] == [True] * 3 + [False] * 2
-            held = [a for p in engine.runner.pools.values() for a in (*p.keys, *p.values)]
-            assert all(a is b for a, b in zip(pools, held, strict=True))
-        traces, before = decode.traces, Counter(path_counts)
-        got = run(engine, batch, budgets)
-        seen.append((got, path_counts - before, decode.traces - traces))
-        engine.check_invariants()
-    assert seen[0][0] == seen[1][0]
-    assert seen[0][0] == [dense_solo("llama", tuple(p), m) for p, m in zip(batch, budgets)]
-    assert seen[0][1] == seen[1][1]
-    assert seen[0][2] == 3 and seen[1][2] == 0
-
-
-@pytest.mark.parametrize("family", ["gemma3_text", "qwen3_5"])
-def test_prepare_leaves_steps_of_other_keys_to_their_requests(family):
-    """A sliding window's tables and a hybrid's state slots change a step's key in ways
-    ``prepare`` does not make: it traces nothing for them, nor for a cold tier."""
-    engine = PagedEngine(model_of(family), block_size=BS, compile_decode=True)
-    run(engine, prompts(5, 2), [3, 3])
-    assert engine.runner.compiled.prepare(4, 16) is False
-    model = tiny_model("llama", head_dim=32)  # quantized in groups of 32
-    cold = PagedEngine(
-        model, block_size=BS, kv_bits=8, kv_group_size=32, hot_tokens=8, compile_decode=True
-    )
-    run(cold, prompts(5, 2), [3, 3])
-    assert cold.runner.compiled.prepare(4, 16) is False
-
-
 def test_row_and_width_buckets():
     rows = (1, 2, 3, 5, 8, 9, 16, 17, 64)
     assert [batch_bucket(b) for b in rows] == [1, 2, 4, 8, 8, 16, 16, 24, 64]

@@ -888,30 +888,6 @@ def test_warm_up_runs_a_full_prefill_chunk_and_a_full_batched_forward():
     assert engine.stats().live_blocks == 0
 
 
-def test_warm_up_traces_the_decode_step_for_its_contexts_widths():
-    """Its burst's contexts are short; ``context`` tokens' table widths (1-8 blocks of 8
-    tokens here) are traced at every row bucket up to ``max_batch_size`` (1, 2, 4), so a
-    burst of requests that reach 50-64 tokens traces nothing on the request path."""
-    from mlx_paged.engine.warmup import warm_up
-
-    engine = PagedEngine(model_of("llama"), block_size=BS, max_batch_size=4, num_blocks=96)
-    decode = engine.runner.compiled
-    assert warm_up(engine, context=64) > 0
-    keys = {(key[1][0], key[2][1]) for key in decode._counts}  # (rows, table width)
-    assert keys >= {(r, w) for r in (1, 2, 4) for w in (1, 2, 4, 8)}
-    assert max(w for _, w in keys) == 8
-    traces = decode.traces
-    rng = random.Random(9)
-    prompts = [[rng.randrange(VOCAB) for _ in range(40 + 3 * i)] for i in range(4)]
-    got = run_all(engine, prompts, max_tokens=MAX_TOKENS)  # 52-63 tokens: 7-8 blocks
-    assert decode.traces == traces
-    assert got == [dense_solo("llama", tuple(p), MAX_TOKENS) for p in prompts]
-    engine.check_invariants()
-    for bad in (-1, True, 1.5):
-        with pytest.raises(ValueError, match="context"):
-            warm_up(engine, context=bad)
-
-
 def test_warm_up_leaves_out_a_long_prompt_the_pool_cannot_hold():
     from mlx_paged.engine.warmup import warm_up
 

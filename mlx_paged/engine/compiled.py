@@ -156,49 +156,6 @@ class CompiledDecode:
             batch.finish()
         return logits[:n] if pad else logits
 
-    def prepare(self, rows: int, width: int) -> bool:
-        """Trace the step of ``rows`` requests (a row bucket) whose tables are ``width``
-        blocks wide (a width bucket) without running it, so that the first real step of that
-        shape replays the trace. Returns whether it traced: not for a shape traced already,
-        nor where steps take keys this does not make (a hybrid's state slots, a cold tier,
-        a sliding window), nor for a forward that cannot be traced (the first real step
-        then says so)."""
-        runner, kinds = self.runner, self.kinds
-        if runner.states is not None or self._colds or any(k.window for k in kinds):
-            return False
-        if not self._written():
-            return False
-        tokens = mx.zeros((rows, 1), dtype=mx.int32)
-        arrays = [
-            a
-            for _ in kinds
-            for a in (
-                mx.zeros((rows, width), dtype=mx.int32),  # block tables
-                mx.zeros((rows,), dtype=mx.int32),  # starts
-                mx.zeros((rows,), dtype=mx.int32),  # offsets
-                mx.zeros((rows, 1), dtype=mx.int32),  # the new tokens' blocks
-            )
-        ]
-        cold = (False,) * len(kinds)
-        key = (cold, tokens.shape, *(a.shape for a in arrays), *self._pool_shapes())
-        if key in self._counts:
-            return False
-        before = [Counter(c) for c in COUNTERS]
-        saved = [(held, list(held)) for held in self._state_lists()]
-        try:
-            self._forward(cold, tokens, *arrays)  # lazy outputs, dropped: nothing runs
-        except Exception:
-            return False
-        finally:
-            for held, items in saved:  # the pools stay the arrays they were
-                held[:] = items
-            counted = [c - b for c, b in zip(COUNTERS, before, strict=True)]
-            for total, b in zip(COUNTERS, before, strict=True):
-                total.clear()
-                total.update(b)
-        self._counts[key] = counted  # what each replay of it counts
-        return True
-
     def _written(self) -> bool:
         """Whether every layer's arrays exist, so that a trace may take them as state (a
         model of recurrent layers alone has no attention layer)."""

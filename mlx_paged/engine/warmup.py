@@ -16,10 +16,10 @@ longer than a prefill chunk (prefilled alone, its first chunk ``prefill_step_siz
 wide) and one burst whose suffixes fill a batched forward of about
 ``prefill_batch_tokens``: the shapes of a long prompt's and a large burst's matmuls
 and attention, whose first use a real burst paid otherwise (2.6 s in a just-started
-machine's first server process, BENCHMARKS.md runs 331 and 334). The burst's contexts
-are short, so it traces the compiled decode step at every batch size for the table widths
-of longer contexts (``decode_widths``), and on CUDA builds the decode kernel's binaries for
-the layouts those launch (``kernels.prebuild_kernels``). Then it
+machine's first server process, BENCHMARKS.md runs 331 and 334). On CUDA it then builds
+the decode kernel's binaries
+for the layouts longer contexts launch (``kernels.prebuild_kernels``: the burst's
+contexts are short). Then it
 rehearses the disk tier's spill and load on one of their blocks (no file is
 written), drops the made-up blocks from the prefix index, zeroes the counters,
 the step clock and the compiled step count (not its traces), and hands the
@@ -32,7 +32,6 @@ next process's warm-up would load them instead of running its prefills).
 from __future__ import annotations
 
 import ctypes
-import logging
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -42,14 +41,10 @@ import mlx.nn as nn
 
 from ..attention.kernels import prebuild_kernels
 from ..attention.prefill import on_cuda
-from ..storage import batch_bucket
-from .compiled import width_bucket
 from .engine import PagedEngine
 from .linears import FewRowsLinear
 from .request import Sampler
 from .scheduler import COUNTERS, Scheduler
-
-logger = logging.getLogger("mlx_paged.engine")
 
 #: Full-precision linear layers, as loaded or routed through the few-row kernel (whose rows
 #: past ``MAX_ROWS`` still go to cuBLAS).
@@ -61,26 +56,18 @@ HEURISTICS_SPARE = 8192
 WARM_CACHE_BYTES = 1 << 30
 #: Most rows warmed: a wider forward takes tens of ms, beside which a search is small.
 WARM_ROWS = 4096
-#: Tokens of context whose decode step widths the warm-up traces at every batch size.
-WARM_CONTEXT = 4096
 
 
 def warm_up(
-    engine: PagedEngine,
-    batch_sizes: Sequence[int] | None = None,
-    sampler: Sampler | None = None,
-    context: int = WARM_CONTEXT,
+    engine: PagedEngine, batch_sizes: Sequence[int] | None = None, sampler: Sampler | None = None
 ) -> float:
     """Decode at every batch size from the engine's ``max_batch_size`` down to 1 (or, with
     ``batch_sizes``, run a burst at each of them with a few decode steps); return the
     seconds it took. With a ``sampler``, every other request samples with it, so that the
-    first sampled request builds no sampling kernels. A compiled decode step is also traced
-    at every batch size for the block-table widths of contexts up to ``context`` tokens
-    (``decode_widths``).
+    first sampled request builds no sampling kernels.
 
     Raises:
-        ValueError: for a batch size that is not a positive int up to ``max_batch_size``,
-            or a ``context`` that is not an int of at least 0.
+        ValueError: for a batch size that is not a positive int up to ``max_batch_size``.
     """
     most = engine.scheduler.max_batch_size
     hybrid = engine.runner.states is not None
@@ -88,20 +75,10 @@ def warm_up(
     for b in sizes:
         if isinstance(b, bool) or not isinstance(b, int) or not 0 < b <= most:
             raise ValueError(f"warm-up batch sizes must be ints in 1..{most}, got {b!r}.")
-    if isinstance(context, bool) or not isinstance(context, int) or context < 0:
-        raise ValueError(f"the warm-up's context must be an int of at least 0, got {context!r}.")
     start = time.perf_counter()
     with _without_disk(engine):
         _bursts(engine, sizes, hybrid, batch_sizes is None, sampler)
         _wide_forwards(engine, engine.vocab_size or 256)
-    began = time.perf_counter()
-    traced = decode_widths(engine, context)
-    logger.info(
-        "mlx_paged: traced %d decode step shapes for contexts up to %d tokens in %.2f s",
-        traced,
-        context,
-        time.perf_counter() - began,
-    )
     prebuild_kernels()
     warm_matmuls(engine.runner.model, engine.scheduler, engine.vocab_size)
     if engine.disk is not None:
@@ -115,26 +92,6 @@ def warm_up(
     # at rest: about 2.2 GiB of a llama-1B's (BENCHMARKS.md, runs 450-451).
     mx.clear_cache()
     return time.perf_counter() - start
-
-
-def decode_widths(engine: PagedEngine, context: int) -> int:
-    """Trace the engine's compiled decode step (where it has one) at every row bucket up to
-    ``max_batch_size`` for every width bucket of contexts up to ``context`` tokens, without
-    running it; return the shapes traced.
-
-    A compiled step traces once per batch and table width bucket (``engine/compiled.py``),
-    and the warm-up's bursts have short contexts: a first burst of 1,000-token prompts
-    traced 4 shapes of its own on the request path (BENCHMARKS.md, run 455). Engines whose
-    steps take other keys (a hybrid's state slots, a cold tier, sliding windows) trace
-    nothing here.
-    """
-    compiled = engine.runner.compiled
-    if compiled is None or context <= 0:
-        return 0
-    s = engine.scheduler
-    rows = sorted({batch_bucket(b) for b in range(1, s.max_batch_size + 1)})
-    widths = sorted({width_bucket(w) for w in range(1, -(-context // s.block_size) + 1)})
-    return sum(compiled.prepare(r, w) for r in rows for w in widths)
 
 
 def warm_matmuls(model: nn.Module, scheduler: Scheduler, vocab: int | None) -> int:

@@ -19,10 +19,9 @@ import signal
 import sys
 from pathlib import Path
 
-from . import memory, sampling, warming
+from . import memory, sampling
 from .app import ServerConfig, create_app
 from .sampling import sampling_defaults, warm_up_sampler
-from .warming import warms_up
 from .worker import EngineWorker
 
 __all__ = [
@@ -161,7 +160,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=30.0,
         help="Seconds running requests get to finish on SIGINT/SIGTERM before they are aborted.",
     )
-    warming.add_arguments(p)
+    p.add_argument(
+        "--warm-up",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="Before /health reports ready, decode a made-up burst once at every batch size "
+        "up to --max-batch-size, so the first requests find kernels built and checked. "
+        "Default: on a GPU; off on the CPU, which builds no kernels per batch size.",
+    )
     p.add_argument(
         "--fuse-projections",
         action=argparse.BooleanOptionalAction,
@@ -212,7 +218,6 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         if v is not None and v <= 0:
             parser.error(f"--{name.replace('_', '-')} must be a positive integer, got {v}.")
     memory.check(parser, args)
-    warming.check(parser, args)
     if args.kv_disk_dir is None and args.kv_disk_preload_bytes is not None:
         parser.error("--kv-disk-preload-bytes needs --kv-disk-dir.")
     if args.kv_disk_restore and args.kv_disk_preload_bytes is None:
@@ -287,8 +292,7 @@ def loader(args: argparse.Namespace, group=None):
 
             sampler = None if sharded else warm_up_sampler(args, args.model or embedded_path())
             log.info("mlx_paged: warming up at batch sizes up to %d", args.max_batch_size)
-            seconds = warm_up(engine, sampler=sampler, context=args.warm_up_context)
-            log.info("mlx_paged: warmed up in %.2f s", seconds)
+            log.info("mlx_paged: warmed up in %.2f s", warm_up(engine, sampler=sampler))
         memory.bound_cache(args.mlx_cache_limit)
         if engine.disk is not None and engine.disk.preloaded is not None:
             # Read beside the warm-up: ready once it holds them (restored: the pool does).
@@ -301,6 +305,14 @@ def loader(args: argparse.Namespace, group=None):
         return engine, tokenizer
 
     return load
+
+
+def warms_up(args: argparse.Namespace) -> bool:
+    """``--warm-up``, or where neither flag is given, whether MLX runs on a GPU (Metal or
+    CUDA): there the first use of each batch size builds kernels, on the CPU it does not."""
+    import mlx.core as mx
+
+    return args.warm_up if args.warm_up is not None else mx.default_device() == mx.gpu
 
 
 def embedded_path() -> Path:
