@@ -226,15 +226,19 @@ def main() -> None:
         return cache
 
     def interleaved(context: int, cases: dict) -> dict[str, float]:
-        """Median seconds per step of each case over ``--interleave`` rounds taken in turn."""
+        """Median seconds per step of each case over ``--interleave`` rounds taken in turn
+        (the first case alternating)."""
         caches = {}
         for name, make in cases.items():
             caches[name] = make()
             fill(caches[name], context, dtype)
         times = {name: [] for name in cases}
         parts = {name: {"build": [], "dispatch": [], "wait": []} for name in cases}
-        for _ in range(args.interleave):
-            for name, cache in list(caches.items()):
+        for r in range(args.interleave):
+            # The first case alternates, so a change of host speed within a round does not
+            # always fall on the same case.
+            order = list(caches.items())
+            for name, cache in order if r % 2 == 0 else order[::-1]:
                 set_attention_path("kernel" if name == "paged-kernel" else "auto")
                 try:
                     s = decode_seconds_per_step(
