@@ -167,6 +167,46 @@ def test_run_view_holds_the_gathered_tokens(start, end):
     table.blocks[3], table.version = 5, table.version + 1
 
 
+def test_append_view_writes_one_token_and_reads_in_place_only_where_it_may():
+    """The decode fast path: one write at the tail and the views, or ``None`` and no write."""
+    pool = KVPool(1, 4, 16)
+    table = pool.new_table()
+    k = mx.random.normal((1, 2, 6, 3), key=mx.random.key(1))
+    v = mx.random.normal((1, 2, 6, 5), key=mx.random.key(2))
+    pool.blocks.allocate(1)  # the table's blocks start at id 1
+    pool.write_prefill(table, 0, k, v)
+    one_k = mx.random.normal((1, 2, 1, 3), key=mx.random.key(3))
+    one_v = mx.random.normal((1, 2, 1, 5), key=mx.random.key(4))
+    assert pool.append_view(table, 0, one_k, one_v) is None  # no one-token write checked yet
+    pool.append(table, 0, one_k, one_v)
+    assert table.blocks == [1, 2] and table.lengths == [7]
+    got = pool.append_view(table, 0, one_k * 2, one_v * 2)  # slot 3 of block 2
+    assert table.lengths == [8] and table.blocks == [1, 2]
+    want_k = mx.concatenate([k, one_k, one_k * 2], axis=2)
+    want_v = mx.concatenate([v, one_v, one_v * 2], axis=2)
+    assert mx.array_equal(got[0], want_k).item() and mx.array_equal(got[1], want_v).item()
+    assert mx.array_equal(pool.keys[0][2, 3], (one_k * 2)[0, :, 0]).item()
+    # Token 8 needs a block the table does not hold yet: the general path reserves it.
+    assert pool.append_view(table, 0, one_k, one_v) is None and table.lengths == [8]
+    pool.append(table, 0, one_k, one_v)
+    assert table.blocks == [1, 2, 3] and pool.blocks.refcounts[3] == 1
+    # A tail block someone else holds is copied before a write, never written here.
+    pool.blocks.retain(3)
+    before = mx.array(pool.keys[0][3])
+    assert pool.append_view(table, 0, one_k, one_v) is None and table.lengths == [9]
+    assert mx.array_equal(pool.keys[0][3], before).item()
+    pool.blocks.release(3)  # the answer holds while the table and the pool's shares do
+    assert pool.append_view(table, 0, one_k, one_v) is None and table.lengths == [9]
+    table.version += 1
+    assert pool.append_view(table, 0, one_k, one_v) is not None and table.lengths == [10]
+    # Storage in another dtype is never a view.
+    pool16 = KVPool(1, 4, 16, kv_dtype=mx.float16)
+    table16 = pool16.new_table()
+    pool16.write_prefill(table16, 0, k, v)
+    pool16.append(table16, 0, one_k, one_v)
+    assert pool16.append_view(table16, 0, one_k, one_v) is None and table16.lengths == [7]
+
+
 # A fixed pool whose free ids and the earlier prompt's evicted ones make the run (its first
 # tokens shared), and a growable pool whose earlier prompt is evicted for it.
 @pytest.mark.parametrize("num_blocks, shared", [(60, 3), (None, 0)])

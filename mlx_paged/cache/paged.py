@@ -70,6 +70,11 @@ class PagedKVCache(PagedLayerCache, KVCache):
         the start of the block holding the oldest key any new query sees.
         """
         self._fetched = self._deferred = None
+        if keys.shape[2] == 1 and self.window is None and attention_path() != "kernel":
+            view = self.pool.append_view(self.table, self.layer, keys, values)
+            if view is not None:  # the write and an in-place read, host work cut to the bone
+                self._in_place = True
+                return view
         start = self.offset
         if self.layer == 0 and self.pool.quant is not None:  # between steps: due blocks go cold
             self.pool.maybe_migrate([self.table])

@@ -77,6 +77,43 @@ class KVPool(LayerArrays):
             raise ValueError(f"append writes one token, shape (1, H, 1, D); got {keys.shape}.")
         self.write_prefill(table, layer, keys, values)
 
+    def append_view(
+        self, table: BlockTable, layer: int, keys: mx.array, values: mx.array
+    ) -> tuple[mx.array, mx.array] | None:
+        """A one-token write at the layer's tail, then all its tokens as views of the pool.
+
+        ``append`` then ``run_view`` in one call, for the common decode step of a
+        sequence alone in its pool (``make_paged_cache``): the token's block is already
+        the sequence's own, all its blocks are consecutive hot ids, the pool stores the
+        model's dtype and the K/V shapes are those of the layer's last one-token write.
+        Returns ``None``, having written nothing, where any of that does not hold.
+        """
+        if self._decode_ok.get(layer) != (keys.shape, values.shape, keys.dtype, values.dtype):
+            return None
+        start, bs = table.lengths[layer], self.block_size
+        i = start // bs
+        run = (table.version, self.blocks.shares, i)
+        first = table.derived("append_run", run, self._append_run, table, i)
+        ks, vs = self.keys, self.values
+        if first is None or ks[layer].dtype != keys.dtype:
+            return None
+        h = keys.shape[1]
+        ks[layer][first + i, start % bs] = keys.reshape(h, -1)
+        vs[layer][first + i, start % bs] = values.reshape(h, -1)
+        end = table.lengths[layer] = start + 1
+        return slot_view(ks[layer], first * bs, end), slot_view(vs[layer], first * bs, end)
+
+    def _append_run(self, table: BlockTable, i: int) -> int | None:
+        """``table``'s first block id if ``append_view`` may write its block ``i``: no block
+        given back, block ``i`` reserved and its own, every block a consecutive hot id.
+        (Memoized per table version and pool ``shares``: a block only becomes shared
+        through a retain or a park, which count in ``shares``.)"""
+        if table.first or self.quant is not None or i >= len(table.blocks):
+            return None
+        if self.blocks.is_shared(table.blocks[i]):
+            return None
+        return consecutive_start(table.blocks)
+
     def copy_block(self, src: int, dst: int) -> None:
         """Copy block ``src`` (either tier) into hot block ``dst``, every layer (copy-on-write).
 
