@@ -147,14 +147,21 @@ def test_consecutive_start(ids, first, n):
     assert consecutive_start([*run, COLD]) is None
 
 
+def prefilled(block_size: int, tokens: int, heads: int, skip: int) -> tuple:
+    """A one-layer pool (K head dim 5, V 7) whose table holds ``tokens`` random tokens in
+    blocks from id ``skip`` on, and those K and V."""
+    pool = KVPool(1, block_size, 16)
+    table = pool.new_table()
+    k = mx.random.normal((1, heads, tokens, 5), key=mx.random.key(1))
+    v = mx.random.normal((1, heads, tokens, 7), key=mx.random.key(2))
+    pool.blocks.allocate(skip)
+    pool.write_prefill(table, 0, k, v)
+    return pool, table, k, v
+
+
 @pytest.mark.parametrize(("start", "end"), [(0, 1), (0, 37), (8, 37), (16, 48), (24, 25)])
 def test_run_view_holds_the_gathered_tokens(start, end):
-    pool = KVPool(1, 8, 16)
-    table = pool.new_table()
-    k = mx.random.normal((1, 3, 48, 5), key=mx.random.key(1))
-    v = mx.random.normal((1, 3, 48, 7), key=mx.random.key(2))
-    pool.blocks.allocate(2)  # the table's blocks start at id 2
-    pool.write_prefill(table, 0, k, v)
+    pool, table, k, v = prefilled(block_size=8, tokens=48, heads=3, skip=2)
     assert table.blocks == [2, 3, 4, 5, 6, 7]
     got = pool.run_view(table, 0, start, end)
     want = pool.gather(table, 0, start, end)
@@ -169,14 +176,9 @@ def test_run_view_holds_the_gathered_tokens(start, end):
 
 def test_append_view_writes_one_token_and_reads_in_place_only_where_it_may():
     """The decode fast path: one write at the tail and the views, or ``None`` and no write."""
-    pool = KVPool(1, 4, 16)
-    table = pool.new_table()
-    k = mx.random.normal((1, 2, 6, 3), key=mx.random.key(1))
-    v = mx.random.normal((1, 2, 6, 5), key=mx.random.key(2))
-    pool.blocks.allocate(1)  # the table's blocks start at id 1
-    pool.write_prefill(table, 0, k, v)
-    one_k = mx.random.normal((1, 2, 1, 3), key=mx.random.key(3))
-    one_v = mx.random.normal((1, 2, 1, 5), key=mx.random.key(4))
+    pool, table, k, v = prefilled(block_size=4, tokens=6, heads=2, skip=1)
+    one_k = mx.random.normal((1, 2, 1, 5), key=mx.random.key(3))
+    one_v = mx.random.normal((1, 2, 1, 7), key=mx.random.key(4))
     assert pool.append_view(table, 0, one_k, one_v) is None  # no one-token write checked yet
     pool.append(table, 0, one_k, one_v)
     assert table.blocks == [1, 2] and table.lengths == [7]
