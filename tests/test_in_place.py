@@ -8,6 +8,7 @@ import copy
 import random
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -207,6 +208,33 @@ def test_append_view_writes_one_token_and_reads_in_place_only_where_it_may():
     pool16.write_prefill(table16, 0, k, v)
     pool16.append(table16, 0, one_k, one_v)
     assert pool16.append_view(table16, 0, one_k, one_v) is None and table16.lengths == [7]
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        lambda k: (k, np.zeros((1, 2, 1, 16), np.float32)),
+        lambda k: (k, [[0.0]]),
+        lambda k: ([[0.0]], k),
+        lambda k: (k[0], k),
+        lambda k: (k, k[..., :8]),
+        lambda k: (k.astype(mx.float16), k.astype(mx.float16)),
+    ],
+)
+def test_a_bad_decode_write_is_refused_like_any_other(bad):
+    """Once decode steps take ``append_view``, malformed K/V still get the cache's
+    ValueError, and nothing is written."""
+    model = tiny_model("llama")
+    cache = make_paged_cache(model, BLOCK)
+    model(prompt_tokens(20)[None], cache=cache)
+    model(mx.array([[5]]), cache=cache)  # a one-token write, checked
+    layer = cache[0]
+    k = mx.ones((1, 2, 1, 16))
+    assert layer.pool.keys[0].shape[2:] == (2, 16)
+    before = mx.array(layer.pool.keys[0])
+    with pytest.raises(ValueError):
+        layer.update_and_fetch(*bad(k))
+    assert layer.offset == 21 and mx.array_equal(layer.pool.keys[0], before).item()
 
 
 # A fixed pool whose free ids and the earlier prompt's evicted ones make the run (its first

@@ -70,7 +70,7 @@ class PagedKVCache(PagedLayerCache, KVCache):
         the start of the block holding the oldest key any new query sees.
         """
         self._fetched = self._deferred = None
-        if keys.shape[2] == 1 and self.window is None and attention_path() != "kernel":
+        if self._one_token(keys, values):
             view = self.pool.append_view(self.table, self.layer, keys, values)
             if view is not None:  # the write and an in-place read, host work cut to the bone
                 self._in_place = True
@@ -101,6 +101,14 @@ class PagedKVCache(PagedLayerCache, KVCache):
             # reads the blocks after this, so nothing it needs may go yet.
             self.pool.drop_before(self.table, lo)
         return keys, values
+
+    def _one_token(self, keys: mx.array, values: mx.array) -> bool:
+        """Whether ``append_view`` may take this write: one token of well-formed arrays
+        (anything else goes to the general path, which checks it), full attention, and
+        not the ``kernel`` path."""
+        arrays = isinstance(keys, mx.array) and isinstance(values, mx.array)
+        one = arrays and keys.ndim == 4 and keys.shape[2] == 1
+        return one and self.window is None and attention_path() != "kernel"
 
     def make_mask(
         self, N: int, return_array: bool = False, window_size: int | None = None
