@@ -72,7 +72,7 @@ class PagedKVCache(PagedLayerCache, KVCache):
         self._fetched = self._deferred = None
         if self._one_token(keys, values):
             view = self.pool.append_view(self.table, self.layer, keys, values)
-            if view is not None:  # the write and an in-place read, host work cut to the bone
+            if view is not None:  # written, and read in place: no other check needed
                 self._in_place = True
                 return view
         start = self.offset
