@@ -70,7 +70,7 @@ class PagedKVCache(PagedLayerCache, KVCache):
         the start of the block holding the oldest key any new query sees.
         """
         self._fetched = self._deferred = None
-        if self._one_token(keys, values):
+        if self.window is None and _one_token(keys, values):
             view = self.pool.append_view(self.table, self.layer, keys, values)
             if view is not None:  # written, and read in place: no other check needed
                 self._in_place = True
@@ -101,14 +101,6 @@ class PagedKVCache(PagedLayerCache, KVCache):
             # reads the blocks after this, so nothing it needs may go yet.
             self.pool.drop_before(self.table, lo)
         return keys, values
-
-    def _one_token(self, keys: mx.array, values: mx.array) -> bool:
-        """Whether ``append_view`` may take this write: one token of well-formed arrays
-        (anything else goes to the general path, which checks it), full attention, and
-        not the ``kernel`` path."""
-        arrays = isinstance(keys, mx.array) and isinstance(values, mx.array)
-        one = arrays and keys.ndim == 4 and keys.shape[2] == 1
-        return one and self.window is None and attention_path() != "kernel"
 
     def make_mask(
         self, N: int, return_array: bool = False, window_size: int | None = None
@@ -296,6 +288,13 @@ def read_start(offset: int, window: int | None, block_size: int) -> int:
         return 0
     oldest = max(0, offset - window + 1)
     return oldest - oldest % block_size
+
+
+def _one_token(keys: mx.array, values: mx.array) -> bool:
+    """Whether ``append_view`` may take a write: one token of well-formed arrays (the
+    general path checks anything else), and not the ``kernel`` path."""
+    arrays = isinstance(keys, mx.array) and isinstance(values, mx.array)
+    return arrays and keys.ndim == 4 and keys.shape[2] == 1 and attention_path() != "kernel"
 
 
 def _in_place_view(
