@@ -13,6 +13,7 @@ Usage:
     python benchmarks/decode.py --contexts 1024 --steps 8 --layers 2   # quick look
     python benchmarks/decode.py --dtype float16 --steps 20 --interleave 15 --eager-read
     python benchmarks/decode.py --dtype float16 --steps 20 --interleave 10 --kernel-case --breakdown
+    python benchmarks/decode.py --dtype float16 --steps 60 --interleave 7 --general-case --breakdown
     python benchmarks/decode.py --shape smollm2 --bits 4 --dtype float16   # the embedded model's
         # shape and 4-bit weights (random values)
     python benchmarks/decode.py --dtype float16 --steps 50 --interleave 6 --kv-bits 8
@@ -166,6 +167,12 @@ def main() -> None:
         "to the fused kernel (attention path 'kernel': no in-place read)",
     )
     parser.add_argument(
+        "--general-case",
+        action="store_true",
+        help="with --interleave: also time a paged cache whose one-token steps all take the "
+        "general write and read (no KVPool.append_view)",
+    )
+    parser.add_argument(
         "--breakdown",
         action="store_true",
         help="with --interleave: also print each case's median host time per step building "
@@ -225,6 +232,12 @@ def main() -> None:
             c.pool.defer_reads = False
         return cache
 
+    def general() -> list:
+        cache = make_paged_cache(model, args.block_size)
+        for c in cache:
+            c.pool.append_view = lambda *_: None  # declines: the general path runs
+        return cache
+
     def interleaved(context: int, cases: dict) -> dict[str, float]:
         """Median seconds per step of each case over ``--interleave`` rounds taken in turn
         (the first case alternating)."""
@@ -269,6 +282,8 @@ def main() -> None:
                 cases["paged-eager-read"] = eager
             if args.kernel_case:
                 cases["paged-kernel"] = cases["paged"]
+            if args.general_case:
+                cases["paged-general"] = general
             if args.kv_bits:
                 cases["dense-kv"] = lambda: quantized(make_prompt_cache(model))
                 cases["paged-kv"] = lambda: quantized(make_paged_cache(model, args.block_size))
