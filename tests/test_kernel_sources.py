@@ -342,6 +342,21 @@ def test_cuda_kernel_reads_cold_blocks_like_the_reference(config, dtype, splits,
 
 
 @cuda_only
+@pytest.mark.parametrize("bits", [None, 8])
+def test_cuda_kernel_reads_whole_pools_through_views_of_their_first_row(monkeypatch, bits):
+    from mlx_paged.attention.kernels import cuda
+    from mlx_paged.attention.kernels.plan import LaunchCache
+
+    monkeypatch.setattr(cuda, "NARROW_BYTES", 0)  # every pool and cold array as a view
+    monkeypatch.setattr(cuda, "_launches", LaunchCache())
+    batch = random_paged_batch([100, 33, 7], 8, 2, 128, 128, 16, mx.float16, kv_bits=bits)
+    with mx.stream(mx.cpu):
+        want = reference_paged_decode(batch.queries, batch.view, 128**-0.5, None)
+    got = paged_decode_cuda(batch.queries, batch.view, 128**-0.5, None)
+    assert max_diff(got.astype(mx.float32), want.astype(mx.float32)) <= 4e-3
+
+
+@cuda_only
 @pytest.mark.parametrize("bits", [4, 8])
 def test_the_engine_through_the_cold_kernel_matches_the_gather_path(bits):
     """Decode batches that move blocks into the cold tier as they go (all-cold steps, steps

@@ -306,6 +306,18 @@ def test_launch_cache_makes_each_shape_once_and_drops_the_oldest():
     assert cache.get(("x",), lambda: declined.append(1)) is None and declined == [1]
 
 
+def zeros_kernel(calls: list[dict]):
+    """A stand-in for the CUDA decode kernel object (CPU runs no CUDA): records each call's
+    arguments in ``calls`` and returns zeros of the output shapes."""
+
+    def launch(**kw):
+        calls.append(kw)
+        shapes, dtypes = kw["output_shapes"], kw["output_dtypes"]
+        return [mx.zeros(s, dtype=d) for s, d in zip(shapes, dtypes, strict=True)]
+
+    return launch
+
+
 @pytest.mark.parametrize(
     "batch, length, splits, warps, rows",
     [(1, 1024, 4, 8, 8), (1, 16384, 16, 8, 16), (16, 4096, 1, 8, 16), (64, 1024, 1, 4, 16)],
@@ -315,13 +327,7 @@ def test_cuda_launch_parameters_without_a_gpu(monkeypatch, batch, length, splits
     from mlx_paged.attention.kernels import cuda
 
     calls = []
-
-    def fake_kernel(**kw):
-        calls.append(kw)
-        shapes, dtypes = kw["output_shapes"], kw["output_dtypes"]
-        return [mx.zeros(s, dtype=d) for s, d in zip(shapes, dtypes, strict=True)]
-
-    monkeypatch.setattr(cuda, "_kernel_obj", [fake_kernel])
+    monkeypatch.setattr(cuda, "_kernel_obj", [zeros_kernel(calls)])
     monkeypatch.setattr(cuda, "_launches", LaunchCache())
     b = random_paged_batch([length] * batch, 32, 8, 128, 128, 16, mx.float16)
     out = paged_decode_cuda(b.queries, b.view, 0.125, None)
@@ -339,6 +345,33 @@ def test_cuda_launch_parameters_without_a_gpu(monkeypatch, batch, length, splits
     else:
         assert counters is None  # left out of the launch, as the sinks and the cold tier are
     assert call["inputs"][6] is None and call["inputs"][8:] == [None] * 6
+
+
+@pytest.mark.parametrize("bits", [None, 8])
+def test_large_pools_reach_the_cuda_kernel_as_views_of_their_first_row(monkeypatch, bits):
+    """From ``NARROW_BYTES`` on, K/V and cold arrays are handed over as views of row 0 (their
+    own pointer, a small input for MLX's dispatch); smaller ones whole."""
+    from mlx_paged.attention.kernels import cuda
+
+    calls = []
+    monkeypatch.setattr(cuda, "_kernel_obj", [zeros_kernel(calls)])
+    monkeypatch.setattr(cuda, "compiled_launch", lambda f: f)  # the kernel sees real arrays
+    b = random_paged_batch([100, 40], 8, 2, 64, 64, 16, mx.float32, kv_bits=bits)
+    cold = [*b.view.cold.keys, *b.view.cold.values] if bits else []
+    whole = [b.view.keys, b.view.values, *cold]
+    for threshold, narrowed in ((min(x.nbytes for x in whole), True), (1 << 62, False)):
+        monkeypatch.setattr(cuda, "NARROW_BYTES", threshold)
+        monkeypatch.setattr(cuda, "_launches", LaunchCache())
+        calls.clear()
+        paged_decode_cuda(b.queries, b.view, 0.125, None)
+        (call,) = calls
+        handed = [call["inputs"][1], call["inputs"][2], *(call["inputs"][8:] if bits else [])]
+        assert len(handed) == len(whole) == (8 if bits else 2)
+        for got, x in zip(handed, whole, strict=True):
+            assert got.shape == ((1, *x.shape[1:]) if narrowed else x.shape)
+            assert mx.array_equal(got, x[: got.shape[0]])
+        if not bits:
+            assert call["inputs"][8:] == [None] * 6
 
 
 class RecordingKernel:

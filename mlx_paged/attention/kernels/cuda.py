@@ -73,6 +73,10 @@ COLD_HEAD_ELEMS = 64
 COLD_LANE_BYTES = {8: 16, 4: 8}
 COLD_PREFETCH = False
 PREFETCH = True  # load a warp's next step while it computes this one (measured 1.1-1.3x)
+# Pool and cold arrays of at least NARROW_BYTES reach the kernel as views of their first
+# row. The kernel reads every row through the view's pointer, the array's own, while MLX's
+# dispatch spends host time on a kernel's input by its size (BENCHMARKS.md, runs 536-542).
+NARROW_BYTES = 128 << 20
 # Split a sequence when the batch alone gives fewer warps than this. Measured on an H100
 # with prefetch: B=16 ran fastest unsplit; B=1 in sqrt(tokens / 64) splits (4 at 1k, 8 at
 # 4k, 16 at 16k); more splits only added partial outputs to merge.
@@ -111,6 +115,12 @@ def _kernel() -> object:
             )
         )
     return _kernel_obj[0]
+
+
+def narrow(x: mx.array) -> mx.array:
+    """A whole, row-contiguous pool or cold array as the kernel takes it: itself, or from
+    ``NARROW_BYTES`` on a view of its first row (the same pointer, a small input)."""
+    return x[:1] if x.nbytes >= NARROW_BYTES else x
 
 
 def _as(x: mx.array, dtype: mx.Dtype) -> mx.array:
@@ -247,7 +257,8 @@ def _make_launch(
     def kernel_call(base, q, keys, values, tables, starts, lengths, *rest):
         # rest: the sinks (with SINKS), then the six cold-tier arrays (with a cold tier)
         sinks = rest[0] if has_sinks else None
-        cold_arrays = rest[has_sinks:] if cold else [None] * 6
+        cold_arrays = [narrow(x) for x in rest[has_sinks:]] if cold else [None] * 6
+        keys, values = narrow(keys), narrow(values)
         counters = mx.zeros((slots,), dtype=mx.int32) if slots else None
         return _kernel()(
             inputs=[q, keys, values, tables, starts, lengths, sinks, counters, *cold_arrays],
@@ -361,24 +372,10 @@ def decode_launch(
     """
     if num_warps not in (None, 1, 2, 4, 8):  # 16 warps of 32 threads need too many registers
         raise ValueError(f"num_warps must be 1, 2, 4 or 8, not {num_warps}")
-    key = call_key(
-        queries, view, scale, sinks, num_splits, num_warps, rows, head_warps, prefetch, lane_bytes
-    )
-    return _launches.get(
-        key,
-        lambda: _make_launch(
-            queries,
-            view,
-            scale,
-            sinks is not None,
-            num_splits,
-            num_warps,
-            rows,
-            head_warps,
-            prefetch,
-            lane_bytes,
-        ),
-    )
+    tuning = (num_splits, num_warps, rows, head_warps, prefetch, lane_bytes)
+    key = call_key(queries, view, scale, sinks, *tuning)
+    has_sinks = sinks is not None
+    return _launches.get(key, lambda: _make_launch(queries, view, scale, has_sinks, *tuning))
 
 
 def paged_decode_cuda(
