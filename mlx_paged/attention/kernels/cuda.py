@@ -117,7 +117,7 @@ def _kernel() -> object:
     return _kernel_obj[0]
 
 
-def narrow(x: mx.array) -> mx.array:
+def _narrow(x: mx.array) -> mx.array:
     """A whole, row-contiguous pool or cold array as the kernel takes it: itself, or from
     ``NARROW_BYTES`` on a view of its first row (the same pointer, a small input)."""
     return x[:1] if x.nbytes >= NARROW_BYTES else x
@@ -257,8 +257,8 @@ def _make_launch(
     def kernel_call(base, q, keys, values, tables, starts, lengths, *rest):
         # rest: the sinks (with SINKS), then the six cold-tier arrays (with a cold tier)
         sinks = rest[0] if has_sinks else None
-        cold_arrays = [narrow(x) for x in rest[has_sinks:]] if cold else [None] * 6
-        keys, values = narrow(keys), narrow(values)
+        cold_arrays = [_narrow(x) for x in rest[has_sinks:]] if cold else [None] * 6
+        keys, values = _narrow(keys), _narrow(values)
         counters = mx.zeros((slots,), dtype=mx.int32) if slots else None
         return _kernel()(
             inputs=[q, keys, values, tables, starts, lengths, sinks, counters, *cold_arrays],
