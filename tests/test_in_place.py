@@ -4,8 +4,11 @@ buffer; every other table gathers or meets a kernel."""
 
 from __future__ import annotations
 
+import collections
 import copy
+import io
 import random
+import re
 
 import mlx.core as mx
 import numpy as np
@@ -52,6 +55,27 @@ def test_a_fresh_cache_decodes_in_place_like_the_dense_cache(family):
     # runs one ahead) read in place; nothing gathers.
     assert grown(before, "in_place") == len(cache) * (3 + DECODE_STEPS + 1)
     assert grown(before, "gather") == 0
+
+
+def step_graph(model, cache) -> collections.Counter[str]:
+    """The primitives of one decode step's graph by kind, after a 45-token prefill."""
+    mx.eval(model(mx.array([prompt_tokens(45)]), cache=cache))
+    dot = io.StringIO()
+    mx.export_to_dot(dot, model(mx.array([[7]]), cache=cache))
+    return collections.Counter(re.findall(r'label ="([A-Za-z_0-9]+)', dot.getvalue()))
+
+
+def test_a_decode_step_adds_four_view_ops_a_layer_to_the_dense_graph():
+    """Per layer and step the paged write and read add to mlx-lm's two slice updates and
+    two slices only a reshape of each new token and a flatten under each strided view:
+    every primitive of a one-token step costs host time on the GPU (a broadcast of each
+    token's update, two a layer, once showed here)."""
+    model = model_of("llama")
+    dense = step_graph(model, make_prompt_cache(model))
+    paged = step_graph(model, make_paged_cache(model, BLOCK))
+    layers = len(model.layers)
+    assert paged - dense == {"AsStrided": 2 * layers, "Flatten": 2 * layers, "Reshape": 2 * layers}
+    assert dense - paged == {"Slice": 2 * layers}
 
 
 @pytest.mark.parametrize("family", ["gemma3_text", "gpt_oss"])

@@ -56,11 +56,8 @@ class KVPool(LayerArrays):
             if i >= len(table.blocks) or self.blocks.is_shared(table.blocks[i]):
                 self.reserve(table, start, start + 1)
             b, s = table.blocks[start // bs - table.first], start % bs
-            h = keys.shape[1]
-            # Integer indices make a static slice update, which MLX does in place; an
-            # index array (mx.slice_update) made a dynamic one that copied the pool.
-            self.keys[layer][b, s] = self.to_storage(keys.reshape(h, -1))  # (H, Dk)
-            self.values[layer][b, s] = self.to_storage(values.reshape(h, -1))  # (H, Dv)
+            put_token(self.keys[layer], b, s, self.to_storage(keys))
+            put_token(self.values[layer], b, s, self.to_storage(values))
         else:
             if table.reserved_key != (table.version, start, start + n, self.blocks.shares):
                 self.reserve(table, start, start + n)
@@ -97,9 +94,8 @@ class KVPool(LayerArrays):
         ks, vs = self.keys, self.values
         if first is None or ks[layer].dtype != keys.dtype:
             return None
-        h = keys.shape[1]
-        ks[layer][first + i, start % bs] = keys.reshape(h, -1)
-        vs[layer][first + i, start % bs] = values.reshape(h, -1)
+        put_token(ks[layer], first + i, start % bs, keys)
+        put_token(vs[layer], first + i, start % bs, values)
         end = table.lengths[layer] = start + 1
         return slot_view(ks[layer], first * bs, end), slot_view(vs[layer], first * bs, end)
 
@@ -287,6 +283,16 @@ def consecutive_start(ids: list[int]) -> int | None:
         return None
     first = ids[0]
     return first if ids == list(range(first, first + len(ids))) else None
+
+
+def put_token(pool: mx.array, block: int, slot: int, x: mx.array) -> None:
+    """Write one token's ``(1, H, 1, D)`` K or V into ``pool[block, slot]`` in place.
+
+    Python slices make a static slice update, which MLX does in place (an index array,
+    ``mx.slice_update``, made a dynamic one that copied the pool), and slices of the
+    update's own shape leave no broadcast in the step's graph.
+    """
+    pool[block : block + 1, slot : slot + 1] = x.reshape(1, 1, x.shape[1], -1)
 
 
 def slot_view(pool: mx.array, slot: int, n: int) -> mx.array:
