@@ -23,6 +23,8 @@ times engines on the model as loaded and on a fused copy in one process, taking 
 ``--few-row-matmuls`` routes the model's linear layers through the few-row kernel
 (``mlx_paged.few_row_matmuls``, CUDA); ``--few-rows ROUNDS`` times engines on the model and on
 a routed copy (both fused with ``--fuse-projections``) in one process, taking turns.
+``--writes ROUNDS`` times an engine whose steps write their K/V with a scatter a layer before
+the decode kernel and one whose kernel stores them (``PagedView.new_keys``, CUDA), taking turns.
 
 Usage:
     python benchmarks/decode_step.py --model /root/l1b --batch 64 32 --cases paged dense
@@ -31,6 +33,7 @@ Usage:
     python benchmarks/decode_step.py --model /root/l1b --batch 1 --cases paged --kv-bits 8
     python benchmarks/decode_step.py --model /root/l1b --batch 1 14 --cases paged --kv-bits 8 \\
         --tiers 8 --steps 200
+    python benchmarks/decode_step.py --model /root/l1b --batch 1 8 64 --cases paged --writes 6
     ncu --clock-control none --profile-from-start off --metrics gpu__time_duration.sum \\
         python benchmarks/decode_step.py --model /root/l1b --batch 64 --cases paged --profile
 """
@@ -47,12 +50,16 @@ import random
 import re
 import statistics
 import time
+from collections.abc import Callable
 
 import mlx.core as mx
 from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_paged import PagedEngine, few_row_matmuls, fuse_projections
+from mlx_paged.attention import routing
+from mlx_paged.attention.kernels import dispatch
+from mlx_paged.attention.kernels.plan import kernel_templates
 from mlx_paged.cache import DecodeBatch
 from mlx_paged.engine import compiled, decode, picks, scheduler
 
@@ -136,7 +143,8 @@ def ready_engine(model, prompts: list[list[int]], args, kv_bits: int | None) -> 
     engine = PagedEngine(model, max_batch_size=len(prompts), prefill_step_size=2048, **tier)
     engine.generate([prompts[0]], max_tokens=1)  # caches the shared prompt
     for p in prompts:
-        engine.add_request(p, args.steps * max(args.tiers, args.fused, args.few_rows, 1) + 40)
+        rounds = max(args.tiers, args.fused, args.few_rows, args.writes, 1)
+        engine.add_request(p, args.steps * rounds + 40)
     while engine.waiting or any(not r.generated for r in engine.running):
         engine.step()
     for _ in range(10):  # the step's shapes traced
@@ -151,6 +159,9 @@ def paged(model, prompts: list[list[int]], args) -> None:
         return
     if args.fused or args.few_rows:
         fusion(model, args.fused_model, prompts, args)
+        return
+    if args.writes:
+        writes(model, prompts, args)
         return
     engine = ready_engine(model, prompts, args, args.kv_bits)
     if args.graph:
@@ -192,16 +203,45 @@ def fusion(model, fused_model, prompts: list[list[int]], args) -> None:
         turns(["as loaded", "fused"], engines, args.fused, args, "fused")
 
 
-def turns(names: list[str], engines: list[PagedEngine], rounds: int, args, tag: str) -> None:
+def kernel_writes(on: bool) -> None:
+    """Let the CUDA decode kernel store the step's K/V (the default), or not: the caches then
+    write them with a scatter first. Decided where a step's graph is traced."""
+    dispatch.cuda_paged_decode.writes = on
+    routing._ready.clear()  # the cached answer of ``kernels_write``
+
+
+def writes(model, prompts: list[list[int]], args) -> None:
+    """An engine whose steps scatter their K/V and one whose kernel stores them, taking turns."""
+    engines = []
+    for on in (False, True):
+        kernel_writes(on)
+        engines.append(ready_engine(model, prompts, args, args.kv_bits))
+    stores = sum(("FW", True) in t for t in kernel_templates)
+    print(f"writes B={len(prompts)}: {stores} decode kernel builds store rows", flush=True)
+    setup = lambda i: kernel_writes(i == 1)  # noqa: E731
+    turns(["scatter", "kernel stores"], engines, args.writes, args, "writes", setup)
+
+
+def turns(
+    names: list[str],
+    engines: list[PagedEngine],
+    rounds: int,
+    args,
+    tag: str,
+    setup: Callable[[int], None] | None = None,
+) -> None:
     """Two engines in one process, taking turns for ``rounds`` rounds of ``--steps`` steps
     (the first to go alternates), so that each round's pair meets the same host speed; the
-    ratio is the second's tokens/s over the first's."""
+    ratio is the second's tokens/s over the first's. ``setup(i)`` runs before engine ``i``'s
+    turn."""
     b = len(engines[0].running)
     p50s: list[list[float]] = [[], []]
     phases: list[list[dict[str, float]]] = [[], []]  # per round: host ms a step, by phase
     for r in range(rounds):
         for i in (0, 1) if r % 2 == 0 else (1, 0):
             engine = engines[i]
+            if setup is not None:
+                setup(i)
             mx.synchronize()
             engine.clock.reset()
             p50s[i].append(statistics.median(timed_steps(engine.step, args.steps, False)))
@@ -302,11 +342,21 @@ def main() -> None:
         help="paged: engines on the model and on a copy with --few-row-matmuls in one "
         "process, taking turns for ROUNDS rounds of --steps steps",
     )
+    parser.add_argument(
+        "--writes",
+        type=int,
+        default=0,
+        metavar="ROUNDS",
+        help="paged: engines that scatter each step's K/V and whose kernel stores them, in one "
+        "process, taking turns for ROUNDS rounds of --steps steps",
+    )
     args = parser.parse_args()
     if args.tiers and not args.kv_bits:
         parser.error("--tiers needs --kv-bits")
-    if sum(map(bool, (args.tiers, args.fused, args.few_rows))) > 1:
-        parser.error("--tiers, --fused and --few-rows each take turns of their own: one at a time")
+    if sum(map(bool, (args.tiers, args.fused, args.few_rows, args.writes))) > 1:
+        parser.error(
+            "--tiers, --fused, --few-rows and --writes each take turns of their own: one at a time"
+        )
     model, _ = load(args.model)
     if args.fused:
         args.fused_model, _ = load(args.model)

@@ -8,12 +8,15 @@ phases (``StepClock``) and its tokens/s as a ratio to the grown engine's in the
 same round (the lent host changes speed between rounds). A pool sized up front
 holds every layer's K and V in arrays of that size from the start, as
 ``mlx_paged.server --kv-memory`` sizes them. ``--whole-inputs`` hands the
-decode kernel whole pool arrays however large (``NARROW_BYTES`` off), to
-compare against the default in another process.
+decode kernel whole pool arrays however large (``NARROW_BYTES`` off), and
+``--scatter-writes`` writes each step's K/V with a scatter a layer before the
+kernel instead of letting the kernel store them, to compare against the
+default in another process.
 
 Usage:
     python benchmarks/pool_capacity.py --model /root/l1b --kv-memory 32GB 64GB
     python benchmarks/pool_capacity.py --model /root/l1b --kv-memory 32GB 64GB --whole-inputs
+    python benchmarks/pool_capacity.py --model /root/l1b --kv-memory 32GB 64GB --scatter-writes
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from mlx_lm import load
 
 from mlx_paged import PagedEngine
 from mlx_paged.attention import path_counts
-from mlx_paged.attention.kernels import cuda
+from mlx_paged.attention.kernels import cuda, dispatch
 from mlx_paged.cache.memory import blocks_for_memory, parse_memory, probe_footprint
 
 
@@ -60,9 +63,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=80)
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--whole-inputs", action="store_true", help="no first-row views")
+    ap.add_argument(
+        "--scatter-writes", action="store_true", help="K/V written before the kernel, not by it"
+    )
     args = ap.parse_args()
     if args.whole_inputs:
         cuda.NARROW_BYTES = 1 << 62
+    if args.scatter_writes:
+        dispatch.cuda_paged_decode.writes = False
     model, _ = load(args.model)
     footprint = probe_footprint(model, 16, None)
     sizes = {"grown": None}

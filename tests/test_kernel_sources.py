@@ -18,8 +18,8 @@ from tiny_models import VOCAB, tiny_model
 from mlx_paged import PagedEngine, make_paged_cache
 from mlx_paged.attention import path_counts, routing, set_attention_path
 from mlx_paged.attention.kernels import source
-from mlx_paged.attention.kernels.cuda import COLD_SLOTS, cuda_plan, paged_decode_cuda, rows_per_step
-from mlx_paged.attention.kernels.plan import cold_lane_elems, plan_decode
+from mlx_paged.attention.kernels.cuda import COLD_SLOTS, cuda_plan, paged_decode_cuda
+from mlx_paged.attention.kernels.plan import cold_lane_elems, plan_decode, rows_per_step
 from mlx_paged.attention.kernels.reference import reference_paged_decode
 from mlx_paged.attention.kernels.synthetic import dense_decode, random_paged_batch
 
@@ -86,6 +86,8 @@ def test_both_builds_run_the_same_body():
     for part in ("header",):
         assert sections[part] in cuda[0] and sections[part] in metal[0]
     assert sections["decode"] in cuda[1] and sections["decode"] in metal[1]
+    assert sections["attend"] in cuda[1] and sections["attend"] in metal[1]
+    assert sections["write"] in cuda[1] and sections["write"] not in metal[1]  # FW: CUDA only
     assert sections["merge"] in cuda[1] and sections["merge"] in merge[1]
     assert sections["merge"] not in metal[1]  # Metal merges in a second launch
     read = source.sections("block_read.kernel")
@@ -112,25 +114,28 @@ DECODE_OUTPUTS = ["out:T", "part_out:float", "part_max:float", "part_sum:float"]
 MERGE_INPUTS = ["part_out:float", "part_max:float", "part_sum:float", "sinks:float"]
 
 
-def kernel_function(name, body, inputs, outputs, space="", attrs=(), qualifier=""):
+def kernel_function(name, body, inputs, outputs, space="", attrs=(), qualifier="", extra=""):
     """A templated function shaped like the one MLX generates around ``body``, and its
     instantiation for the llama-1B shape. Names are ``name:type``; ``T`` stays the
-    template's."""
+    template's. ``extra`` adds template parameters (CUDA's ``bool FW``)."""
     pairs = [(x.split(":")[0], x.split(":")[1]) for x in (*inputs, *outputs)]
     params = [f"const {space}{t}* {n}" for n, t in pairs[: len(inputs)]]
     params += [f"const int* {n}_shape" for n, _ in pairs[: len(inputs)]]
     params += [f"{space}{t}* {n}" for n, t in pairs[len(inputs) :]]
     params += list(attrs)
-    return f"template <{TEMPLATE}>\n{qualifier}void {name}({', '.join(params)}) {{\n{body}\n}}\n"
+    signature = f"{qualifier}void {name}({', '.join(params)})"
+    return f"template <{TEMPLATE}{extra}>\n{signature} {{\n{body}\n}}\n"
 
 
 def instantiation(
-    name, dtype, rows, prefetch, bits, warps, inputs, outputs, attrs=(), qualifier="", hg=4, ce=16
-):
+    name, dtype, rows, prefetch, bits, warps, inputs, outputs, attrs=(), qualifier="", hg=4, ce=16,
+    fw=None,
+):  # fmt: skip
     """The explicit instantiation of ``kernel_function(name, ...)`` for ``dtype``, with ``hg``
-    query heads per warp and ``ce`` elements of a cold row a lane."""
+    query heads per warp, ``ce`` elements of a cold row a lane and (CUDA) ``fw``."""
     args = f"{dtype}, {dtype}, 128, 128, 32, 8, 4, {hg}, 16, 0, true, 1000, {warps}, 1, {rows}, "
     args += f"{str(prefetch).lower()}, {bits}, 64, {ce}"
+    args += "" if fw is None else f", {str(fw).lower()}"
     types = [f"const {x.split(':')[1]}*" for x in inputs] + ["const int*"] * len(inputs)
     types += [f"{x.split(':')[1]}*" for x in outputs]
     types += [a.split()[0] for a in attrs]
@@ -190,22 +195,27 @@ def test_the_cuda_build_compiles_without_spilling(tmp_path):
     llama-1B shape (16 rows per step, prefetched, and 4 heads per warp at full precision;
     with a cold tier 4 loads per lane of 16 elements, so 16 rows and 4 heads per warp at 8
     and 4 bits, no prefetch; and 16-byte loads at 4 bits, 32 rows and 2 heads) and the
-    block read, with no register spills."""
+    block read, with no register spills; full precision and 8 bits also store the step's
+    new K/V rows (``FW``)."""
     header, body = source.decode_source("cuda", merge_inline=True)
     inputs = [*DECODE_INPUTS[:7], "counters:int32_t", *DECODE_INPUTS[7:]]
+    inputs += ["new_keys:T", "new_values:T"]
     code = "#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n#include <cstdint>\n" + header
     scalar = ["int cold_base"]  # CUDA's first cold row is a scalar argument
-    code += kernel_function("decode", body, inputs, DECODE_OUTPUTS, "", scalar, "__global__ ")
+    code += kernel_function(
+        "decode", body, inputs, DECODE_OUTPUTS, "", scalar, "__global__ ", ", bool FW"
+    )
     shapes = {(0, None): (16, 4), (4, None): (16, 4), (8, None): (16, 4), (4, 16): (32, 2)}
     for (bits, lane_bytes), want in shapes.items():
         batch = random_paged_batch([64], 32, 8, 128, 128, 16, mx.float16, kv_bits=bits or None)
         plan = cuda_plan(batch.queries, batch.view, lane_bytes=lane_bytes)
         rows = rows_per_step(128, 128, 2, COLD_SLOTS if bits else 16, plan.cold_elems)
         assert (rows, plan.heads_per_block) == want
-        code += instantiation(
-            "decode", "__half", rows, not bits, bits, 8, inputs, DECODE_OUTPUTS, scalar,
-            qualifier="__global__ ", hg=plan.heads_per_block, ce=plan.cold_elems or 16,
-        )  # fmt: skip
+        for fw in (False, True) if bits in (0, 8) else (False,):
+            code += instantiation(
+                "decode", "__half", rows, not bits, bits, 8, inputs, DECODE_OUTPUTS, scalar,
+                qualifier="__global__ ", hg=plan.heads_per_block, ce=plan.cold_elems or 16, fw=fw,
+            )  # fmt: skip
     read_header, read_body = source.block_read_source("cuda")
     code += read_header[read_header.index("template <int H") :]
     code += read_function(read_body, qualifier="__global__ ")
@@ -215,7 +225,7 @@ def test_the_cuda_build_compiles_without_spilling(tmp_path):
     done = subprocess.run(cmd, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     spills = re.findall(r"(\d+) bytes spill stores", done.stderr)
-    assert len(spills) == 5 and set(spills) == {"0"}, done.stderr[-3000:]  # 4 decodes, 1 read
+    assert len(spills) == 7 and set(spills) == {"0"}, done.stderr[-3000:]  # 6 decodes, 1 read
 
 
 # ---- kernels reading the cold tier -------------------------------------------------
@@ -354,6 +364,32 @@ def test_cuda_kernel_reads_whole_pools_through_views_of_their_first_row(monkeypa
         want = reference_paged_decode(batch.queries, batch.view, 128**-0.5, None)
     got = paged_decode_cuda(batch.queries, batch.view, 128**-0.5, None)
     assert max_diff(got.astype(mx.float32), want.astype(mx.float32)) <= 4e-3
+
+
+@cuda_only
+@pytest.mark.parametrize("bits", [None, 8])
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("narrow", [False, True])
+def test_cuda_kernel_stores_the_new_rows_it_reads(monkeypatch, bits, splits, narrow):
+    """With ``FW`` each sequence's last row comes as the new rows, its slot garbage: the
+    output is the reference's, and afterwards the pools are exactly the original ones (the
+    rows stored, nothing else touched), with pools whole or as views of their first row."""
+    from mlx_paged.attention.kernels import cuda
+    from mlx_paged.attention.kernels.dispatch import _last_rows_given
+    from mlx_paged.attention.kernels.plan import LaunchCache
+
+    monkeypatch.setattr(cuda, "NARROW_BYTES", 0 if narrow else 1 << 62)
+    monkeypatch.setattr(cuda, "_launches", LaunchCache())
+    batch = random_paged_batch([100, 33, 7, 16], 8, 2, 128, 128, 16, mx.float16, kv_bits=bits)
+    given, stored = _last_rows_given(batch.view)
+    assert not mx.array_equal(given.keys, batch.view.keys).item()
+    with mx.stream(mx.cpu):
+        want = reference_paged_decode(batch.queries, batch.view, 128**-0.5, None)
+    got = paged_decode_cuda(batch.queries, given, 128**-0.5, None, splits)
+    assert max_diff(got.astype(mx.float32), want.astype(mx.float32)) <= 4e-3
+    assert stored() == 0
+    assert mx.array_equal(given.keys, batch.view.keys).item()
+    assert mx.array_equal(given.values, batch.view.values).item()
 
 
 @cuda_only

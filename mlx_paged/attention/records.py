@@ -49,6 +49,11 @@ class PagedView(NamedTuple):
     ``COLD`` and above name blocks of ``cold`` (``None`` when no sequence of the
     batch holds one).
 
+    With ``new_keys``/``new_values`` (``(B, n_kv_heads, 1, head_dim)`` in the pool's
+    dtype) the step's own token is not in the pool yet: a kernel that takes the call
+    stores those rows at position ``lengths[b] - 1`` and reads them there (only
+    ``KERNELS`` entries whose ``writes`` is true are offered such a view).
+
     A named tuple: every layer of every decode step makes one, and a tuple is
     the cheapest immutable record to make.
     """
@@ -60,6 +65,8 @@ class PagedView(NamedTuple):
     lengths: mx.array  # (B,) int32
     window: int | None
     cold: ColdView | None = None
+    new_keys: mx.array | None = None
+    new_values: mx.array | None = None
 
     @property
     def block_size(self) -> int:

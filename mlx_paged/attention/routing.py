@@ -18,7 +18,10 @@ straight to attention) returns stand-ins instead of gathering K/V, while
 ``kernels_ready()`` says a kernel may take the call: building the gather costs
 host time on every layer of every token, and the kernel never evaluates it. If
 no kernel takes the call after all, attention reads the real K/V then
-(``PagedLayerCache.deferred_read``).
+(``PagedLayerCache.deferred_read``). A batched decode step (``StepPagedKVCache``)
+also leaves its K/V write to the kernel while ``kernels_write()``: the view
+carries the new rows, and ``deferred_read`` writes them first where no kernel
+took the call.
 
 A one-sequence decode step or prefill chunk whose blocks are consecutive ids (a
 sequence alone in its pool, as ``make_paged_cache`` builds it) needs neither:
@@ -146,6 +149,19 @@ def kernels_ready() -> bool:
     return ready
 
 
+def kernels_write() -> bool:
+    """Whether a decode call may leave its K/V write to the kernel (``PagedView.new_keys``):
+    ``kernels_ready()``, and every entry of ``KERNELS`` that runs here stores new rows (its
+    ``writes``). Entries that do not are never offered such a view."""
+    if not kernels_ready():
+        return False
+    key = ("writes", str(mx.default_device()), *map(id, KERNELS))
+    ready = _ready.get(key)
+    if ready is None:
+        ready = _ready[key] = all(getattr(k, "writes", False) for k in KERNELS if _available(k))
+    return ready
+
+
 def prefill_kernels_ready() -> bool:
     """Whether a batched prefill call may go to a fused kernel: the path is not ``"gather"``
     and an entry of ``PREFILL_KERNELS`` runs on the default device."""
@@ -197,7 +213,10 @@ def paged_attention(
     own = cache.fetched(keys, values, mask) and _path != "gather"
     if own and queries.shape[2] == 1 and KERNELS:
         view = cache.paged_view()
+        writes = view.new_keys is not None
         for kernel in KERNELS:
+            if writes and not getattr(kernel, "writes", False):
+                continue
             out = kernel(queries, view, scale, sinks)
             if out is not None:
                 path_counts[getattr(kernel, "__name__", "kernel")] += 1

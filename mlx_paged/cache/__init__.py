@@ -1,6 +1,6 @@
 """mlx-lm's cache protocol over the block pool: one layer of one sequence, or of a batch."""
 
-from .batch import DecodeBatch, StepPagedKVCache
+from .batch import DecodeBatch
 from .batch_cache import PagedBatchKVCache
 from .disk_prefix import load_prefix, save_prefix
 from .layout import (
@@ -12,6 +12,7 @@ from .layout import (
 )
 from .paged import PagedKVCache
 from .states import StepStateCache
+from .step import StepPagedKVCache
 
 __all__ = [
     "DecodeBatch",

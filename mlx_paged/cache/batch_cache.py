@@ -24,7 +24,8 @@ import mlx.core as mx
 from ..attention import PagedLayerCache, PagedView, PrefillView
 from ..blocks import BlockTable
 from ..storage import KVPool, copy_table
-from .batch import DecodeBatch, StepPagedKVCache
+from .batch import DecodeBatch
+from .step import StepPagedKVCache
 
 
 class PagedBatch:

@@ -20,7 +20,9 @@ independent nodes of one CUDA graph, never share them.
 
 The kernel body is ``paged_decode.kernel``, shared with the Metal kernel
 (``source.py``); with a cold tier (``PagedView.cold``) the same body reads
-quantized blocks directly.
+quantized blocks directly. Given the step's new K/V rows (``PagedView.new_keys``),
+a launch stores them in their slots itself before it reads (``FW``): a decode
+step then has no scatter per layer, whose host cost grows with the pool's size.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from .plan import (
     compiled_launch,
     kernel_templates,
     plan_decode,
+    rows_per_step,
 )
 from .source import decode_source
 
@@ -91,11 +94,13 @@ HEADER, DECODE_SOURCE = decode_source("cuda", merge_inline=True)
 _INPUTS = [
     *("queries", "keys", "values", "block_tables", "starts", "lengths", "sinks", "counters"),
     *("cold_keys", "cold_kscales", "cold_kbiases", "cold_values", "cold_vscales", "cold_vbiases"),
+    *("new_keys", "new_values"),
 ]
 _OUTPUTS = ["out", "part_out", "part_max", "part_sum"]
 # Inputs a launch leaves out (passes as None) when its template set does not read them:
-# sinks without SINKS, counters without splits, the cold tier's arrays without QBITS.
-_ABSENT = {"sinks": mx.float32, "counters": mx.int32}
+# sinks without SINKS, counters without splits, the cold tier's arrays without QBITS, the
+# new K/V rows without FW.
+_ABSENT = {"sinks": mx.float32, "counters": mx.int32, "new_keys": "T", "new_values": "T"}
 _ABSENT |= {
     **dict.fromkeys(("cold_keys", "cold_values"), mx.uint32),
     **dict.fromkeys(("cold_kscales", "cold_kbiases", "cold_vscales", "cold_vbiases"), "T"),
@@ -125,26 +130,6 @@ def _narrow(x: mx.array) -> mx.array:
 
 def _as(x: mx.array, dtype: mx.Dtype) -> mx.array:
     return x if x.dtype == dtype else x.astype(dtype)
-
-
-def rows_per_step(
-    dk: int, dv: int, itemsize: int, base: int = ROWS_PER_STEP, cold_elems: int = 0
-) -> int:
-    """Rows a warp loads per step: ``base`` for 256-byte rows, fewer for wider rows.
-
-    A power of two, and at least the rows one warp load covers for K and for V. With
-    a cold tier whose lanes take ``cold_elems`` elements of a row (the kernel's cold
-    layout) ``base`` counts loads per lane instead (``COLD_SLOTS``), and a step holds
-    at least one full-precision row.
-    """
-    vec = 16 // itemsize
-    if cold_elems:
-        per = cold_elems
-        per_load = max(32 // (d // per) for d in (dk, dv))  # rows one warp load covers
-        return per_load * max(base, per // vec)
-    per_load = max(32 // min(d // vec, 32) for d in (dk, dv))
-    rows = max(1, base * 256 // (max(dk, dv) * itemsize))
-    return max(per_load, 1 << (rows.bit_length() - 1))
 
 
 def warp_layout(groups: int, num_warps: int, head_warps: int) -> tuple[int, int]:
@@ -226,13 +211,14 @@ def _make_launch(
     # Logits live in the log2 domain (exp2f), so the scale carries log2(e).
     template = base_template(plan, queries, view, has_sinks, scale * LOG2E)
     pf = (COLD_PREFETCH if bits else PREFETCH) if prefetch is None else prefetch
-    layouts = [("NW", nw), ("WH", wh), ("RS", rs), ("PF", pf)]
+    fw = view.new_keys is not None
+    layouts = [("NW", nw), ("WH", wh), ("RS", rs), ("PF", pf), ("FW", fw)]
     kernel_templates.add(("cuda_paged_decode", *template, *layouts))
     if (num_warps, rows, head_warps, prefetch, lane_bytes) == (None,) * 5:
         main = [queries, view.keys, view.values, view.block_tables, view.starts, view.lengths]
         cold_parts = [*view.cold.keys, *view.cold.values] if bits else []
         _variants.setdefault(
-            tuple(template),
+            (tuple(template), fw),
             (
                 list(template),
                 [_signature(x) for x in main],
@@ -242,6 +228,7 @@ def _make_launch(
                 plan,
                 view.keys.dtype.size,
                 pf,
+                fw,
             ),
         )
     template += layouts
@@ -255,13 +242,15 @@ def _make_launch(
     cold = view.cold is not None
 
     def kernel_call(base, q, keys, values, tables, starts, lengths, *rest):
-        # rest: the sinks (with SINKS), then the six cold-tier arrays (with a cold tier)
+        # rest: the sinks (with SINKS), the six cold-tier arrays (with a cold tier), then
+        # the new K/V rows (with FW)
         sinks = rest[0] if has_sinks else None
-        cold_arrays = [_narrow(x) for x in rest[has_sinks:]] if cold else [None] * 6
+        new = list(rest[-2:]) if fw else [None] * 2
+        cold_arrays = [_narrow(x) for x in rest[has_sinks : has_sinks + 6]] if cold else [None] * 6
         keys, values = _narrow(keys), _narrow(values)
         counters = mx.zeros((slots,), dtype=mx.int32) if slots else None
         return _kernel()(
-            inputs=[q, keys, values, tables, starts, lengths, sinks, counters, *cold_arrays],
+            inputs=[q, keys, values, tables, starts, lengths, sinks, counters, *cold_arrays, *new],
             template=template,
             grid=grid,
             threadgroup=threads,
@@ -280,6 +269,8 @@ def _make_launch(
         if cold:
             rest += [*view.cold.keys, *view.cold.values]
             base = view.cold.layer * view.cold.keys[0].shape[1]
+        if fw:
+            rest += [view.new_keys, view.new_values]
         if base not in replays:
             replays[base] = compiled_launch(functools.partial(kernel_call, base))
         ids = (_as(x, mx.int32) for x in (view.block_tables, view.starts, view.lengths))
@@ -316,20 +307,21 @@ def prebuild() -> int:
     if build is None:
         return 0
     built = 0
-    for base, main, has_sinks, cold, groups, plan, itemsize, pf in list(_variants.values()):
+    for base, main, has_sinks, cold, groups, plan, itemsize, pf, fw in list(_variants.values()):
         row_bases = (COLD_SLOTS,) if cold else (ROWS_PER_STEP, ROWS_PER_STEP_SHORT)
         rows = {rows_per_step(plan.dk, plan.dv, itemsize, r, plan.cold_elems) for r in row_bases}
         inputs = [_stand_in(x) for x in main]
         sinks = _stand_in((mx.float32, 1)) if has_sinks else None
         cold_inputs = [_stand_in(x) for x in cold] if cold else [None] * 6
+        new = [_stand_in((main[1][0], 4))] * 2 if fw else [None] * 2
         counters = _stand_in((mx.int32, 1))
         outputs = [main[0][0], mx.float32, mx.float32, mx.float32]
         # Wide blocks (NUM_WARPS_WIDE) only ever run unsplit.
         for nw, split in ((NUM_WARPS, False), (NUM_WARPS, True), (NUM_WARPS_WIDE, False)):
             wh, _ = warp_layout(groups, nw, HEAD_WARPS)
             for rs in sorted(rows):
-                template = [*base, ("NW", nw), ("WH", wh), ("RS", rs), ("PF", pf)]
-                args = [*inputs, sinks, counters if split else None, *cold_inputs]
+                template = [*base, ("NW", nw), ("WH", wh), ("RS", rs), ("PF", pf), ("FW", fw)]
+                args = [*inputs, sinks, counters if split else None, *cold_inputs, *new]
                 if build(args, template, outputs, ["cold_base"] if cold else []):
                     kernel_templates.add(("cuda_paged_decode", *template))
                     built += 1

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
+import numpy as np
 
 from ...storage import take_blocks
 from . import cuda, metal
@@ -53,8 +54,10 @@ def self_check(
 
     Uses the call's heads, head dims, dtypes, block size, window, scale and
     cold-tier format, so the variants compiled here are the ones the call will
-    use; tries split-K off and on. Raises whatever compiling or running the
-    kernel raises.
+    use; tries split-K off and on. Where the call hands the kernel its new K/V rows
+    (``view.new_keys``), each sequence's last row starts out as garbage in the pool and
+    goes to the kernel as the new rows, and the rows it stored count in the difference.
+    Raises whatever compiling or running the kernel raises.
     """
     from .synthetic import random_paged_batch
 
@@ -82,11 +85,41 @@ def self_check(
         mx.eval(want)
     worst = 0.0
     for splits in (1, 3):
-        got = run(q, batch.view, scale, batch.sinks, splits)
+        given, stored = batch.view, None
+        if view.new_keys is not None:
+            given, stored = _last_rows_given(batch.view)
+        got = run(q, given, scale, batch.sinks, splits)
         if got is None:
             raise RuntimeError("the kernel declined its own self-check inputs")
         worst = max(worst, mx.abs(got.astype(mx.float32) - want).max().item())
+        if stored is not None:
+            worst = max(worst, stored())
     return worst
+
+
+def _last_rows_given(view: PagedView) -> tuple[PagedView, Callable[[], float]]:
+    """``view`` with each sequence's last row replaced by garbage in copies of the pools
+    and handed over as the new rows instead, and a function that measures, once the call
+    ran, how far the rows in those copies are from the new rows."""
+    tables, starts = np.array(view.block_tables), np.array(view.starts)
+    at = np.array(view.lengths) - 1
+    blocks = mx.array(tables[np.arange(len(at)), (at - starts) // view.block_size])
+    slots = mx.array(at % view.block_size)
+    pools, new = [], []
+    for pool in (view.keys, view.values):
+        new.append(pool[blocks, slots][:, :, None])  # (B, HKV, 1, D)
+        pool = mx.array(pool)
+        pool[blocks, slots] = mx.array(1e4, dtype=pool.dtype)
+        pools.append(pool)
+    mx.eval(pools, new)
+    given = view._replace(keys=pools[0], values=pools[1], new_keys=new[0], new_values=new[1])
+
+    def stored() -> float:
+        rows = [p[blocks, slots][:, :, None] for p in pools]
+        gaps = [mx.abs(r.astype(mx.float32) - n).max() for r, n in zip(rows, new, strict=True)]
+        return max(g.item() for g in gaps)
+
+    return given, stored
 
 
 def _verified(backend: str, run: Runner, queries, view, scale, sinks) -> bool:
@@ -104,6 +137,7 @@ def _verified(backend: str, run: Runner, queries, view, scale, sinks) -> bool:
         sinks is not None,
         scale,
         None if view.cold is None else (view.cold.bits, view.cold.group_size),
+        view.new_keys is not None,
     )
     if variant not in _verdicts:
         tol = max(TOLERANCE[view.keys.dtype], TOLERANCE[queries.dtype])
@@ -157,6 +191,7 @@ def _device_kernel(backend: str, run: Runner, launch_for: Callable[..., Launch |
     kernel.__name__ = kernel.__qualname__ = name
     kernel.__doc__ = f"``KERNELS`` entry for the {backend} paged decode kernel (self-checked)."
     kernel.available = lambda: backend_available(backend)  # type: ignore[attr-defined]
+    kernel.writes = backend == "cuda"  # type: ignore[attr-defined]  # stores view.new_keys
     return kernel
 
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
-from .cuda import COLD_SLOTS, LOG2E, rows_per_step
+from .cuda import COLD_SLOTS, LOG2E
 from .plan import (
     DecodePlan,
     Launch,
@@ -33,6 +33,7 @@ from .plan import (
     kernel_templates,
     placeholder,
     plan_decode,
+    rows_per_step,
 )
 from .source import decode_source, merge_source
 
@@ -40,7 +41,7 @@ if TYPE_CHECKING:
     from ..records import PagedView
 
 NUM_SIMDGROUPS = 4
-ROWS = 8  # rows a SIMD-group loads per step, for 256-byte rows (see cuda.rows_per_step)
+ROWS = 8  # rows a SIMD-group loads per step, for 256-byte rows (see plan.rows_per_step)
 PREFETCH = False  # unmeasured on Apple GPUs: the simpler schedule until it is
 TARGET_GROUPS = 256  # threadgroups worth splitting for (a guess for M-series GPUs)
 MIN_SPLIT_TOKENS = 256

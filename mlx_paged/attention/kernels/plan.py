@@ -36,6 +36,24 @@ class DecodePlan:
     reason: str | None = None
 
 
+def rows_per_step(dk: int, dv: int, itemsize: int, base: int, cold_elems: int = 0) -> int:
+    """Rows a warp loads per step: ``base`` for 256-byte rows, fewer for wider rows.
+
+    A power of two, and at least the rows one warp load covers for K and for V. With
+    a cold tier whose lanes take ``cold_elems`` elements of a row (the kernel's cold
+    layout) ``base`` counts loads per lane instead (``cuda.COLD_SLOTS``), and a step holds
+    at least one full-precision row.
+    """
+    vec = 16 // itemsize
+    if cold_elems:
+        per = cold_elems
+        per_load = max(32 // (d // per) for d in (dk, dv))  # rows one warp load covers
+        return per_load * max(base, per // vec)
+    per_load = max(32 // min(d // vec, 32) for d in (dk, dv))
+    rows = max(1, base * 256 // (max(dk, dv) * itemsize))
+    return max(per_load, 1 << (rows.bit_length() - 1))
+
+
 def cold_lane_elems(bits: int, lane_bytes: int = 16) -> int:
     """Elements of a cold row one lane takes: those of ``lane_bytes`` (8 or 16) bytes of
     packed words."""
@@ -80,6 +98,8 @@ def plan_decode(
         return DecodePlan(reason=f"head dims {dk}/{dv} do not split into 16-byte lanes")
     if view.block_tables.ndim != 2 or view.block_tables.shape[0] != B:
         return DecodePlan(reason=f"block_tables {view.block_tables.shape} for batch {B}")
+    if view.new_keys is not None and (why := _new_rows_reason(view, B, n_kv, dk, dv)):
+        return DecodePlan(reason=why)
     cold_elems = 0 if view.cold is None else cold_lane_elems(view.cold.bits, cold_lane_bytes)
     if view.cold is not None and (why := _cold_reason(view, dk, dv, cold_elems)):
         return DecodePlan(reason=why)
@@ -89,6 +109,15 @@ def plan_decode(
     group = n_heads // n_kv
     hg = max(h for h in range(1, group + 1) if group % h == 0 and h * per_lane <= max_lanes_elems)
     return DecodePlan(B, n_heads, n_kv, group, hg, dk, dv, cold_elems=cold_elems)
+
+
+def _new_rows_reason(view: PagedView, batch: int, n_kv: int, dk: int, dv: int) -> str | None:
+    """Why a kernel cannot store the view's new K/V rows, or ``None``."""
+    for x, d in ((view.new_keys, dk), (view.new_values, dv)):
+        if x is None or x.shape != (batch, n_kv, 1, d) or x.dtype != view.keys.dtype:
+            got = None if x is None else (x.shape, x.dtype)
+            return f"new K/V rows {got} for {batch} sequences of a {view.keys.dtype} pool"
+    return None
 
 
 def _cold_reason(view: PagedView, dk: int, dv: int, per: int) -> str | None:
@@ -181,7 +210,7 @@ def call_key(
     queries: mx.array, view: PagedView, scale: float, sinks: mx.array | None, *tuning: object
 ) -> tuple:
     """What a launch depends on: shapes, dtypes, window, sinks, scale, the cold tier's
-    format and size, and tuning overrides."""
+    format and size, whether it stores the step's K/V, and tuning overrides."""
     keys, values = view.keys, view.values
     cold = (
         None
@@ -200,6 +229,8 @@ def call_key(
         sinks is None,
         scale,
         cold,
+        None if view.new_keys is None else (view.new_keys.shape, view.new_keys.dtype),
+        None if view.new_values is None else (view.new_values.shape, view.new_values.dtype),
         *tuning,
     )
 

@@ -49,11 +49,15 @@ def decode_source(backend: str, merge_inline: bool) -> tuple[str, str]:
 
     With ``merge_inline`` (CUDA) the last split of each sequence merges the
     splits in the same launch; without it the launch ends once it wrote its
-    partials, and ``merge_source`` merges them.
+    partials, and ``merge_source`` merges them. The CUDA body also holds the
+    ``write`` section: with ``FW`` a launch stores the step's new K/V rows itself.
     """
     pre, body = prelude(backend), sections("paged_decode.kernel")
     header = f"{pre['header']}#define PD_COLD {COLD}\n{body['header']}"
     source = pre["indices"] + body["decode"]
+    if backend == "cuda":  # the launch may store the step's new K/V rows (FW)
+        source += body["write"]
+    source += body["attend"]
     if merge_inline:
         source += pre["publish"] + body["merge"]
     return header, source
