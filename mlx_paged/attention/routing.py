@@ -76,7 +76,9 @@ ATTENTION_PATHS = ("auto", "kernel", "gather")
 
 #: Fused paged decode kernels, tried in order. Each is called as
 #: ``kernel(queries, view, scale, sinks)`` with ``queries`` ``(B, n_heads, 1, D)``
-#: and returns ``(B, n_heads, 1, v_head_dim)`` or ``None`` to decline.
+#: and returns ``(B, n_heads, 1, v_head_dim)`` or ``None`` to decline. An entry whose
+#: ``writes`` attribute is true also stores a view's new rows (``PagedView.new_keys``)
+#: when it takes the call; the others are never offered such a view.
 KERNELS: list[Callable[[mx.array, PagedView, float, mx.array | None], mx.array | None]] = []
 
 #: Fused paged prefill kernels, tried in order. Each is called as
