@@ -71,6 +71,19 @@ def test_engine_tokens_with_kernel_writes_match_solo_dense(writing, family, comp
         assert (any(offered) and all(offered)) if path == "kernel" else not offered
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_preempted_and_resumed_requests_with_kernel_writes_match_solo_dense(writing, family):
+    """Decode growth in a six-block pool preempts requests; their K/V, stored by the kernel
+    before, is recomputed or adopted on their return."""
+    model = tiny_model(family)
+    prompts = [[(11 * i + 5 * s) % 97 + 1 for i in range(7)] for s in range(5)]
+    engine = PagedEngine(model, block_size=8, num_blocks=6)
+    outputs = run_all(engine, prompts, max_tokens=14)
+    assert engine.stats().preemptions > 0
+    assert outputs == [solo(family, tuple(p), 14) for p in prompts]
+    assert any(v.new_keys is not None for v in writing["views"])
+
+
 def test_engine_with_a_cold_tier_and_kernel_writes_keeps_its_tokens(writing):
     model = tiny_model("llama", head_dim=64)
     prompts = [list(range(1 + s, 90 + 7 * s)) for s in range(3)]
