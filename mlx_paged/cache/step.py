@@ -68,8 +68,8 @@ class StepPagedKVCache(PagedLayerCache):
         p, layer = self.pool, self.layer
         p.check_write(layer, keys[:1], values[:1])
         ready = kernels_ready() if b.n_new == 1 else not b.has_cold and prefill_kernels_ready()
-        dtypes = {keys.dtype, values.dtype, p.keys[layer].dtype, p.values[layer].dtype}
-        if p.defer_reads and ready and b.n_new == 1 and len(dtypes) == 1 and kernels_write():
+        stores = p.defer_reads and ready and b.n_new == 1 and kernels_write()
+        if stores and self._as_is(keys, values):  # the kernel stores them (FW)
             self._new = (keys, values)
         else:
             self._write(keys, values)
@@ -92,6 +92,11 @@ class StepPagedKVCache(PagedLayerCache):
         if self._deferred is None or not self._deferred.matches(keys, values):
             return None
         return self._read()
+
+    def _as_is(self, keys: mx.array, values: mx.array) -> bool:
+        """Whether the pool stores these K/V in their own dtype (a kernel copies rows as is)."""
+        p, layer = self.pool, self.layer
+        return keys.dtype == values.dtype == p.keys[layer].dtype == p.values[layer].dtype
 
     def _write(self, keys: mx.array, values: mx.array) -> None:
         p, b, layer = self.pool, self.batch, self.layer
