@@ -392,6 +392,51 @@ def test_cuda_kernel_stores_the_new_rows_it_reads(monkeypatch, bits, splits, nar
     assert mx.array_equal(given.values, batch.view.values).item()
 
 
+def migrate_then_reuse_a_block() -> tuple[mx.array, mx.array, mx.array, int]:
+    """A pool of five blocks: a sequence of 80 tokens moves four blocks into an 8-bit cold
+    tier, and a new sequence's first decode step, of rows of 100, takes one of their hot ids
+    back through the paged attention path. Returns the first sequence's K as written, as
+    read back from both tiers afterwards, the step's output, and which of its blocks the
+    new sequence took."""
+    from mlx_paged.attention import paged_attention
+    from mlx_paged.cache import DecodeBatch, StepPagedKVCache
+    from mlx_paged.storage import KVPool, KVQuant
+
+    pool = KVPool(1, 16, 5, None, KVQuant(8, 64, 16))
+    pool.defer_reads = True
+    first = pool.new_table()
+    kv = mx.random.normal((1, 2, 80, 64), key=mx.random.key(3)).astype(mx.float16)
+    pool.reserve(first, 0, 80)
+    pool.write_prefill(first, 0, kv, kv)
+    mx.eval(pool.keys[0], pool.values[0])
+    hot = list(first.blocks)
+    assert pool.maybe_migrate([first]) == 4
+    second = pool.new_table()
+    pool.reserve(second, 0, 1)
+    reused = hot.index(second.blocks[0])
+    rows = mx.full((1, 2, 1, 64), 100.0, dtype=mx.float16)
+    cache = StepPagedKVCache(pool, DecodeBatch(pool, [second], None), 0)
+    keys, values = cache.update_and_fetch(rows, rows)
+    out = paged_attention(mx.ones((1, 4, 1, 64), mx.float16), keys, values, cache, 0.125, None)
+    mx.eval(out)
+    got, _ = pool.read_tiered(0, pool.tier_plan([first.blocks]))
+    return kv, got, out, reused
+
+
+@cuda_only
+def test_a_block_just_moved_to_the_cold_tier_keeps_its_rows_when_a_kernel_reuses_it():
+    """A migration's hot blocks go back to the pool at once, and a decode kernel stores a
+    step's K/V into one of them in place, past MLX's copy-on-write: the cold copy still
+    holds the rows the block had (the quantization was dispatched first)."""
+    set_attention_path("auto")
+    before = path_counts["cuda_paged_decode"]
+    kv, got, out, reused = migrate_then_reuse_a_block()
+    assert path_counts["cuda_paged_decode"] == before + 1  # the storing kernel took the step
+    assert mx.allclose(out, mx.full(out.shape, 100.0, dtype=out.dtype)).item()
+    span = slice(reused * 16, reused * 16 + 16)
+    assert max_diff(got[:, :, span].astype(mx.float32), kv[:, :, span].astype(mx.float32)) < 0.1
+
+
 @cuda_only
 @pytest.mark.parametrize("bits", [4, 8])
 def test_the_engine_through_the_cold_kernel_matches_the_gather_path(bits):

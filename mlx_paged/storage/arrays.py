@@ -246,9 +246,14 @@ class LayerArrays(BlockTables):
         self.migrate_blocks = quant.migrate_blocks(self.block_size)
 
     def _quantize(self, src: list[int], dst: list[int]) -> None:
-        """Quantize hot blocks ``src`` into cold slots ``dst``, every layer."""
+        """Quantize hot blocks ``src`` into cold slots ``dst``, every layer.
+
+        Dispatched at once: ``src`` goes back to the pool, and a decode kernel that stores
+        a step's K/V into a block of it (``PagedView.new_keys``) does so in place, past
+        MLX's copy-on-write, so this read must be on the stream before that store."""
         at, to = mx.array(src, dtype=mx.int32), mx.array(dst, dtype=mx.int32)
         self.cold.store_blocks(self.keys, self.values, at, to, self.blocks.cold.capacity)
+        mx.async_eval(self.cold.keys, self.cold.values)
         self._update_bytes_per_block()
 
     def _update_bytes_per_block(self) -> None:
