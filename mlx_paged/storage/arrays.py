@@ -246,11 +246,9 @@ class LayerArrays(BlockTables):
         self.migrate_blocks = quant.migrate_blocks(self.block_size)
 
     def _quantize(self, src: list[int], dst: list[int]) -> None:
-        """Quantize hot blocks ``src`` into cold slots ``dst``, every layer.
-
-        Dispatched at once: ``src`` goes back to the pool, and a decode kernel that stores
-        a step's K/V into a block of it (``PagedView.new_keys``) does so in place, past
-        MLX's copy-on-write, so this read must be on the stream before that store."""
+        """Quantize hot blocks ``src`` into cold slots ``dst``, every layer, dispatched at once:
+        ``src`` goes back to the pool, where a decode kernel may store K/V into it in place
+        (``PagedView.new_keys``, past MLX's copy-on-write) only after this read."""
         at, to = mx.array(src, dtype=mx.int32), mx.array(dst, dtype=mx.int32)
         self.cold.store_blocks(self.keys, self.values, at, to, self.blocks.cold.capacity)
         mx.async_eval(self.cold.keys, self.cold.values)
