@@ -39,6 +39,7 @@ import mlx.core as mx
 from mlx_paged.attention import ColdView, PagedView
 from mlx_paged.attention.kernels.cuda import paged_decode_cuda
 from mlx_paged.blocks import COLD
+from mlx_paged.storage import ColdLayout
 
 HQ, HKV, D, BS = 32, 8, 128, 16
 
@@ -142,7 +143,8 @@ def paged_layer(B: int, L: int, dtype: mx.Dtype, kv_bits: int | None = None, hot
         for x in (k, v):
             blocks = x.transpose(0, 2, 1, 3).reshape(nblk, BS, HKV, D)
             parts.append(mx.quantize(blocks, group_size=64, bits=kv_bits))
-        cold = ColdView(parts[0], parts[1], kv_bits, 64)
+        layout = ColdLayout.of(*parts)
+        cold = ColdView(layout.join(*parts)[None], layout, kv_bits, 64)
         deq = cold.dequantized()
         k, v = (
             mx.contiguous(d.astype(dtype).reshape(B, L, HKV, D).transpose(0, 2, 1, 3)) for d in deq

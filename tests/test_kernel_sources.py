@@ -107,8 +107,7 @@ TEMPLATE = (
 )
 DECODE_INPUTS = [
     *("queries:T", "keys:T", "values:T", "block_tables:int32_t", "starts:int32_t"),
-    *("lengths:int32_t", "sinks:float", "cold_keys:uint32_t", "cold_kscales:T"),
-    *("cold_kbiases:T", "cold_values:uint32_t", "cold_vscales:T", "cold_vbiases:T"),
+    *("lengths:int32_t", "sinks:float", "cold:uint32_t"),
 ]
 DECODE_OUTPUTS = ["out:T", "part_out:float", "part_max:float", "part_sum:float"]
 MERGE_INPUTS = ["part_out:float", "part_max:float", "part_sum:float", "sinks:float"]
@@ -236,7 +235,7 @@ def test_the_reference_reads_cold_blocks_as_their_dequantized_values(bits):
     batch = random_paged_batch([100, 33, 7], 8, 2, 128, 128, 16, kv_bits=bits, sinks=True)
     cold = batch.view.cold
     # 4 of 7 blocks, 2 of 3, as layer 1 of a stack of three
-    assert cold is not None and cold.keys[0].shape[:2] == (3, 5 + 1) and cold.layer == 1
+    assert cold is not None and cold.blob.shape[:2] == (3, 5 + 1) and cold.layer == 1
     got = reference_paged_decode(batch.queries, batch.view, 0.1, batch.sinks)
     # dense_decode reads the dequantized K/V; the hot copies of cold blocks hold 6e4.
     assert max_diff(got, dense_decode(batch, 0.1)) < 1e-5
@@ -248,17 +247,20 @@ def test_plan_declines_cold_tiers_the_kernels_cannot_read():
     assert plan_decode(q, view).reason is None
     bad_bits = view._replace(cold=view.cold._replace(bits=3))
     assert "cold tier" in plan_decode(q, bad_bits).reason
-    words, scales, biases = view.cold.keys
     bad_dtype = view._replace(
-        cold=view.cold._replace(keys=(words, scales.astype(mx.float16), biases))
+        cold=view.cold._replace(layout=view.cold.layout._replace(dtype=mx.float16))
     )
-    assert "cold scales" in plan_decode(q, bad_dtype).reason
+    assert "cold blocks" in plan_decode(q, bad_dtype).reason
+    bad_heads = view._replace(cold=view.cold._replace(layout=view.cold.layout._replace(v_heads=1)))
+    assert "cold blocks" in plan_decode(q, bad_heads).reason
+    short = view._replace(cold=view.cold._replace(blob=view.cold.blob[..., :-4]))
+    assert "cold records" in plan_decode(q, short).reason
     # The view's layer must lie in the stack: the kernels do not check their reads.
     for layer in (-1, 3):
         bad_layer = view._replace(cold=view.cold._replace(layer=layer))
         assert "cold layer" in plan_decode(q, bad_layer).reason
-    one_layer = view._replace(cold=view.cold._replace(keys=tuple(x[1] for x in view.cold.keys)))
-    assert "cold stacks" in plan_decode(q, one_layer).reason
+    one_layer = view._replace(cold=view.cold._replace(blob=view.cold.blob[1]))
+    assert "cold records" in plan_decode(q, one_layer).reason
     # A lane loads 8 or 16 bytes of a cold row: 16 or 32 elements at 4 bits.
     assert plan_decode(q, view, 64, cold_lane_bytes=8).cold_elems == 16
     assert plan_decode(q, view, 64, cold_lane_bytes=16).cold_elems == 32

@@ -344,7 +344,7 @@ def test_cuda_launch_parameters_without_a_gpu(monkeypatch, batch, length, splits
         assert counters.shape == (batch * blocks,) and counters.dtype == mx.int32
     else:
         assert counters is None  # left out of the launch, as the sinks and the cold tier are
-    assert call["inputs"][6] is None and call["inputs"][8:] == [None] * 8  # + no new rows
+    assert call["inputs"][6] is None and call["inputs"][8:] == [None] * 3  # + no new rows
     assert t["FW"] is False
 
 
@@ -365,7 +365,7 @@ def test_new_rows_reach_the_cuda_kernel_as_its_last_inputs(monkeypatch, bits):
         paged_decode_cuda(b.queries, given, 0.125, None)
         call = calls[-1]
         assert dict(call["template"])["FW"] is fw
-        assert call["inputs"][14:] == (rows if fw else [None, None])
+        assert call["inputs"][9:] == (rows if fw else [None, None])
     assert len(calls) == 2
     for bad in (rows[0][:1], rows[0].astype(mx.float16), rows[0][:, :, :, :32]):
         wrong = b.view._replace(new_keys=bad, new_values=rows[1])
@@ -383,7 +383,7 @@ def test_large_pools_reach_the_cuda_kernel_as_views_of_their_first_row(monkeypat
     monkeypatch.setattr(cuda, "_kernel_obj", [zeros_kernel(calls)])
     monkeypatch.setattr(cuda, "compiled_launch", lambda f: f)  # the kernel sees real arrays
     b = random_paged_batch([100, 40], 8, 2, 64, 64, 16, mx.float32, kv_bits=bits)
-    cold = [*b.view.cold.keys, *b.view.cold.values] if bits else []
+    cold = [b.view.cold.blob] if bits else []
     whole = [b.view.keys, b.view.values, *cold]
     for threshold, narrowed in ((min(x.nbytes for x in whole), True), (1 << 62, False)):
         monkeypatch.setattr(cuda, "NARROW_BYTES", threshold)
@@ -391,13 +391,13 @@ def test_large_pools_reach_the_cuda_kernel_as_views_of_their_first_row(monkeypat
         calls.clear()
         paged_decode_cuda(b.queries, b.view, 0.125, None)
         (call,) = calls
-        handed = [call["inputs"][1], call["inputs"][2], *(call["inputs"][8:14] if bits else [])]
-        assert len(handed) == len(whole) == (8 if bits else 2)
+        handed = [call["inputs"][1], call["inputs"][2], *(call["inputs"][8:9] if bits else [])]
+        assert len(handed) == len(whole) == (3 if bits else 2)
         for got, x in zip(handed, whole, strict=True):
             assert got.shape == ((1, *x.shape[1:]) if narrowed else x.shape)
             assert mx.array_equal(got, x[: got.shape[0]])
         if not bits:
-            assert call["inputs"][8:14] == [None] * 6
+            assert call["inputs"][8] is None
 
 
 class RecordingKernel:
@@ -416,7 +416,7 @@ class RecordingKernel:
         return [mx.zeros(s, dtype=d) for s, d in zip(shapes, dtypes, strict=True)]
 
     def build(self, inputs, template, output_dtypes, scalars=()):
-        assert [x is None for x in inputs] == [False] * 6 + [True, inputs[7] is None] + [True] * 8
+        assert [x is None for x in inputs] == [False] * 6 + [True, inputs[7] is None] + [True] * 3
         assert list(scalars) == []  # cold_base comes with a cold tier only
         self.built.add((tuple(template), inputs[7] is not None))
         return True
@@ -461,7 +461,7 @@ def test_every_layer_of_a_cold_stack_shares_one_launch_at_its_own_rows(monkeypat
     monkeypatch.setattr(cuda, "_kernel_obj", [kernel])
     monkeypatch.setattr(cuda, "_launches", LaunchCache())
     batch = random_paged_batch([40, 20], 4, 2, 64, 64, 16, mx.float16, kv_bits=8)
-    slots = batch.view.cold.keys[0].shape[1]
+    slots = batch.view.cold.blob.shape[1]
     for layer in (1, 2, 0, 2):
         view = batch.view._replace(cold=batch.view.cold._replace(layer=layer))
         paged_decode_cuda(batch.queries, view, 0.125, None)

@@ -13,6 +13,7 @@ import gc
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -30,7 +31,7 @@ from mlx_paged import PagedEngine, PagedKVCache, make_paged_cache
 from mlx_paged.blocks import COLD, TieredBlockPool, is_cold
 from mlx_paged.cache import PagedLayout, make_pools
 from mlx_paged.embedded import convert_gguf, find_embedded_gguf, load_model
-from mlx_paged.storage import ColdStore, KVQuant
+from mlx_paged.storage import ColdLayout, ColdStore, KVQuant
 
 BLOCK = 8
 HOT = 16  # tokens kept in full precision
@@ -408,9 +409,12 @@ def test_a_cold_store_stacks_its_layers_and_each_reads_its_own():
     keys, values = cold_rows(3, 2, 2, seed=0)
     store.store_layers(keys, values, at, 8)
     assert store.where == [(0, 0), (0, 1), (0, 2)]
-    # 64 8-bit elements are 16 words, in 2 groups of 32
-    want = [(3, 8, BLOCK, 2, 16), (3, 8, BLOCK, 2, 2), (3, 8, BLOCK, 2, 2)]
-    assert [x.shape for x in store.keys] == [x.shape for x in store.values] == want
+    # 64 8-bit elements are 16 words, in 2 groups of 32: a block's record holds K's and
+    # V's 2 x 16 words a token, then their 4 x 2 float32 scales and biases.
+    assert store.layouts == [ColdLayout(BLOCK, 2, 16, 2, 2, 16, 2, mx.float32)]
+    assert [x.shape for x in store.blobs] == [(3, 8, BLOCK * 2 * (16 + 16 + 4 * 2))]
+    (kw, ks, kb), (vw, _, _) = store.layer_parts(0)
+    assert kw.shape == vw.shape == (8, BLOCK, 2, 16) and ks.shape == kb.shape == (8, BLOCK, 2, 2)
     for layer in range(3):
         k, v = store.read(layer, at)
         assert mx.array_equal(k, quant.dequantize(quant.quantize(keys[layer])))
@@ -422,12 +426,12 @@ def test_a_cold_store_stacks_its_layers_and_each_reads_its_own():
     for layer in range(3):
         apart.write(layer, quant.quantize(keys[layer]), quant.quantize(values[layer]), at, 8)
     assert apart.where == store.where
-    for a, b in zip(apart.keys + apart.values, store.keys + store.values, strict=True):
+    for a, b in zip(apart.blobs, store.blobs, strict=True):
         assert mx.array_equal(a, b)
     # A larger tier grows every array along its slots and keeps the rows written.
     more_k, more_v = cold_rows(3, 1, 2, seed=1)
     store.store_layers(more_k, more_v, mx.array([11]), 12)
-    assert [x.shape[:2] for x in store.keys] == [(3, 12)] * 3
+    assert [x.shape[:2] for x in store.blobs] == [(3, 12)]
     for layer in range(3):
         assert mx.array_equal(store.read(layer, at)[0], apart.read(layer, at)[0])
         assert mx.array_equal(
@@ -445,12 +449,41 @@ def test_layers_of_other_shapes_stack_apart():
     rows = [cold_rows(1, 1, heads, seed=h) for h, heads in enumerate((2, 4, 2))]
     for layer, (k, v) in enumerate(rows):
         store.write(layer, quant.quantize(k[0]), quant.quantize(v[0]), at, 4)
-    assert store.where == [(0, 0), (1, 0), (0, 1)] and len(store.keys) == 6
-    assert [x.shape[:4] for x in store.keys[::3]] == [(2, 4, BLOCK, 2), (1, 4, BLOCK, 4)]
+    assert store.where == [(0, 0), (1, 0), (0, 1)] and len(store.blobs) == 2
+    assert [x.shape[:2] for x in store.blobs] == [(2, 4), (1, 4)]
+    assert [layout.k_heads for layout in store.layouts] == [2, 4]
     for layer, (k, v) in enumerate(rows):
         got_k, got_v = store.read(layer, at)
         assert mx.array_equal(got_k, quant.dequantize(quant.quantize(k[0])))
         assert mx.array_equal(got_v, quant.dequantize(quant.quantize(v[0])))
+
+
+def test_a_cold_records_parts_lie_where_the_decode_kernel_reads_them():
+    """A block's record: K's words, V's words, then K's scales and biases and V's in the
+    scales' dtype, padded to four words; ``split`` gives back exactly what ``join`` took."""
+    bs, h, gs = 4, 3, 64
+    k = mx.random.normal((2, bs, h, 64)).astype(mx.float16)
+    v = mx.random.normal((2, bs, h, 128)).astype(mx.float16)
+    kq, vq = (mx.quantize(x, group_size=gs, bits=4) for x in (k, v))
+    layout = ColdLayout.of(kq, vq)
+    assert layout == ColdLayout(bs, h, 8, 1, h, 16, 2, mx.float16)
+    # 12 rows of 8 + 16 words, then 12 x (1 + 1 + 2 + 2) halves (36 words), padded to 4
+    assert layout.words == 12 * 24 + 36 == 324
+    records = layout.join(kq, vq)
+    assert records.shape == (2, 324) and records.dtype == mx.uint32
+    flat = np.array(records)
+    np.testing.assert_array_equal(flat[:, :96], np.array(kq[0]).reshape(2, -1))
+    np.testing.assert_array_equal(flat[:, 96:288], np.array(vq[0]).reshape(2, -1))
+    halves = flat[:, 288:].copy().view(np.float16)
+    want = [np.array(x).reshape(2, -1) for x in (kq[1], kq[2], vq[1], vq[2])]
+    np.testing.assert_array_equal(halves, np.concatenate(want, axis=1))
+    for got, parts in zip(layout.split(records), (kq, vq), strict=True):
+        for a, b in zip(got, parts, strict=True):
+            assert a.shape == b.shape and a.dtype == b.dtype and mx.array_equal(a, b)
+    padded = ColdLayout(bs, 1, 8, 1, 1, 8, 1, mx.float16)  # 4 x 16 + 4 x 4 halves / 2 = 72
+    assert padded.words == 72 and ColdLayout(3, 1, 8, 1, 1, 8, 1, mx.float16).words == 56
+    with pytest.raises(ValueError, match="cold records"):
+        layout.split(records[:, :-4])
 
 
 def test_layers_stacked_out_of_order_take_store_layers_one_by_one():
@@ -483,7 +516,7 @@ def test_a_fresh_stores_layers_loaded_together_make_one_stack_at_once(monkeypatc
     store, at = ColdStore(3, quant), mx.array([0, 2])
     store.write_layers(list(zip(*parts, strict=True)), at, 4)
     assert store.where == [(0, 0), (0, 1), (0, 2)] and not grown
-    assert [x.shape for x in store.keys] == [(3, 4, BLOCK, 2, 16), *[(3, 4, BLOCK, 2, 2)] * 2]
+    assert [x.shape for x in store.blobs] == [(3, 4, BLOCK * 2 * (16 + 16 + 4 * 2))]
     for layer in range(3):
         assert mx.array_equal(store.read(layer, at)[1], quant.dequantize(parts[1][layer]))
     # Layers of other shapes still go to stacks of their own.

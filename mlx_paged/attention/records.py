@@ -1,7 +1,8 @@
 """Records the attention router, the kernels and the caches share.
 
-A leaf module: it imports nothing from the project, so kernels and caches can
-speak of a ``PagedView`` without importing the router.
+A leaf module of the attention package (it imports only the storage's cold
+layout), so kernels and caches can speak of a ``PagedView`` without importing the
+router.
 """
 
 from __future__ import annotations
@@ -11,28 +12,36 @@ from typing import NamedTuple
 
 import mlx.core as mx
 
+from ..storage.cold import ColdLayout
+
 
 class ColdView(NamedTuple):
     """One layer's quantized blocks (mlx_paged's cold tier), in ``mx.quantize``'s format.
 
-    ``keys`` and ``values`` are (packed ``uint32`` values, scales, biases), each
-    ``(layers, cold_blocks, block_size, n_kv_heads, ...)``: the cold blocks of every
-    layer of a stack, of which this view reads layer ``layer``. A block table entry
+    ``blob`` ``(layers, cold_blocks, layout.words)`` ``uint32`` holds one record per
+    cold block of every layer of a stack (``ColdLayout``: K's and V's packed values,
+    scales and biases), of which this view reads layer ``layer``. A block table entry
     ``COLD + i`` (``mlx_paged.blocks.COLD``) names cold block ``i``.
     """
 
-    keys: tuple[mx.array, mx.array, mx.array]
-    values: tuple[mx.array, mx.array, mx.array]
+    blob: mx.array
+    layout: ColdLayout
     bits: int
     group_size: int
     layer: int = 0
 
+    def parts(self) -> tuple[tuple[mx.array, ...], tuple[mx.array, ...]]:
+        """This layer's K and V (packed values, scales, biases), each
+        ``(cold_blocks, block_size, n_kv_heads, ...)``."""
+        return self.layout.split(self.blob[self.layer])
+
     def dequantized(self) -> tuple[mx.array, mx.array]:
         """This layer's cold blocks as ``(cold_blocks, block_size, n_kv_heads, D)`` K and V."""
-        gs, bits, i = self.group_size, self.bits, self.layer
+        gs, bits = self.group_size, self.bits
+        k, v = self.parts()
         return (
-            mx.dequantize(*(x[i] for x in self.keys), group_size=gs, bits=bits),
-            mx.dequantize(*(x[i] for x in self.values), group_size=gs, bits=bits),
+            mx.dequantize(*k, group_size=gs, bits=bits),
+            mx.dequantize(*v, group_size=gs, bits=bits),
         )
 
 

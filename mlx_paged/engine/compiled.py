@@ -74,7 +74,7 @@ class CompiledDecode:
         if runner.states is not None:
             state.append(runner.states.arrays)
         colds = [p.cold for p in runner.pools.values() if p.cold is not None]
-        self._colds = [held for cold in colds for held in (cold.keys, cold.values)]
+        self._colds = [cold.blobs for cold in colds]
         self._forward = mx.compile(self._trace, inputs=state + self._colds, outputs=state)
         self.traces = 0  # shapes traced so far
         self.steps = 0  # steps that went through a trace (traced or replayed)
@@ -173,7 +173,7 @@ class CompiledDecode:
     def _pool_shapes(self) -> list[tuple[int, ...]]:
         pools = self.runner.pools.values()
         shapes = [pool.keys[0].shape for pool in pools if pool.keys[0] is not None]
-        shapes += [words.shape for held in self._colds for words in held[::3]]  # per stack
+        shapes += [blob.shape for held in self._colds for blob in held]  # per stack
         if self.runner.states is not None:
             shapes.append((self.runner.states.rows_held,))
         return shapes

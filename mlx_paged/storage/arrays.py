@@ -12,7 +12,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..blocks import COLD, BlockTable, BlockTables, TieredBlockPool, TierStats, is_cold
-from .cold import ColdStore, Quantized, grow_rows
+from .cold import ColdLayout, ColdStore, Quantized, grow_rows
 from .quant import KVQuant
 
 
@@ -128,14 +128,14 @@ class LayerArrays(BlockTables):
             return False
         return table.derived("has_cold", (table.version,), lambda: any(map(is_cold, table.blocks)))
 
-    def cold_arrays(self, layer: int) -> tuple[Quantized, Quantized, int, int, int] | None:
-        """A layer's cold tier for kernels that read it directly: K's and V's (packed
-        words, scales, biases) of the layer's stack (``ColdStore``), the bits, the group
-        size and the layer's index in the stack; ``None`` before its first cold block."""
+    def cold_arrays(self, layer: int) -> tuple[mx.array, ColdLayout, int, int, int] | None:
+        """A layer's cold tier for kernels that read it directly: the records of the
+        layer's stack (``ColdStore``) and their layout, the bits, the group size and the
+        layer's index in the stack; ``None`` before its first cold block."""
         if self.cold is None or self.cold.where[layer] is None:
             return None
-        k, v, index = self.cold.stack(layer)
-        return k, v, self.cold.quant.bits, self.cold.quant.group_size, index
+        blob, layout, index = self.cold.stack(layer)
+        return blob, layout, self.cold.quant.bits, self.cold.quant.group_size, index
 
     def block_rows(self, layer: int, ids: list[int]) -> tuple[mx.array, mx.array]:
         """Blocks ``ids`` (either tier) of one layer as ``(n, block_size, H, D)`` K and V.
@@ -251,7 +251,7 @@ class LayerArrays(BlockTables):
         (``PagedView.new_keys``, past MLX's copy-on-write) only after this read."""
         at, to = mx.array(src, dtype=mx.int32), mx.array(dst, dtype=mx.int32)
         self.cold.store_blocks(self.keys, self.values, at, to, self.blocks.cold.capacity)
-        mx.async_eval(self.cold.keys, self.cold.values)
+        mx.async_eval(self.cold.blobs)
         self._update_bytes_per_block()
 
     def _update_bytes_per_block(self) -> None:

@@ -1,16 +1,19 @@
 """The cold tier's arrays: quantized blocks of a layer group, and reads that mix both tiers.
 
 A ``ColdStore`` holds K and V of every cold slot of every layer of its group in
-MLX's affine format: packed values, scales and biases, each one array
-``[layers, cold_blocks, block_size, n_kv_heads, ...]``. A decode step hands the
-kernels these six arrays, whatever the number of layers, and each layer's
-launch reads its own rows at an offset: every array a step's graph holds costs
-the host time to walk and replay (BENCHMARKS.md, run 443). ``TierPlan`` and
-``read_tiered`` read rows of block ids whose blocks lie in either tier: hot
-ones gathered as ``take_blocks`` does, cold ones dequantized.
+MLX's affine format: packed values, scales and biases. Each cold block of a
+layer is one record of ``uint32`` words (``ColdLayout``), and the records of
+every layer of a stack make one array ``(layers, cold_blocks, words)``. A decode
+step hands the kernels that one array, whatever the number of layers, and each
+layer's launch reads its own records at an offset: every input a launch takes
+costs the host time to bind and replay (BENCHMARKS.md, runs 443 and 536).
+``TierPlan`` and ``read_tiered`` read rows of block ids whose blocks lie in
+either tier: hot ones gathered as ``take_blocks`` does, cold ones dequantized.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import mlx.core as mx
 
@@ -22,15 +25,100 @@ from .read import take_blocks
 Quantized = tuple[mx.array, mx.array, mx.array]
 
 
+class ColdLayout(NamedTuple):
+    """Where a cold block's parts lie in its record of ``uint32`` words.
+
+    A record holds K's packed words ``(block_size, k_heads, k_words)``, then V's
+    ``(block_size, v_heads, v_words)``, then in ``dtype`` K's scales and biases
+    ``(block_size, k_heads, k_groups)`` each and V's ``(block_size, v_heads,
+    v_groups)`` each, padded to a multiple of four words (16-byte records). The
+    decode kernels compute the same offsets (``paged_decode.kernel``).
+    """
+
+    block_size: int
+    k_heads: int
+    k_words: int
+    k_groups: int
+    v_heads: int
+    v_words: int
+    v_groups: int
+    dtype: mx.Dtype
+
+    @classmethod
+    def of(cls, keys: Quantized, values: Quantized) -> ColdLayout:
+        """The layout of blocks whose parts are like ``(..., block_size, heads, x)``."""
+        (kq, ks, _), (vq, vs, _) = keys, values
+        return cls(*kq.shape[-3:], ks.shape[-1], *vq.shape[-2:], vs.shape[-1], ks.dtype)
+
+    def _spans(self) -> tuple[list[tuple[int, tuple[int, ...]]], int, int]:
+        """The parts' ``(size, shape)`` in record order, the words before the scales,
+        and the record's words."""
+        bs, hk, hv = self.block_size, self.k_heads, self.v_heads
+        shapes = [
+            (bs, hk, self.k_words),
+            (bs, hv, self.v_words),
+            (bs, hk, self.k_groups),
+            (bs, hk, self.k_groups),
+            (bs, hv, self.v_groups),
+            (bs, hv, self.v_groups),
+        ]
+        spans = [(s[0] * s[1] * s[2], s) for s in shapes]
+        packed = spans[0][0] + spans[1][0]
+        scales = sum(n for n, _ in spans[2:]) * self.dtype.size // 4
+        return spans, packed, (packed + scales + 3) // 4 * 4
+
+    @property
+    def words(self) -> int:
+        """``uint32`` words of one block's record."""
+        return self._spans()[2]
+
+    def split(self, records: mx.array) -> tuple[Quantized, Quantized]:
+        """``(..., words)`` records as K's and V's ``(..., block_size, heads, x)`` parts."""
+        spans, packed, _ = self.spans_checked(records)
+        lead = records.shape[:-1]
+        (nk, sk), (nv, sv) = spans[:2]
+        kq = records[..., :nk].reshape(*lead, *sk)
+        vq = records[..., nk:packed].reshape(*lead, *sv)
+        n_scales = sum(n for n, _ in spans[2:])
+        flat = records[..., packed:].view(self.dtype)[..., :n_scales]
+        parts, at = [], 0
+        for n, shape in spans[2:]:
+            parts.append(flat[..., at : at + n].reshape(*lead, *shape))
+            at += n
+        return (kq, parts[0], parts[1]), (vq, parts[2], parts[3])
+
+    def join(self, keys: Quantized, values: Quantized) -> mx.array:
+        """K's and V's ``(..., block_size, heads, x)`` parts as ``(..., words)`` records."""
+        spans, packed, words = self._spans()
+        lead = keys[0].shape[:-3]
+        flat = lambda x: x.reshape(*lead, -1)  # noqa: E731
+        scales = [flat(x.astype(self.dtype)) for x in (*keys[1:], *values[1:])]
+        tail = mx.concatenate(scales, axis=-1).view(mx.uint32)
+        pad = words - packed - tail.shape[-1]
+        rows = [flat(keys[0]), flat(values[0]), tail]
+        if pad:
+            rows.append(mx.zeros((*lead, pad), dtype=mx.uint32))
+        return mx.concatenate(rows, axis=-1)
+
+    def spans_checked(self, records: mx.array) -> tuple[list, int, int]:
+        """``_spans()``, after checking ``records`` are this layout's."""
+        spans = self._spans()
+        if records.dtype != mx.uint32 or records.shape[-1] != spans[2]:
+            raise ValueError(
+                f"cold records {records.shape} {records.dtype} for a layout of "
+                f"{spans[2]} uint32 words."
+            )
+        return spans
+
+
 class ColdStore:
     """The quantized blocks of one layer group.
 
-    Layers whose cold parts share shapes and dtypes share a stack: ``keys`` holds
-    K's (packed values, scales, biases) of stack ``s`` at ``keys[3 * s : 3 * s + 3]``,
-    each ``(layers of the stack, slots, block_size, n_kv_heads, ...)``, and ``values``
-    V's alike; ``where[layer]`` is a layer's ``(stack, index in it)``, ``None`` before
-    its first cold block. Both lists are only ever updated in place (a compiled decode
-    step takes them as its inputs).
+    Layers whose cold blocks share a layout share a stack: ``blobs[s]``, ``(layers
+    of the stack, slots, layouts[s].words)`` ``uint32``, holds each layer's record
+    of each cold slot; ``where[layer]`` is a layer's ``(stack, index in it)``,
+    ``None`` before its first cold block. ``blobs`` is only ever updated in place
+    (a compiled decode step takes it as an input).
 
     Args:
         num_layers: Layers in the group.
@@ -40,8 +128,8 @@ class ColdStore:
     def __init__(self, num_layers: int, quant: KVQuant):
         self.quant = quant
         self.num_layers = num_layers
-        self.keys: list[mx.array] = []
-        self.values: list[mx.array] = []
+        self.blobs: list[mx.array] = []
+        self.layouts: list[ColdLayout] = []
         self.where: list[tuple[int, int] | None] = [None] * num_layers
 
     def store(self, layer: int, keys: mx.array, values: mx.array, at: mx.array, slots: int) -> None:
@@ -73,125 +161,112 @@ class ColdStore:
 
     def store_layers(self, keys: mx.array, values: mx.array, at: mx.array, slots: int) -> None:
         """Quantize every layer's ``(num_layers, n, bs, H, D)`` K and V into cold slots
-        ``at`` of a tier of ``slots``: one quantization and one write per array when the
-        layers make one stack in order (the usual case), else layer by layer."""
+        ``at`` of a tier of ``slots``: one quantization and one write when the layers
+        make one stack in order (the usual case), else layer by layer."""
         k, v = self.quant.quantize(keys), self.quant.quantize(values)
-        if not self.keys:
-            self._stack_all([x[0] for x in k], [x[0] for x in v], slots)
+        layout = ColdLayout.of(k, v)
+        if not self.blobs:
+            self._new_stack(layout, slots, self.num_layers)
+            self.where = [(0, layer) for layer in range(self.num_layers)]
         if self.where != [(0, layer) for layer in range(self.num_layers)]:
             for layer in range(self.num_layers):
                 parts = [tuple(x[layer] for x in q) for q in (k, v)]
                 self.write(layer, *parts, at, slots)
             return
         self._grow(slots)
-        for held, parts in ((self.keys, k), (self.values, v)):
-            for i, new in enumerate(parts):
-                held[i][:, at] = new
+        self.blobs[0][:, at] = layout.join(k, v)
 
     def write(
         self, layer: int, keys: Quantized, values: Quantized, at: mx.array, slots: int
     ) -> None:
         """Put one layer's quantized ``(n, bs, H, ...)`` K and V parts into cold slots
         ``at`` of a tier of ``slots`` (e.g. blocks read back from disk)."""
-        s, i = self._place(layer, keys, values, slots)
-        for held, parts in ((self.keys, keys), (self.values, values)):
-            for j, new in enumerate(parts):
-                held[3 * s + j][i, at] = new
+        layout = ColdLayout.of(keys, values)
+        s, i = self._place(layer, layout, slots)
+        self.blobs[s][i, at] = layout.join(keys, values)
 
     def write_layers(
         self, layers: list[tuple[Quantized, Quantized]], at: mx.array, slots: int
     ) -> None:
         """Put each layer's quantized ``(n, bs, H, ...)`` K and V parts into cold slots
-        ``at`` of a tier of ``slots``; into a fresh store whose layers share their parts'
-        shapes, as one stack made at once (not grown a layer at a time)."""
-        first = _signature(*layers[0][0], *layers[0][1])
-        if not self.keys and all(_signature(*k, *v) == first for k, v in layers):
-            self._stack_all(*layers[0], slots)
+        ``at`` of a tier of ``slots``; into a fresh store whose layers share a layout,
+        as one stack made at once (not grown a layer at a time)."""
+        layouts = [ColdLayout.of(k, v) for k, v in layers]
+        if not self.blobs and len(set(layouts)) == 1:
+            self._new_stack(layouts[0], slots, self.num_layers)
+            self.where = [(0, layer) for layer in range(self.num_layers)]
         for layer, (k, v) in enumerate(layers):
             self.write(layer, k, v, at, slots)
 
     def read(self, layer: int, at: mx.array) -> tuple[mx.array, mx.array]:
         """Cold slots ``at`` (any shape) dequantized: ``(*at.shape, bs, H, D)`` K and V."""
-        k, v, i = self.stack(layer)
-        q = self.quant
-        return q.dequantize(tuple(x[i, at] for x in k)), q.dequantize(tuple(x[i, at] for x in v))
+        k, v = self.parts(layer, at)
+        return self.quant.dequantize(k), self.quant.dequantize(v)
 
-    def stack(self, layer: int) -> tuple[Quantized, Quantized, int]:
-        """The K and V parts of a layer's stack, and the layer's index in it (the layer
-        must hold cold blocks)."""
+    def parts(self, layer: int, at: mx.array) -> tuple[Quantized, Quantized]:
+        """Cold slots ``at`` (any shape) of a layer as K's and V's quantized
+        ``(*at.shape, bs, H, ...)`` parts (the layer must hold cold blocks)."""
         s, i = self.where[layer]
-        return tuple(self.keys[3 * s : 3 * s + 3]), tuple(self.values[3 * s : 3 * s + 3]), i
+        return self.layouts[s].split(self.blobs[s][i, at])
 
     def layer_parts(self, layer: int) -> tuple[Quantized, Quantized] | None:
         """One layer's K and V parts, each ``(slots, bs, H, ...)``; ``None`` before its
         first cold block."""
         if self.where[layer] is None:
             return None
-        k, v, i = self.stack(layer)
-        return tuple(x[i] for x in k), tuple(x[i] for x in v)
+        s, i = self.where[layer]
+        return self.layouts[s].split(self.blobs[s][i])
+
+    def stack(self, layer: int) -> tuple[mx.array, ColdLayout, int]:
+        """A layer's stack: its records, their layout, and the layer's index in it (the
+        layer must hold cold blocks)."""
+        s, i = self.where[layer]
+        return self.blobs[s], self.layouts[s], i
 
     def adopt(self, layer: int, keys: Quantized, values: Quantized) -> None:
         """Install a layer's existing arrays (every cold slot), e.g. from a saved cache."""
         slots = keys[0].shape[0]
-        s, i = self._place(layer, keys, values, slots)
-        if self.keys[3 * s].shape[1] != slots:
-            raise ValueError(f"expected {self.keys[3 * s].shape[1]} cold blocks, got {slots}.")
-        for held, parts in ((self.keys, keys), (self.values, values)):
-            for j, new in enumerate(parts):
-                held[3 * s + j][i] = new
+        layout = ColdLayout.of(keys, values)
+        s, i = self._place(layer, layout, slots)
+        if self.blobs[s].shape[1] != slots:
+            raise ValueError(f"expected {self.blobs[s].shape[1]} cold blocks, got {slots}.")
+        self.blobs[s][i] = layout.join(keys, values)
 
     def layer_bytes_per_block(self, layer: int) -> int:
         """Bytes one cold block takes in one layer (0 before its first cold block)."""
         if self.where[layer] is None:
             return 0
-        k, v, _ = self.stack(layer)
-        return sum(x.nbytes // max(x.shape[0] * x.shape[1], 1) for x in (*k, *v))
+        return self.layouts[self.where[layer][0]].words * 4
 
     def bytes_per_block(self) -> int:
         """Bytes one cold block takes over every layer."""
         return sum(self.layer_bytes_per_block(layer) for layer in range(self.num_layers))
 
-    def _place(self, layer: int, keys: Quantized, values: Quantized, slots: int) -> tuple[int, int]:
+    def _place(self, layer: int, layout: ColdLayout, slots: int) -> tuple[int, int]:
         """A layer's ``(stack, index)``: on its first write a new row of the stack of its
-        parts' shapes and dtypes (or a new stack); every stack grown to ``slots``."""
+        layout (or a new stack); every stack grown to ``slots``."""
         if self.where[layer] is None:
-            sig = _signature(*keys, *values)
-            stacks = range(len(self.keys) // 3)
-            same = [s for s in stacks if self._stack_signature(s) == sig]
-            if same:
-                s = same[0]
-                self.where[layer] = (s, self.keys[3 * s].shape[0])
-                for held in (self.keys, self.values):
-                    held[3 * s : 3 * s + 3] = [
-                        grow_rows(x, x.shape[0] + 1) for x in held[3 * s : 3 * s + 3]
-                    ]
+            if layout in self.layouts:
+                s = self.layouts.index(layout)
+                self.where[layer] = (s, self.blobs[s].shape[0])
+                self.blobs[s] = grow_rows(self.blobs[s], self.blobs[s].shape[0] + 1)
             else:
-                self.where[layer] = (len(stacks), 0)
-                self._new_stack([x[None] for x in keys], [x[None] for x in values], slots, 1)
+                self.where[layer] = (len(self.blobs), 0)
+                self._new_stack(layout, slots, 1)
+        elif self.layouts[self.where[layer][0]] != layout:
+            raise ValueError(f"cold blocks of layer {layer} in another layout: {layout}")
         self._grow(slots)
         return self.where[layer]
 
-    def _stack_signature(self, s: int) -> list[tuple]:
-        """Stack ``s``'s parts' shapes past ``(layers, slots)``, and dtypes."""
-        parts = (*self.keys[3 * s : 3 * s + 3], *self.values[3 * s : 3 * s + 3])
-        return [(x.shape[2:], x.dtype) for x in parts]
-
-    def _stack_all(self, keys: Quantized, values: Quantized, slots: int) -> None:
-        """Make one stack for every layer, each layer's parts like ``(n, bs, H, ...)``
-        ``keys`` and ``values``."""
-        self._new_stack([x[None] for x in keys], [x[None] for x in values], slots, self.num_layers)
-        self.where = [(0, layer) for layer in range(self.num_layers)]
-
-    def _new_stack(self, keys: Quantized, values: Quantized, slots: int, layers: int) -> None:
-        """Append a zero-filled stack of ``layers`` for parts like ``(layers, n, ...)``."""
-        for held, parts in ((self.keys, keys), (self.values, values)):
-            held += [mx.zeros((layers, slots, *x.shape[2:]), dtype=x.dtype) for x in parts]
+    def _new_stack(self, layout: ColdLayout, slots: int, layers: int) -> None:
+        """Append a zero-filled stack of ``layers`` for blocks of ``layout``."""
+        self.blobs.append(mx.zeros((layers, slots, layout.words), dtype=mx.uint32))
+        self.layouts.append(layout)
 
     def _grow(self, slots: int) -> None:
         """Every stack with zero-filled slots up to ``slots``."""
-        for held in (self.keys, self.values):
-            if held and held[0].shape[1] < slots:
-                held[:] = [grow_rows(x, slots, axis=1) for x in held]
+        if any(x.shape[1] < slots for x in self.blobs):
+            self.blobs[:] = [grow_rows(x, slots, axis=1) for x in self.blobs]
 
 
 class TierPlan:
@@ -258,11 +333,6 @@ def read_tiered(
             head = mx.where(plan.mask, frozen, hot[:, :, : c * bs])
             out.append(mx.concatenate([head, hot[:, :, c * bs :]], axis=2))
     return out[0], out[1]
-
-
-def _signature(*parts: mx.array) -> list[tuple]:
-    """Parts' shapes past their first axis, and dtypes: what a stack's rows share."""
-    return [(x.shape[1:], x.dtype) for x in parts]
 
 
 def grow_rows(x: mx.array | None, rows: int, axis: int = 0) -> mx.array | None:

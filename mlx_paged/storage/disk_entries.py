@@ -59,10 +59,10 @@ def block_parts(
             model = dtype_name(pool.input_dtypes[layer])
             for which in "kv":
                 if cold[g]:  # quantized: packed values, scales, biases
-                    *held, i = pool.cold.stack(layer)
-                    for part, x in zip("qsb", held[which == "v"], strict=True):
+                    held = pool.cold.parts(layer, at)[which == "v"]
+                    for part, x in zip("qsb", held, strict=True):
                         names.append(f"{g}.{layer}.{which}{part}.{dtype_name(x.dtype)}.{model}")
-                        parts.append(x[i, at])
+                        parts.append(x)
                 else:
                     x = (pool.keys if which == "k" else pool.values)[layer]
                     names.append(f"{g}.{layer}.{which}.{dtype_name(x.dtype)}.{model}")
@@ -366,7 +366,7 @@ def host_state(entries: list[int], arrays: dict[str, np.ndarray]) -> State | Non
 
 def pool_arrays(pool: KVPool) -> list[mx.array]:
     """Every array a pool holds, both tiers."""
-    cold = [] if pool.cold is None else [*pool.cold.keys, *pool.cold.values]
+    cold = [] if pool.cold is None else pool.cold.blobs
     return [a for a in (*pool.keys, *pool.values) if a is not None] + cold
 
 

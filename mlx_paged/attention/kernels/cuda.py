@@ -93,18 +93,14 @@ HEADER, DECODE_SOURCE = decode_source("cuda", merge_inline=True)
 
 _INPUTS = [
     *("queries", "keys", "values", "block_tables", "starts", "lengths", "sinks", "counters"),
-    *("cold_keys", "cold_kscales", "cold_kbiases", "cold_values", "cold_vscales", "cold_vbiases"),
-    *("new_keys", "new_values"),
+    *("cold", "new_keys", "new_values"),
 ]
 _OUTPUTS = ["out", "part_out", "part_max", "part_sum"]
 # Inputs a launch leaves out (passes as None) when its template set does not read them:
-# sinks without SINKS, counters without splits, the cold tier's arrays without QBITS, the
+# sinks without SINKS, counters without splits, the cold tier's records without QBITS, the
 # new K/V rows without FW.
-_ABSENT = {"sinks": mx.float32, "counters": mx.int32, "new_keys": "T", "new_values": "T"}
-_ABSENT |= {
-    **dict.fromkeys(("cold_keys", "cold_values"), mx.uint32),
-    **dict.fromkeys(("cold_kscales", "cold_kbiases", "cold_vscales", "cold_vbiases"), "T"),
-}
+_ABSENT = {"sinks": mx.float32, "counters": mx.int32, "cold": mx.uint32}
+_ABSENT |= {"new_keys": "T", "new_values": "T"}
 _kernel_obj: list[object] = []
 #: Per decode variant launched (its base template and input signature), what ``prebuild``
 #: needs to build that variant's other warp, row and split layouts.
@@ -216,7 +212,7 @@ def _make_launch(
     kernel_templates.add(("cuda_paged_decode", *template, *layouts))
     if (num_warps, rows, head_warps, prefetch, lane_bytes) == (None,) * 5:
         main = [queries, view.keys, view.values, view.block_tables, view.starts, view.lengths]
-        cold_parts = [*view.cold.keys, *view.cold.values] if bits else []
+        cold_parts = [view.cold.blob] if bits else []
         _variants.setdefault(
             (tuple(template), fw),
             (
@@ -242,15 +238,15 @@ def _make_launch(
     cold = view.cold is not None
 
     def kernel_call(base, q, keys, values, tables, starts, lengths, *rest):
-        # rest: the sinks (with SINKS), the six cold-tier arrays (with a cold tier), then
+        # rest: the sinks (with SINKS), the cold tier's records (with a cold tier), then
         # the new K/V rows (with FW)
         sinks = rest[0] if has_sinks else None
         new = list(rest[-2:]) if fw else [None] * 2
-        cold_arrays = [_narrow(x) for x in rest[has_sinks : has_sinks + 6]] if cold else [None] * 6
+        records = _narrow(rest[has_sinks]) if cold else None
         keys, values = _narrow(keys), _narrow(values)
         counters = mx.zeros((slots,), dtype=mx.int32) if slots else None
         return _kernel()(
-            inputs=[q, keys, values, tables, starts, lengths, sinks, counters, *cold_arrays, *new],
+            inputs=[q, keys, values, tables, starts, lengths, sinks, counters, records, *new],
             template=template,
             grid=grid,
             threadgroup=threads,
@@ -259,7 +255,7 @@ def _make_launch(
             scalars={"cold_base": base} if cold else None,
         )[0]
 
-    # The cold arrays stack the blocks of several layers, and a layer's start in them
+    # The cold records stack the blocks of several layers, and a layer's start in them
     # (cold_base) is a scalar of the launch: one replay per start, all in this one launch.
     replays: dict[int, Callable[..., mx.array]] = {}
 
@@ -267,8 +263,8 @@ def _make_launch(
         rest = [_as(sinks, mx.float32)] if has_sinks else []
         base = 0
         if cold:
-            rest += [*view.cold.keys, *view.cold.values]
-            base = view.cold.layer * view.cold.keys[0].shape[1]
+            rest.append(view.cold.blob)
+            base = view.cold.layer * view.cold.blob.shape[1]
         if fw:
             rest += [view.new_keys, view.new_values]
         if base not in replays:
@@ -312,7 +308,7 @@ def prebuild() -> int:
         rows = {rows_per_step(plan.dk, plan.dv, itemsize, r, plan.cold_elems) for r in row_bases}
         inputs = [_stand_in(x) for x in main]
         sinks = _stand_in((mx.float32, 1)) if has_sinks else None
-        cold_inputs = [_stand_in(x) for x in cold] if cold else [None] * 6
+        records = _stand_in(cold[0]) if cold else None
         new = [_stand_in((main[1][0], 4))] * 2 if fw else [None] * 2
         counters = _stand_in((mx.int32, 1))
         outputs = [main[0][0], mx.float32, mx.float32, mx.float32]
@@ -321,7 +317,7 @@ def prebuild() -> int:
             wh, _ = warp_layout(groups, nw, HEAD_WARPS)
             for rs in sorted(rows):
                 template = [*base, ("NW", nw), ("WH", wh), ("RS", rs), ("PF", pf), ("FW", fw)]
-                args = [*inputs, sinks, counters if split else None, *cold_inputs, *new]
+                args = [*inputs, sinks, counters if split else None, records, *new]
                 if build(args, template, outputs, ["cold_base"] if cold else []):
                     kernel_templates.add(("cuda_paged_decode", *template))
                     built += 1

@@ -52,8 +52,7 @@ MERGE_HEADER, MERGE_SOURCE = merge_source("metal")
 
 _INPUTS = [
     *("queries", "keys", "values", "block_tables", "starts", "lengths", "sinks"),
-    *("cold_keys", "cold_kscales", "cold_kbiases", "cold_values", "cold_vscales", "cold_vbiases"),
-    "cold_base",
+    *("cold", "cold_base"),
 ]
 _kernels: dict[str, object] = {}
 

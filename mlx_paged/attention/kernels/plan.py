@@ -130,36 +130,30 @@ def _cold_reason(view: PagedView, dk: int, dv: int, per: int) -> str | None:
     # A lane takes per elements of a cold row, within one group; a row takes 1-32 lanes.
     if not all(_lanes_ok(d, per) and d <= 32 * per for d in (dk, dv)):
         return f"head dims {dk}/{dv} do not split into lanes of {per} {cold.bits}-bit elements"
-    if cold.keys[0].ndim != 5 or cold.values[0].shape[:2] != cold.keys[0].shape[:2]:
-        return f"cold stacks {cold.keys[0].shape} and {cold.values[0].shape}"
-    if not 0 <= cold.layer < cold.keys[0].shape[0]:
-        return f"cold layer {cold.layer} of a stack of {cold.keys[0].shape[0]}"
-    for parts, d in ((cold.keys, dk), (cold.values, dv)):
-        words, scales, biases = parts
-        lead = words.shape[:4]  # (layers, cold blocks, block size, KV heads)
-        if words.dtype != mx.uint32 or words.ndim != 5 or words.shape[4] * 32 != d * cold.bits:
-            return f"cold words {words.shape} {words.dtype} for head dim {d}"
-        if lead[2:] != view.keys.shape[1:3] or scales.shape != biases.shape:
-            return f"cold blocks {lead} for a pool of {view.keys.shape}"
-        if scales.shape != (*lead, d // cold.group_size) or scales.dtype != view.keys.dtype:
-            return f"cold scales {scales.shape} {scales.dtype} for a {view.keys.dtype} pool"
-        if biases.dtype != scales.dtype:
-            return f"cold biases {biases.dtype}"
+    blob, layout = cold.blob, cold.layout
+    bs, n_kv = view.keys.shape[1:3]
+    want = (bs, n_kv, dk * cold.bits // 32, dk // cold.group_size)
+    want += (n_kv, dv * cold.bits // 32, dv // cold.group_size, view.keys.dtype)
+    if layout != want:
+        return f"cold blocks {layout} for a pool of {view.keys.shape} {view.keys.dtype}"
+    if blob.dtype != mx.uint32 or blob.ndim != 3 or blob.shape[2] != layout.words:
+        return f"cold records {blob.shape} {blob.dtype} for {layout.words}-word blocks"
+    if not 0 <= cold.layer < blob.shape[0]:
+        return f"cold layer {cold.layer} of a stack of {blob.shape[0]}"
     return None
 
 
 def cold_inputs(view: PagedView) -> list[mx.array]:
-    """The Metal kernel's seven cold-tier inputs: packed words, scales and biases of K,
-    then V, then the first row of the view's layer in them (``cold_base``); placeholders
-    when the batch has no cold block."""
+    """The Metal kernel's two cold-tier inputs: the stack's records (``ColdView.blob``)
+    and the first record of the view's layer in them (``cold_base``); placeholders when
+    the batch has no cold block."""
     if view.cold is None:
-        words, scale = placeholder(mx.uint32), placeholder(view.keys.dtype)
-        return [words, scale, scale, words, scale, scale, placeholder(mx.int32)]
-    base = view.cold.layer * view.cold.keys[0].shape[1]
+        return [placeholder(mx.uint32), placeholder(mx.int32)]
+    base = view.cold.layer * view.cold.blob.shape[1]
     if base not in _bases:
         _bases[base] = mx.array([base], dtype=mx.int32)
         mx.eval(_bases[base])
-    return [*view.cold.keys, *view.cold.values, _bases[base]]
+    return [view.cold.blob, _bases[base]]
 
 
 #: Per first row, an evaluated one-element array holding it (a launch adds no op).
@@ -215,7 +209,7 @@ def call_key(
     cold = (
         None
         if view.cold is None
-        else (view.cold.keys[0].shape, view.cold.bits, view.cold.group_size)
+        else (view.cold.blob.shape, view.cold.layout, view.cold.bits, view.cold.group_size)
     )
     return (
         queries.shape,

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from ...blocks import COLD
+from ...storage.cold import ColdLayout
 from ..records import ColdView, PagedView, PrefillView
 
 
@@ -119,15 +120,11 @@ def _cold_view(keys: list, values: list, bits: int, group_size: int) -> ColdView
     """The cold blocks stacked into a ``ColdView`` of layer 1 of three: layers 0 and 2
     hold the same blocks with scales and biases far off, so a kernel that reads another
     layer's rows shows it."""
-
-    def stack(held: list) -> tuple[mx.array, mx.array, mx.array]:
-        words, scales, biases = (mx.stack([p[i] for p in held]) for i in range(3))
-        junk = (words, scales + 1000, biases + 3e4)
-        return tuple(
-            mx.stack([j, x, j]) for x, j in zip((words, scales, biases), junk, strict=True)
-        )
-
-    return ColdView(stack(keys), stack(values), bits, group_size, layer=1)
+    k, v = ([mx.stack([p[i] for p in held]) for i in range(3)] for held in (keys, values))
+    layout = ColdLayout.of(k, v)
+    junk = [(w, s + 1000, b + 3e4) for w, s, b in (k, v)]
+    layers = [layout.join(*junk), layout.join(k, v), layout.join(*junk)]
+    return ColdView(mx.stack(layers), layout, bits, group_size, layer=1)
 
 
 def dense_decode(batch: PagedBatch, scale: float) -> mx.array:
