@@ -112,7 +112,7 @@ def record_shapes(engine: PagedEngine) -> tuple[list[tuple], list[list[int] | No
         if engine.runner.states is not None:
             state += [a.shape for layer in engine.runner.states.arrays for a in layer]
         colds = [p.cold for p in pools if p.cold is not None]  # a cold tier grows too
-        state += [a.shape for c in colds for a in (*c.keys, *c.values)]
+        state += [a.shape for c in colds for a in c.blobs]
         shapes.append((*[(a.shape, a.dtype) for a in args], *state, cold))
         return forward(cold, *args)
 
