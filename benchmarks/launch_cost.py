@@ -15,8 +15,8 @@ evaluated between groups, and the median microseconds per call are printed:
 
 With ``--kv-bits 8|4``, ``compiled launch, cold`` is the same call over a batch whose
 blocks lie in a quantized cold tier (two of every three, as ``random_paged_batch``
-leaves them), the cold tier's records (one array) a further input. Then, for the two compiled launches,
-``--chains`` chains of 16 calls (a model's layers) are built and dispatched with
+leaves them), the cold tier's records (one array) a further input. Then, for the two
+compiled launches, ``--chains`` chains of 16 calls (a model's layers) are built and dispatched with
 ``mx.async_eval``, each chain waited for outside the clock, and the median microseconds
 per call of each part are printed: where a cold launch's host time goes, beside the
 step around it.

@@ -74,7 +74,12 @@ class ColdLayout(NamedTuple):
 
     def split(self, records: mx.array) -> tuple[Quantized, Quantized]:
         """``(..., words)`` records as K's and V's ``(..., block_size, heads, x)`` parts."""
-        spans, packed, _ = self.spans_checked(records)
+        spans, packed, words = self._spans()
+        if records.dtype != mx.uint32 or records.shape[-1] != words:
+            raise ValueError(
+                f"cold records {records.shape} {records.dtype} for a layout of {words} "
+                "uint32 words."
+            )
         lead = records.shape[:-1]
         (nk, sk), (nv, sv) = spans[:2]
         kq = records[..., :nk].reshape(*lead, *sk)
@@ -89,26 +94,15 @@ class ColdLayout(NamedTuple):
 
     def join(self, keys: Quantized, values: Quantized) -> mx.array:
         """K's and V's ``(..., block_size, heads, x)`` parts as ``(..., words)`` records."""
-        spans, packed, words = self._spans()
+        _, packed, words = self._spans()
         lead = keys[0].shape[:-3]
-        flat = lambda x: x.reshape(*lead, -1)  # noqa: E731
-        scales = [flat(x.astype(self.dtype)) for x in (*keys[1:], *values[1:])]
-        tail = mx.concatenate(scales, axis=-1).view(mx.uint32)
-        pad = words - packed - tail.shape[-1]
-        rows = [flat(keys[0]), flat(values[0]), tail]
+        scales = [x.astype(self.dtype).reshape(*lead, -1) for x in (*keys[1:], *values[1:])]
+        rows = [keys[0].reshape(*lead, -1), values[0].reshape(*lead, -1)]
+        rows.append(mx.concatenate(scales, axis=-1).view(mx.uint32))
+        pad = words - packed - rows[-1].shape[-1]
         if pad:
             rows.append(mx.zeros((*lead, pad), dtype=mx.uint32))
         return mx.concatenate(rows, axis=-1)
-
-    def spans_checked(self, records: mx.array) -> tuple[list, int, int]:
-        """``_spans()``, after checking ``records`` are this layout's."""
-        spans = self._spans()
-        if records.dtype != mx.uint32 or records.shape[-1] != spans[2]:
-            raise ValueError(
-                f"cold records {records.shape} {records.dtype} for a layout of "
-                f"{spans[2]} uint32 words."
-            )
-        return spans
 
 
 class ColdStore:
