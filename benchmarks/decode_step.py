@@ -1,6 +1,7 @@
 """Workload W's decode step at batch B: the engine's host phases against a dense batch.
 
-B requests share a ``--system``-token prompt and add ``--unique`` tokens each.
+B requests share a ``--system``-token prompt and add ``--unique`` tokens each (request i
+``--stagger`` times i more, so that their lengths differ).
 ``paged``: once every request has its first token, ``--steps`` engine steps
 (overlapped, compiled: as the server runs them), with the step's wall time
 (p10, p50, p90) and the engine's host phases per step (``StepClock``: ``build``
@@ -50,7 +51,7 @@ import random
 import re
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import mlx.core as mx
 from mlx_lm import load
@@ -132,6 +133,16 @@ def spread(times: list[float]) -> str:
     return (
         f"p10 {q[0] * 1e3:.2f}, p50 {statistics.median(times) * 1e3:.2f}, p90 {q[-1] * 1e3:.2f} ms"
     )
+
+
+def workloads(vocab: int, args) -> Iterator[list[list[int]]]:
+    """Each ``--batch`` size's prompts: the ``--system`` tokens they share, then ``--unique``
+    tokens each (request i ``--stagger`` times i more)."""
+    rng = random.Random(0)
+    system = [rng.randrange(vocab) for _ in range(args.system)]
+    for b in args.batch:
+        unique = [args.unique + i * args.stagger for i in range(b)]
+        yield [system + [rng.randrange(vocab) for _ in range(n)] for n in unique]
 
 
 def ready_engine(model, prompts: list[list[int]], args, kv_bits: int | None) -> PagedEngine:
@@ -303,6 +314,9 @@ def main() -> None:
     )
     parser.add_argument("--system", type=int, default=2048)
     parser.add_argument("--unique", type=int, default=64)
+    parser.add_argument(
+        "--stagger", type=int, default=0, help="request i adds i * STAGGER more unique tokens"
+    )
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--graph", action="store_true", help="count one step's primitives")
     parser.add_argument("--kv-bits", type=int, choices=[4, 8], help="paged: a quantized cold tier")
@@ -370,11 +384,7 @@ def main() -> None:
         print(f"fused {fuse_projections(model)} projection groups")
     if args.few_row_matmuls:
         print(f"{few_row_matmuls(model)} layers take few rows in a kernel")
-    rng = random.Random(0)
-    vocab = model.args.vocab_size
-    system = [rng.randrange(vocab) for _ in range(args.system)]
-    for b in args.batch:
-        prompts = [system + [rng.randrange(vocab) for _ in range(args.unique)] for _ in range(b)]
+    for prompts in workloads(model.args.vocab_size, args):
         for case in args.cases:
             {"paged": paged, "dense": dense}[case](model, prompts, args)
 

@@ -220,8 +220,10 @@ def test_compiled_steps_over_the_cold_tier_give_the_uncompiled_tokens(bits):
     steps whose tables hold cold blocks trace apart from the others and read both tiers
     (on the CPU through a plan made from the padded tables, against the host's plan of the
     uncompiled step), with the tokens of the uncompiled engine."""
-    rng = random.Random(3)  # 64 tokens move to the cold tier together: 80 tokens or more
-    batch = [[rng.randrange(VOCAB) for _ in range(60 + 8 * i)] for i in range(4)]
+    # 64 tokens move to the cold tier together once a request holds 80: the last one after
+    # its 6th step, and every other request's blocks behind its hot tail with them.
+    rng = random.Random(3)
+    batch = [[rng.randrange(VOCAB) for _ in range(50 + 8 * i)] for i in range(4)]
     budgets = [2 * MAX_TOKENS, 5, 9, MAX_TOKENS]
     model = tiny_model("llama", head_dim=32)  # quantized in groups of 32
     engines = [

@@ -124,24 +124,29 @@ class KVPool(LayerArrays):
     # ---- the cold tier ----------------------------------------------------
 
     def maybe_migrate(self, tables: list[BlockTable]) -> int:
-        """Quantize the blocks behind each table's hot tail once enough are due; return how many.
+        """Quantize the blocks behind the tables' hot tails once one table has enough due;
+        return how many moved.
 
-        Call between steps (before a step's first write). The blocks of all
-        ``tables`` move together: one pass re-points every table holding one,
-        one quantization per layer; the hot blocks go back to the pool.
+        Call between steps (before a step's first write). Once any table has a batch
+        due (``KVQuant.migrate_blocks``), every table's due blocks move with it: one
+        pass re-points every table holding one, one quantization for all layers; the
+        hot blocks go back to the pool. A migration's host work is mostly the same
+        whatever it moves, so sequences of staggered lengths share one every batch
+        of tokens instead of taking one each.
         """
         q = self.quant
         if q is None or self.keys[0] is None:
             return 0
-        batch, due = q.migrate_blocks(self.block_size), []
+        batch, due, ready = q.migrate_blocks(self.block_size), [], False
         for t in tables:
             n = (min(t.lengths) - q.hot_tokens) // self.block_size - t.first
-            if n >= batch:
+            if n > 0:
                 blocks = t.derived(
                     "cold_due", (t.version, n), lambda t=t: self.cold_candidates(t, q.hot_tokens)
                 )
-                due += blocks if len(blocks) >= batch else []
-        if not due:
+                due += blocks
+                ready = ready or len(blocks) >= batch
+        if not ready:
             return 0
         moved = self.migrate(due)
         if moved:

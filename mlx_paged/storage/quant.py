@@ -11,7 +11,8 @@ KV_BITS = (4, 8)
 #: Group sizes ``mx.quantize`` supports.
 GROUP_SIZES = (32, 64, 128)
 #: Blocks move to the cold tier once this many of a sequence's tokens are due, whole
-#: blocks at a time (at least one block).
+#: blocks at a time (at least one block); the due blocks of every other sequence move
+#: with them.
 MIGRATE_TOKENS = 64
 
 
