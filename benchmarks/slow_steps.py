@@ -6,8 +6,9 @@ the cold one) run in one process, taking turns for ``--rounds`` rounds of ``--st
 steps. Each step's wall time is kept with what happened in it: blocks moved to the cold
 tier (``migrate``, and its host milliseconds), new traces of the compiled step (and their
 host milliseconds), and whether a block pool grew. Per engine and round it prints the mean
-and median step, the total, the time of the steps that migrated, traced or grew, and the
-steps slower than twice the median.
+and median step, the total, the time of the steps that migrated, traced or grew, the
+engine's host time a step by phase (``StepClock``; ``wait`` is the read of the previous
+step's tokens, which waits for the GPU), and the steps slower than twice the median.
 
 Usage:
     python benchmarks/slow_steps.py --model /root/l1b --batch 14 --kv-bits 8 \\
@@ -56,6 +57,7 @@ def timed_steps(engine: PagedEngine, steps: int) -> list[Step]:
     out = []
     try:
         mx.synchronize()
+        engine.clock.reset()
         for _ in range(steps):
             traces = compiled.traces if compiled else 0
             traced = compiled.trace_seconds if compiled else 0.0
@@ -78,7 +80,7 @@ def timed_steps(engine: PagedEngine, steps: int) -> list[Step]:
     return out
 
 
-def report(name: str, steps: list[Step]) -> float:
+def report(name: str, steps: list[Step], engine: PagedEngine) -> float:
     """Print one engine's round; return its total milliseconds."""
     ms = [s.ms for s in steps]
     p50 = statistics.median(ms)
@@ -100,6 +102,9 @@ def report(name: str, steps: list[Step]) -> float:
         for s in steps
         if s.ms > 2 * p50
     ]
+    n = max(engine.clock.decode_steps, 1)
+    phases = {k: round(v / n * 1e3, 3) for k, v in engine.clock.seconds.items() if v}
+    print(f"  host ms a step, by phase: {phases}", flush=True)
     print(f"  slower than twice the median: {'; '.join(slow) or 'none'}", flush=True)
     return sum(ms)
 
@@ -137,7 +142,9 @@ def main() -> None:
         }
         for r in range(args.rounds):  # the first to go alternates
             total = {
-                name: report(f"round {r} {name} B={b}", timed_steps(engines[name], args.steps))
+                name: report(
+                    f"round {r} {name} B={b}", timed_steps(engines[name], args.steps), engines[name]
+                )
                 for name in (["full", cold] if r % 2 == 0 else [cold, "full"])
             }
             ratio = total["full"] / total[cold]
