@@ -8,7 +8,8 @@ tier (``migrate``, and its host milliseconds), new traces of the compiled step (
 host milliseconds), and whether a block pool grew. Per engine and round it prints the mean
 and median step, the total, the time of the steps that migrated, traced or grew, the
 engine's host time a step by phase (``StepClock``; ``wait`` is the read of the previous
-step's tokens, which waits for the GPU), and the steps slower than twice the median.
+step's tokens, which waits for the GPU), and the steps slower than twice the median; then
+the ratio of each round's totals and of all rounds' together.
 
 Usage:
     python benchmarks/slow_steps.py --model /root/l1b --batch 14 --kv-bits 8 \\
@@ -140,6 +141,7 @@ def main() -> None:
             "full": ready_engine(model, prompts, args, None),
             cold: ready_engine(model, prompts, args, args.kv_bits),
         }
+        sums = {"full": 0.0, cold: 0.0}
         for r in range(args.rounds):  # the first to go alternates
             total = {
                 name: report(
@@ -149,6 +151,9 @@ def main() -> None:
             }
             ratio = total["full"] / total[cold]
             print(f"round {r} B={b}: cold / full tokens/s {ratio:.3f}x", flush=True)
+            sums = {name: sums[name] + total[name] for name in sums}
+        ratio = sums["full"] / sums[cold]
+        print(f"all rounds B={b}: cold / full tokens/s {ratio:.3f}x", flush=True)
 
 
 if __name__ == "__main__":

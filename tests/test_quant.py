@@ -28,7 +28,7 @@ from mlx_lm.models.cache import (
 from tiny_models import VOCAB, tiny_model
 
 from mlx_paged import PagedEngine, PagedKVCache, make_paged_cache
-from mlx_paged.blocks import COLD, TieredBlockPool, is_cold
+from mlx_paged.blocks import COLD, HOLE, BlockTables, TieredBlockPool, is_cold
 from mlx_paged.cache import PagedLayout, make_pools
 from mlx_paged.embedded import convert_gguf, find_embedded_gguf, load_model
 from mlx_paged.storage import ColdLayout, ColdStore, KVQuant
@@ -417,6 +417,34 @@ def test_tiered_refcounts_match_holders(ops):
     for b in sorted(pool.parked_ids()):
         pool.unpark(b)
     assert pool.num_free == 8 and pool.cold.num_free == pool.cold.capacity
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.lists(st.sampled_from(["hot", "cold", "hole"]), max_size=24),
+    st.lists(st.integers(0, 400), min_size=1, max_size=3),
+    st.integers(0, 4),
+    st.sampled_from([0, 16, 40]),
+    st.integers(0, 5),
+)
+def test_batch_due_agrees_with_the_cold_candidates(kinds, lengths, first, hot, batch):
+    """The one-comparison check says a batch is due exactly when the blocks behind the
+    hot tail number ``batch`` or more, and follows the table as it grows and migrates."""
+    pool = TieredBlockPool(None, BLOCK)
+    tables = BlockTables(len(lengths), BLOCK, pool=pool)
+    table = tables.new_table()
+    for kind in kinds:
+        b = HOLE if kind == "hole" else pool.allocate(1)[0]
+        table.blocks.append(pool.migrate(b) if kind == "cold" else b)
+    table.first = first
+    for step in range(6):  # the same table as it grows, as blocks move, as it gains some
+        table.lengths[:] = [n + step * 12 for n in lengths]
+        due = len(tables.cold_candidates(table, hot)) >= batch
+        assert tables.batch_due(table, hot, batch) == due
+        if step % 2:
+            table.blocks.append(pool.allocate(1)[0])  # as a fresh table is filled: no version
+        else:
+            tables.migrate([b for b in table.blocks[:2] if 0 <= b < COLD])
 
 
 # ---- the cold store: every layer's blocks in one array per part ---------------

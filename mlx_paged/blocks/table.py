@@ -9,6 +9,7 @@ copies a block's bytes where this class only re-points a table. Pure Python.
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -192,6 +193,15 @@ class BlockTables:
         n = (min(table.lengths, default=0) - hot_tokens) // self.block_size - table.first
         return [b for b in table.blocks[: max(n, 0)] if 0 <= b < COLD]
 
+    def batch_due(self, table: BlockTable, hot_tokens: int, batch: int) -> bool:
+        """Whether ``cold_candidates`` would give at least ``batch`` blocks: while the
+        table's blocks stay the same, one comparison of its lengths with the length
+        at which its ``batch``-th hot block falls behind the hot tail."""
+        key = (table.version, table.first, len(table.blocks), hot_tokens, batch)
+        at = table.derived("cold_at", key, _cold_at, table, self.block_size, hot_tokens, batch)
+        lengths = table.lengths
+        return bool(lengths) and lengths[0] >= at and min(lengths) >= at
+
     def migrate(self, blocks: list[int]) -> dict[int, int]:
         """Move hot ``blocks`` (repeats allowed) to the cold tier; return ``{old: new}``.
 
@@ -331,3 +341,14 @@ def _release_quietly(pool: BlockPool, blocks: list[int]) -> None:
     """Finalizer: a table dropped without ``release`` gives its blocks back."""
     _release_held(pool, blocks)
     blocks.clear()
+
+
+def _cold_at(table: BlockTable, block_size: int, hot_tokens: int, batch: int) -> float:
+    """The least length of every layer at which ``batch`` hot blocks of ``table`` lie behind
+    its hot tail; infinite while it holds fewer."""
+    if batch <= 0:
+        return -math.inf
+    hot = [i for i, b in enumerate(table.blocks) if 0 <= b < COLD]
+    if len(hot) < batch:
+        return math.inf
+    return (hot[batch - 1] + 1 + table.first) * block_size + hot_tokens

@@ -137,17 +137,13 @@ class KVPool(LayerArrays):
         q = self.quant
         if q is None or self.keys[0] is None:
             return 0
-        batch, due, ready = q.migrate_blocks(self.block_size), [], False
+        batch = q.migrate_blocks(self.block_size)
         for t in tables:
-            n = (min(t.lengths) - q.hot_tokens) // self.block_size - t.first
-            if n > 0:
-                blocks = t.derived(
-                    "cold_due", (t.version, n), lambda t=t: self.cold_candidates(t, q.hot_tokens)
-                )
-                due += blocks
-                ready = ready or len(blocks) >= batch
-        if not ready:
+            if self.batch_due(t, q.hot_tokens, batch):
+                break
+        else:
             return 0
+        due = [b for t in tables for b in self.cold_candidates(t, q.hot_tokens)]
         moved = self.migrate(due)
         if moved:
             self._quantize(list(moved), [new - COLD for new in moved.values()])
