@@ -2,12 +2,13 @@
 
 B requests share a ``--system``-token prompt and add ``--unique`` tokens each (request i
 ``--stagger`` times i more), as in ``decode_step.py``. The two engines (``--kv-bits`` for
-the cold one) run in one process, taking turns for ``--rounds`` rounds of ``--steps``
-steps. Each step's wall time is kept with what happened in it: blocks moved to the cold
-tier (``migrate``, and its host milliseconds), new traces of the compiled step (and their
-host milliseconds), and whether a block pool grew. Per engine and round it prints the mean
-and median step, the total, the time of the steps that migrated, traced or grew, the
-engine's host time a step by phase (``StepClock``; ``wait`` is the read of the previous
+the cold one) run in one process, taking turns for ``--rounds`` rounds of ``--steps`` steps
+(with ``--turn N``, every N steps within a round, so that a change in the host's speed falls
+on both engines alike). Each step's wall time is kept with what happened in it: blocks moved
+to the cold tier (``migrate``, and its host milliseconds), new traces of the compiled step
+(and their host milliseconds), and whether a block pool grew. Per engine and round it prints
+the mean and median step, the total, the time of the steps that migrated, traced or grew,
+the engine's host time a step by phase (``StepClock``; ``wait`` is the read of the previous
 step's tokens, which waits for the GPU), and the steps slower than twice the median; then
 the ratio of each round's totals and of all rounds' together.
 
@@ -41,7 +42,7 @@ class Step:
 
 
 def timed_steps(engine: PagedEngine, steps: int) -> list[Step]:
-    """``steps`` engine steps, each with what it did."""
+    """``steps`` engine steps, each with what it did (its ``StepClock`` keeps adding)."""
     runner, compiled = engine.runner, engine.runner.compiled
     pools = list(runner.pools.values())
     moved = [0, 0.0]
@@ -57,8 +58,7 @@ def timed_steps(engine: PagedEngine, steps: int) -> list[Step]:
     runner.migrate = counted
     out = []
     try:
-        mx.synchronize()
-        engine.clock.reset()
+        mx.synchronize()  # the other engine's steps are done
         for _ in range(steps):
             traces = compiled.traces if compiled else 0
             traced = compiled.trace_seconds if compiled else 0.0
@@ -78,6 +78,19 @@ def timed_steps(engine: PagedEngine, steps: int) -> list[Step]:
             )
     finally:
         runner.migrate = migrate
+    return out
+
+
+def one_round(
+    engines: dict[str, PagedEngine], order: list[str], steps: int, turn: int
+) -> dict[str, list[Step]]:
+    """Each engine's ``steps`` steps, the engines taking turns every ``turn`` steps."""
+    out: dict[str, list[Step]] = {name: [] for name in order}
+    for name in order:
+        engines[name].clock.reset()
+    for start in range(0, steps, turn):
+        for name in order:
+            out[name] += timed_steps(engines[name], min(turn, steps - start))
     return out
 
 
@@ -121,6 +134,12 @@ def main() -> None:
     )
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument(
+        "--turn",
+        type=int,
+        default=0,
+        help="within a round the engines take turns every TURN steps (0: the whole round)",
+    )
     parser.add_argument("--kv-bits", type=int, choices=[4, 8], default=8)
     parser.add_argument("--kv-group-size", type=int, default=64)
     parser.add_argument("--hot-tokens", type=int, default=64)
@@ -143,11 +162,11 @@ def main() -> None:
         }
         sums = {"full": 0.0, cold: 0.0}
         for r in range(args.rounds):  # the first to go alternates
+            order = ["full", cold] if r % 2 == 0 else [cold, "full"]
+            steps = one_round(engines, order, args.steps, args.turn or args.steps)
             total = {
-                name: report(
-                    f"round {r} {name} B={b}", timed_steps(engines[name], args.steps), engines[name]
-                )
-                for name in (["full", cold] if r % 2 == 0 else [cold, "full"])
+                name: report(f"round {r} {name} B={b}", steps[name], engines[name])
+                for name in order
             }
             ratio = total["full"] / total[cold]
             print(f"round {r} B={b}: cold / full tokens/s {ratio:.3f}x", flush=True)
