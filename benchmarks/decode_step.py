@@ -151,7 +151,14 @@ def ready_engine(model, prompts: list[list[int]], args, kv_bits: int | None) -> 
     tier = {}
     if kv_bits:
         tier = dict(kv_bits=kv_bits, kv_group_size=args.kv_group_size, hot_tokens=args.hot_tokens)
-    engine = PagedEngine(model, max_batch_size=len(prompts), prefill_step_size=2048, **tier)
+        tier["cold_blocks"] = getattr(args, "cold_blocks", None)
+    engine = PagedEngine(
+        model,
+        max_batch_size=len(prompts),
+        prefill_step_size=2048,
+        num_blocks=getattr(args, "num_blocks", None),
+        **tier,
+    )
     engine.generate([prompts[0]], max_tokens=1)  # caches the shared prompt
     for p in prompts:
         rounds = max(args.tiers, args.fused, args.few_rows, args.writes, 1)

@@ -10,7 +10,10 @@ to the cold tier (``migrate``, and its host milliseconds), new traces of the com
 the mean and median step, the total, the time of the steps that migrated, traced or grew,
 the engine's host time a step by phase (``StepClock``; ``wait`` is the read of the previous
 step's tokens, which waits for the GPU), and the steps slower than twice the median; then
-the ratio of each round's totals and of all rounds' together.
+the ratio of each round's totals and of all rounds' together. ``--num-blocks`` and
+``--cold-blocks`` size the pools up front, as a server with ``--kv-memory`` and
+``--cold-blocks`` runs; by default every pool grows on demand, and each growth traces the
+compiled step again.
 
 Usage:
     python benchmarks/slow_steps.py --model /root/l1b --batch 14 --kv-bits 8 \\
@@ -143,6 +146,12 @@ def main() -> None:
     parser.add_argument("--kv-bits", type=int, choices=[4, 8], default=8)
     parser.add_argument("--kv-group-size", type=int, default=64)
     parser.add_argument("--hot-tokens", type=int, default=64)
+    parser.add_argument(
+        "--num-blocks", type=int, default=None, help="both engines' full-precision blocks"
+    )
+    parser.add_argument(
+        "--cold-blocks", type=int, default=None, help="the cold engine's quantized blocks"
+    )
     parser.add_argument("--fuse-projections", action="store_true")
     parser.add_argument("--few-row-matmuls", action="store_true", help="(CUDA)")
     args = parser.parse_args()

@@ -940,6 +940,22 @@ def test_kv_bits_quantizes_old_blocks_and_reports_them(tmp_path):
         s.stop()
 
 
+def test_cold_blocks_bounds_the_quantized_tier(tmp_path):
+    flags = ["--kv-bits", "8", "--hot-tokens", "16", "--cold-blocks", "3", "--log-level", "warning"]
+    s = start_server(tmp_path, "cold-blocks", *flags)
+    try:
+        client = s.client()
+        prompt = list(range(1000, 1104))  # 5 blocks fall behind the hot tail, as above
+        out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+        assert out.usage.completion_tokens == 8 and out.choices[0].text
+        m = s.metrics()
+        # The tier holds 3: the first 3 due blocks move, the other 2 stay full precision.
+        assert m["mlx_paged_kv_migrations_total"] == 3
+        assert m["mlx_paged_kv_blocks_cold"] == 3
+    finally:
+        s.stop()
+
+
 # ---- command line ----------------------------------------------------------
 
 
@@ -1044,6 +1060,8 @@ def test_server_temperature_applies_when_a_request_gives_none(tmp_path):
         (["--kv-dtype", "int8"], "invalid choice"),
         (["--kv-bits", "3"], "invalid choice"),
         (["--kv-bits", "8", "--hot-tokens", "-1"], "--hot-tokens must be 0 or more"),
+        (["--cold-blocks", "8"], "--cold-blocks needs --kv-bits"),
+        (["--kv-bits", "8", "--cold-blocks", "0"], "--cold-blocks must be a positive integer"),
         (["--temp", "3"], "--temp must be in [0, 2]"),
         (["--top-p", "0"], "--top-p must be in (0, 1]"),
         (["--top-k", "-2"], "--top-k must be >= 0"),

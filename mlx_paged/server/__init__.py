@@ -279,6 +279,7 @@ def loader(args: argparse.Namespace, group=None):
             kv_bits=args.kv_bits,
             kv_group_size=args.kv_group_size,
             hot_tokens=args.hot_tokens,
+            cold_blocks=args.cold_blocks,
             state_snapshot_interval=args.state_snapshot_interval,
             num_state_snapshots=args.num_state_snapshots,
             group=group,

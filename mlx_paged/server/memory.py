@@ -29,7 +29,14 @@ AUTO_FLOOR = 1 << 30
 
 
 def add_argument(p: argparse.ArgumentParser) -> None:
-    """Add ``--mlx-cache-limit`` to the server's command line."""
+    """Add ``--cold-blocks`` and ``--mlx-cache-limit`` to the server's command line."""
+    p.add_argument(
+        "--cold-blocks",
+        type=int,
+        default=None,
+        help="With --kv-bits: the quantized tier's capacity in blocks, allocated at its first "
+        "block (default: it grows on demand).",
+    )
     p.add_argument(
         "--mlx-cache-limit",
         default="auto",
@@ -40,7 +47,13 @@ def add_argument(p: argparse.ArgumentParser) -> None:
 
 
 def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Exit with a usage error for a memory flag that is not a positive size."""
+    """Exit with a usage error for a memory flag that is not a positive size, or a
+    ``--cold-blocks`` that is not a positive count of a cold tier."""
+    if args.cold_blocks is not None:
+        if args.kv_bits is None:
+            parser.error("--cold-blocks needs --kv-bits (the tier it sizes).")
+        if args.cold_blocks <= 0:
+            parser.error(f"--cold-blocks must be a positive integer, got {args.cold_blocks}.")
     flags = {
         "--kv-memory": args.kv_memory,
         "--kv-disk-bytes": args.kv_disk_bytes,
