@@ -580,3 +580,58 @@ def test_a_fresh_stores_layers_loaded_together_make_one_stack_at_once(monkeypatc
     mixed.write_layers([(parts[0][0], parts[1][0]), wide], at, 4)
     assert mixed.where == [(0, 0), (1, 0)]
     assert mx.array_equal(mixed.read(1, at)[0], quant.dequantize(quant.quantize(wide_k[0])))
+
+
+@pytest.mark.parametrize("family, bits", [("llama", 8), ("gemma3_text", 4)])
+def test_cold_bytes_per_block_is_what_the_engines_cold_blocks_take(family, bits):
+    """``--cold-memory`` divides by what one cold block takes: every full-attention layer's
+    record, and nothing for gemma3's sliding-window layers (they stay full precision)."""
+    from mlx_paged.cache.memory import cold_bytes_per_block
+
+    model = tiny_model(family, head_dim=64)
+    quant = KVQuant(bits, 32, 0)
+    engine = PagedEngine(model, block_size=BLOCK, kv_bits=bits, kv_group_size=32, hot_tokens=0)
+    engine.generate([tokens(80)[0].tolist()], max_tokens=2)
+    tiered = [p for p in engine.runner.pools.values() if p.quant is not None]
+    assert len(tiered) == 1 and tiered[0].blocks.cold.capacity > 0
+    per_block = tiered[0].blocks.cold.bytes_per_block
+    assert cold_bytes_per_block(model, BLOCK, None, quant) == per_block > 0
+    # float16 storage halves the scales and biases, not the packed words.
+    half = cold_bytes_per_block(model, BLOCK, mx.float16, quant)
+    assert per_block / 2 < half < per_block
+
+
+def test_cold_memory_sizes_the_tier_in_blocks():
+    from mlx_paged.cache.memory import cold_bytes_per_block
+    from mlx_paged.server import build_parser
+    from mlx_paged.server.memory import pool_sizes
+
+    model = tiny_model("llama", head_dim=64)
+    per_block = cold_bytes_per_block(model, 16, None, KVQuant(8, 64, 256))
+    args = build_parser().parse_args(["--kv-bits", "8", "--cold-memory", f"{10 * per_block + 1}B"])
+    assert pool_sizes(args, model, None) == (None, 10)
+    args = build_parser().parse_args(["--kv-bits", "8", "--cold-memory", f"{per_block - 1}B"])
+    with pytest.raises(ValueError, match="--cold-memory of .* holds no block"):
+        pool_sizes(args, model, None)
+
+
+def test_both_tiers_bounded_still_finish_every_request(model):
+    """A server's ``--kv-memory`` with ``--cold-blocks``: blocks that find no cold slot stay
+    full precision, requests short of full-precision blocks wait or are preempted, and every
+    request still gets all its tokens, with nothing leaked."""
+    engine = PagedEngine(
+        model,
+        block_size=BLOCK,
+        num_blocks=36,
+        kv_bits=8,
+        hot_tokens=HOT,
+        cold_blocks=6,
+        max_batch_size=4,
+    )
+    prompts = [tokens(60, seed=s)[0].tolist() for s in range(4)]
+    out = engine.generate(prompts, max_tokens=30)  # 12 blocks each, 48 in all
+    assert [len(o) for o in out] == [30] * 4
+    stats = engine.stats()
+    assert stats.preemptions > 0 and stats.migrations >= 6
+    assert stats.cold_blocks <= 6 and stats.live_blocks == 0 and stats.running == 0
+    engine.check_invariants()

@@ -1,4 +1,5 @@
-"""Memory sizes and accounting: bytes per block and per dense token, ``--kv-memory`` parsing."""
+"""Memory sizes and accounting: bytes per block (either tier) and per dense token,
+``--kv-memory`` parsing."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import CacheList
 
+from ..storage.cold import ColdLayout
+from ..storage.quant import KVQuant
 from .layout import make_paged_cache
 
 # mlx-lm's KVCache grows in steps of this many tokens: what a dense cache really holds.
@@ -80,18 +83,49 @@ def probe_footprint(model: nn.Module, block_size: int, kv_dtype: mx.Dtype | None
     return kv_footprint(paged_pools(caches), block_size)
 
 
+def cold_bytes_per_block(
+    model: nn.Module, block_size: int, kv_dtype: mx.Dtype | None, quant: KVQuant
+) -> int:
+    """Bytes one quantized block takes over the layers that quantize (full attention): each
+    layer's cold record (``ColdLayout``), for K/V stored in ``kv_dtype`` (else the model's).
+    Runs one token through a throwaway paged cache to learn the layers' shapes."""
+    caches = make_paged_cache(
+        model,
+        block_size=block_size,
+        kv_dtype=kv_dtype,
+        kv_bits=quant.bits,
+        kv_group_size=quant.group_size,
+        hot_tokens=quant.hot_tokens,
+    )
+    mx.eval(model(mx.array([[0]]), cache=caches))
+    total = 0
+    for pool in paged_pools(caches):
+        for k, v in zip(pool.keys, pool.values, strict=True):
+            if pool.quant is not None and k is not None:
+                one = [quant.quantize(mx.zeros((1, *x.shape[1:]), dtype=x.dtype)) for x in (k, v)]
+                total += ColdLayout.of(*one).words * 4
+    return total
+
+
 def blocks_for_memory(nbytes: int, footprint: KVFootprint) -> int:
     """How many blocks (per pool) fit in ``nbytes``; raises ValueError if not even one."""
-    if footprint.bytes_per_block == 0:
+    return blocks_in(nbytes, footprint.bytes_per_block, "--kv-memory")
+
+
+def blocks_in(nbytes: int, per_block: int, flag: str) -> int:
+    """How many blocks of ``per_block`` bytes fit in ``nbytes`` (sized by ``flag``); raises
+    ValueError if not even one, or if the blocks take no bytes (nothing to size)."""
+    if per_block == 0:
+        what = "is paged" if flag == "--kv-memory" else "is quantized"
         raise ValueError(
-            "this model has no attention layers, so nothing is paged and --kv-memory does not "
+            f"this model has no full-attention layers, so nothing {what} and {flag} does not "
             "apply; leave it out."
         )
-    n = nbytes // footprint.bytes_per_block
+    n = nbytes // per_block
     if n < 1:
         raise ValueError(
-            f"--kv-memory of {nbytes} bytes holds no block; one block takes "
-            f"{footprint.bytes_per_block} bytes. Give more memory or a smaller --block-size."
+            f"{flag} of {nbytes} bytes holds no block; one block takes {per_block} bytes. "
+            "Give more memory or a smaller --block-size."
         )
     return n
 

@@ -244,7 +244,7 @@ def loader(args: argparse.Namespace, group=None):
     def load():
         import mlx.core as mx
 
-        from ..cache.memory import blocks_for_memory, parse_memory, probe_footprint
+        from ..cache.memory import parse_memory
         from ..embedded import load_model
         from ..engine import PagedEngine, few_row_matmuls, fuse_projections
         from ..engine.distributed import shard_model
@@ -263,10 +263,7 @@ def loader(args: argparse.Namespace, group=None):
         if args.few_row_matmuls and not sharded:
             log.info("mlx_paged: %d layers take few rows in a kernel", few_row_matmuls(model))
         kv_dtype = getattr(mx, args.kv_dtype) if args.kv_dtype else None
-        num_blocks = args.num_blocks
-        if args.kv_memory is not None:
-            footprint = probe_footprint(model, args.block_size, kv_dtype)
-            num_blocks = blocks_for_memory(parse_memory(args.kv_memory), footprint)
+        num_blocks, cold_blocks = memory.pool_sizes(args, model, kv_dtype)
         preload = args.kv_disk_preload_bytes
         engine = PagedEngine(
             model,
@@ -279,7 +276,7 @@ def loader(args: argparse.Namespace, group=None):
             kv_bits=args.kv_bits,
             kv_group_size=args.kv_group_size,
             hot_tokens=args.hot_tokens,
-            cold_blocks=args.cold_blocks,
+            cold_blocks=cold_blocks,
             state_snapshot_interval=args.state_snapshot_interval,
             num_state_snapshots=args.num_state_snapshots,
             group=group,

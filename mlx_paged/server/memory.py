@@ -17,9 +17,17 @@ import argparse
 import logging
 
 import mlx.core as mx
+import mlx.nn as nn
 
-from ..cache.memory import parse_memory
+from ..cache.memory import (
+    blocks_for_memory,
+    blocks_in,
+    cold_bytes_per_block,
+    parse_memory,
+    probe_footprint,
+)
 from ..engine import PagedEngine
+from ..storage.quant import KVQuant
 
 logger = logging.getLogger("mlx_paged.server")
 
@@ -29,13 +37,20 @@ AUTO_FLOOR = 1 << 30
 
 
 def add_argument(p: argparse.ArgumentParser) -> None:
-    """Add ``--cold-blocks`` and ``--mlx-cache-limit`` to the server's command line."""
-    p.add_argument(
+    """Add ``--cold-blocks``/``--cold-memory`` and ``--mlx-cache-limit`` to the server's
+    command line."""
+    g = p.add_mutually_exclusive_group()
+    g.add_argument(
         "--cold-blocks",
         type=int,
         default=None,
         help="With --kv-bits: the quantized tier's capacity in blocks, allocated at its first "
         "block (default: it grows on demand).",
+    )
+    g.add_argument(
+        "--cold-memory",
+        default=None,
+        help="With --kv-bits: the quantized tier's size, e.g. 2GB, as --cold-blocks.",
     )
     p.add_argument(
         "--mlx-cache-limit",
@@ -49,13 +64,15 @@ def add_argument(p: argparse.ArgumentParser) -> None:
 def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Exit with a usage error for a memory flag that is not a positive size, or a
     ``--cold-blocks`` that is not a positive count of a cold tier."""
+    for flag in ("--cold-blocks", "--cold-memory"):
+        if getattr(args, flag[2:].replace("-", "_")) is not None and args.kv_bits is None:
+            parser.error(f"{flag} needs --kv-bits (the tier it sizes).")
     if args.cold_blocks is not None:
-        if args.kv_bits is None:
-            parser.error("--cold-blocks needs --kv-bits (the tier it sizes).")
         if args.cold_blocks <= 0:
             parser.error(f"--cold-blocks must be a positive integer, got {args.cold_blocks}.")
     flags = {
         "--kv-memory": args.kv_memory,
+        "--cold-memory": args.cold_memory,
         "--kv-disk-bytes": args.kv_disk_bytes,
         "--kv-disk-preload-bytes": args.kv_disk_preload_bytes,
         "--mlx-cache-limit": None if args.mlx_cache_limit == "auto" else args.mlx_cache_limit,
@@ -67,6 +84,23 @@ def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         except ValueError as e:
             auto = " Or auto." if flag == "--mlx-cache-limit" else ""
             parser.error(f"{flag}: {e}{auto}")
+
+
+def pool_sizes(
+    args: argparse.Namespace, model: nn.Module, kv_dtype: mx.Dtype | None
+) -> tuple[int | None, int | None]:
+    """The engine's ``num_blocks`` and ``cold_blocks`` from the flags: counts as given, or
+    the blocks ``--kv-memory`` and ``--cold-memory`` hold (``None``: grow on demand)."""
+    num_blocks, cold_blocks = args.num_blocks, args.cold_blocks
+    if args.kv_memory is not None:
+        footprint = probe_footprint(model, args.block_size, kv_dtype)
+        num_blocks = blocks_for_memory(parse_memory(args.kv_memory), footprint)
+    if args.cold_memory is not None:
+        quant = KVQuant(args.kv_bits, args.kv_group_size, args.hot_tokens)
+        per_block = cold_bytes_per_block(model, args.block_size, kv_dtype, quant)
+        cold_blocks = blocks_in(parse_memory(args.cold_memory), per_block, "--cold-memory")
+        logger.info("mlx_paged: the cold tier holds %d blocks of %d bytes", cold_blocks, per_block)
+    return num_blocks, cold_blocks
 
 
 def bound_cache(setting: str) -> int:
