@@ -69,6 +69,7 @@ METRICS = (
     "mlx_paged_requests_failed_total",
     "mlx_paged_kv_blocks_cold",
     "mlx_paged_kv_cold_bytes",
+    "mlx_paged_kv_blocks_cold_total",
     "mlx_paged_kv_migrations_total",
     "mlx_paged_state_snapshots",
     "mlx_paged_state_snapshot_bytes",
@@ -930,6 +931,7 @@ def test_kv_bits_quantizes_old_blocks_and_reports_them(tmp_path):
         assert m["mlx_paged_kv_migrations_total"] == 5
         # Parked in the prefix index when the request ended, still quantized.
         assert m["mlx_paged_kv_blocks_cold"] == 5 and m["mlx_paged_kv_cold_bytes"] > 0
+        assert m["mlx_paged_kv_blocks_cold_total"] >= 5  # grown on demand
         assert m["mlx_paged_kv_blocks_active"] == 0
         # Its 7 decode steps, over cold blocks, ran compiled: one shape, traced once.
         steps = m["mlx_paged_decode_steps_total"]
@@ -951,7 +953,7 @@ def test_cold_blocks_bounds_the_quantized_tier(tmp_path):
         m = s.metrics()
         # The tier holds 3: the first 3 due blocks move, the other 2 stay full precision.
         assert m["mlx_paged_kv_migrations_total"] == 3
-        assert m["mlx_paged_kv_blocks_cold"] == 3
+        assert m["mlx_paged_kv_blocks_cold"] == m["mlx_paged_kv_blocks_cold_total"] == 3
     finally:
         s.stop()
 

@@ -74,6 +74,7 @@ class EngineStats(PagedCacheStats):
     waiting: int = 0
     cold_blocks: int = 0  # quantized blocks held, of the full-attention group
     cold_bytes: int = 0
+    cold_capacity: int = 0  # cold-tier block slots: ``cold_blocks``, or grown so far
     migrations: int = 0  # blocks moved to the cold tier so far
     disk_hit_tokens: int = 0  # prompt tokens whose blocks came back from the disk tier
     # Recurrent state (hybrid models): slots held by running requests, all slots' bytes,

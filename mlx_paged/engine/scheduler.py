@@ -379,5 +379,6 @@ def _pool_totals(pools: list[BlockPool]) -> dict[str, int]:
         "bytes": sum(s.bytes for s in groups),
         "cold_blocks": sum(t.cold_blocks for t in tiers),
         "cold_bytes": sum(t.cold_bytes for t in tiers),
+        "cold_capacity": sum(t.cold_capacity for t in tiers),
         "migrations": sum(t.migrations for t in tiers),
     }

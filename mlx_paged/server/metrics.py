@@ -52,6 +52,10 @@ class EngineCollector:
             "kv_cache_bytes": ("Bytes of the pool's K/V arrays, both tiers.", s.bytes),
             "kv_blocks_cold": ("Quantized KV blocks held (--kv-bits).", s.cold_blocks),
             "kv_cold_bytes": ("Bytes of the quantized KV blocks held.", s.cold_bytes),
+            "kv_blocks_cold_total": (
+                "Quantized KV block slots: --cold-blocks, or what the tier has grown to.",
+                s.cold_capacity,
+            ),
             "state_snapshots": (
                 "Recurrent-state snapshots the prefix index holds (hybrid models).",
                 s.state_snapshots,
