@@ -613,6 +613,8 @@ def test_cold_memory_sizes_the_tier_in_blocks():
     args = build_parser().parse_args(["--kv-bits", "8", "--cold-memory", f"{per_block - 1}B"])
     with pytest.raises(ValueError, match="--cold-memory of .* holds no block"):
         pool_sizes(args, model, None)
+    with pytest.raises(ValueError, match="no full-attention layers, so nothing is quantized"):
+        pool_sizes(args, tiny_model("mamba2"), None)
 
 
 def test_both_tiers_bounded_still_finish_every_request(model):

@@ -109,18 +109,17 @@ def cold_bytes_per_block(
 
 def blocks_for_memory(nbytes: int, footprint: KVFootprint) -> int:
     """How many blocks (per pool) fit in ``nbytes``; raises ValueError if not even one."""
+    if footprint.bytes_per_block == 0:
+        raise ValueError(
+            "this model has no attention layers, so nothing is paged and --kv-memory does not "
+            "apply; leave it out."
+        )
     return blocks_in(nbytes, footprint.bytes_per_block, "--kv-memory")
 
 
 def blocks_in(nbytes: int, per_block: int, flag: str) -> int:
-    """How many blocks of ``per_block`` bytes fit in ``nbytes`` (sized by ``flag``); raises
-    ValueError if not even one, or if the blocks take no bytes (nothing to size)."""
-    if per_block == 0:
-        what = "is paged" if flag == "--kv-memory" else "is quantized"
-        raise ValueError(
-            f"this model has no full-attention layers, so nothing {what} and {flag} does not "
-            "apply; leave it out."
-        )
+    """How many blocks of ``per_block`` (> 0) bytes fit in ``nbytes``, the size ``flag``
+    gave; raises ValueError if not even one."""
     n = nbytes // per_block
     if n < 1:
         raise ValueError(

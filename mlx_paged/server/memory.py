@@ -64,12 +64,11 @@ def add_argument(p: argparse.ArgumentParser) -> None:
 def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Exit with a usage error for a memory flag that is not a positive size, or a
     ``--cold-blocks`` that is not a positive count of a cold tier."""
-    for flag in ("--cold-blocks", "--cold-memory"):
-        if getattr(args, flag[2:].replace("-", "_")) is not None and args.kv_bits is None:
+    for flag, value in (("--cold-blocks", args.cold_blocks), ("--cold-memory", args.cold_memory)):
+        if value is not None and args.kv_bits is None:
             parser.error(f"{flag} needs --kv-bits (the tier it sizes).")
-    if args.cold_blocks is not None:
-        if args.cold_blocks <= 0:
-            parser.error(f"--cold-blocks must be a positive integer, got {args.cold_blocks}.")
+    if args.cold_blocks is not None and args.cold_blocks <= 0:
+        parser.error(f"--cold-blocks must be a positive integer, got {args.cold_blocks}.")
     flags = {
         "--kv-memory": args.kv_memory,
         "--cold-memory": args.cold_memory,
@@ -98,6 +97,11 @@ def pool_sizes(
     if args.cold_memory is not None:
         quant = KVQuant(args.kv_bits, args.kv_group_size, args.hot_tokens)
         per_block = cold_bytes_per_block(model, args.block_size, kv_dtype, quant)
+        if per_block == 0:
+            raise ValueError(
+                "this model has no full-attention layers, so nothing is quantized and "
+                "--cold-memory does not apply; leave it out."
+            )
         cold_blocks = blocks_in(parse_memory(args.cold_memory), per_block, "--cold-memory")
         logger.info("mlx_paged: the cold tier holds %d blocks of %d bytes", cold_blocks, per_block)
     return num_blocks, cold_blocks
