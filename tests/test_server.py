@@ -958,6 +958,25 @@ def test_cold_blocks_bounds_the_quantized_tier(tmp_path):
         s.stop()
 
 
+def test_cold_memory_sizes_the_tier_in_blocks():
+    from tiny_models import tiny_model
+
+    from mlx_paged.cache.memory import cold_bytes_per_block
+    from mlx_paged.server import build_parser
+    from mlx_paged.server.memory import pool_sizes
+    from mlx_paged.storage import KVQuant
+
+    model = tiny_model("llama", head_dim=64)
+    per_block = cold_bytes_per_block(model, 16, None, KVQuant(8, 64, 256))
+    args = build_parser().parse_args(["--kv-bits", "8", "--cold-memory", f"{10 * per_block + 1}B"])
+    assert pool_sizes(args, model, None) == (None, 10)
+    args = build_parser().parse_args(["--kv-bits", "8", "--cold-memory", f"{per_block - 1}B"])
+    with pytest.raises(ValueError, match="--cold-memory of .* holds no block"):
+        pool_sizes(args, model, None)
+    with pytest.raises(ValueError, match="no full-attention layers, so nothing is quantized"):
+        pool_sizes(args, tiny_model("mamba2"), None)
+
+
 # ---- command line ----------------------------------------------------------
 
 
