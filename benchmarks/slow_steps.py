@@ -13,7 +13,9 @@ step's tokens, which waits for the GPU), and the steps slower than twice the med
 the ratio of each round's totals and of all rounds' together. ``--num-blocks`` and
 ``--cold-blocks`` size the pools up front, as a server with ``--kv-memory`` and
 ``--cold-blocks`` runs; by default every pool grows on demand, and each growth traces the
-compiled step again.
+compiled step again. ``--mlx-migrations`` adds a third engine, a cold one that quantizes
+its migrations with MLX ops instead of the CUDA kernel (``mlx_paged.storage.STORERS``
+emptied during its turns).
 
 Usage:
     python benchmarks/slow_steps.py --model /root/l1b --batch 14 --kv-bits 8 \\
@@ -32,6 +34,7 @@ from decode_step import ready_engine, workloads
 from mlx_lm import load
 
 from mlx_paged import PagedEngine, few_row_matmuls, fuse_projections
+from mlx_paged.storage import STORERS
 
 
 @dataclass
@@ -85,15 +88,21 @@ def timed_steps(engine: PagedEngine, steps: int) -> list[Step]:
 
 
 def one_round(
-    engines: dict[str, PagedEngine], order: list[str], steps: int, turn: int
+    engines: dict[str, PagedEngine], order: list[str], steps: int, turn: int, mlx: str = ""
 ) -> dict[str, list[Step]]:
-    """Each engine's ``steps`` steps, the engines taking turns every ``turn`` steps."""
+    """Each engine's ``steps`` steps, the engines taking turns every ``turn`` steps; the
+    engine named ``mlx`` with no ``STORERS`` entry."""
     out: dict[str, list[Step]] = {name: [] for name in order}
+    storers = list(STORERS)
     for name in order:
         engines[name].clock.reset()
     for start in range(0, steps, turn):
         for name in order:
-            out[name] += timed_steps(engines[name], min(turn, steps - start))
+            STORERS[:] = [] if name == mlx else storers
+            try:
+                out[name] += timed_steps(engines[name], min(turn, steps - start))
+            finally:
+                STORERS[:] = storers
     return out
 
 
@@ -154,6 +163,11 @@ def main() -> None:
     )
     parser.add_argument("--fuse-projections", action="store_true")
     parser.add_argument("--few-row-matmuls", action="store_true", help="(CUDA)")
+    parser.add_argument(
+        "--mlx-migrations",
+        action="store_true",
+        help="a third engine: the cold tier with migrations in MLX ops, not the kernel",
+    )
     args = parser.parse_args()
     # What ready_engine reads: enough tokens left for every round.
     args.tiers, args.fused, args.few_rows, args.writes = args.rounds, 0, 0, 0
@@ -165,23 +179,31 @@ def main() -> None:
     for prompts in workloads(model.args.vocab_size, args):
         b = len(prompts)
         cold = f"{args.kv_bits}-bit cold"
+        mlx = f"{cold}, MLX migrations" if args.mlx_migrations else ""
         engines = {
             "full": ready_engine(model, prompts, args, None),
             cold: ready_engine(model, prompts, args, args.kv_bits),
         }
-        sums = {"full": 0.0, cold: 0.0}
+        if mlx:
+            STORERS[:], storers = [], list(STORERS)
+            engines[mlx] = ready_engine(model, prompts, args, args.kv_bits)
+            STORERS[:] = storers
+        sums = dict.fromkeys(engines, 0.0)
+        colds = [name for name in engines if name != "full"]
         for r in range(args.rounds):  # the first to go alternates
-            order = ["full", cold] if r % 2 == 0 else [cold, "full"]
-            steps = one_round(engines, order, args.steps, args.turn or args.steps)
+            order = list(engines) if r % 2 == 0 else list(reversed(engines))
+            steps = one_round(engines, order, args.steps, args.turn or args.steps, mlx)
             total = {
                 name: report(f"round {r} {name} B={b}", steps[name], engines[name])
                 for name in order
             }
-            ratio = total["full"] / total[cold]
-            print(f"round {r} B={b}: cold / full tokens/s {ratio:.3f}x", flush=True)
+            for name in colds:
+                ratio = total["full"] / total[name]
+                print(f"round {r} B={b}: {name} / full tokens/s {ratio:.3f}x", flush=True)
             sums = {name: sums[name] + total[name] for name in sums}
-        ratio = sums["full"] / sums[cold]
-        print(f"all rounds B={b}: cold / full tokens/s {ratio:.3f}x", flush=True)
+        for name in colds:
+            ratio = sums["full"] / sums[name]
+            print(f"all rounds B={b}: {name} / full tokens/s {ratio:.3f}x", flush=True)
 
 
 if __name__ == "__main__":

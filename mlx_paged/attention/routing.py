@@ -48,7 +48,7 @@ cuDNN's fused attention builds a graph for every new shape. ``fused_read``
 offers the read to the device kernels of ``READERS`` (one 16-byte-wide copy of K
 and V) unless the path is ``gather``, which keeps every read in portable MLX ops.
 The CUDA and Metal kernels of ``mlx_paged.attention.kernels`` are registered at
-import.
+import, and the CUDA migration kernel in ``mlx_paged.storage.STORERS``.
 """
 
 from __future__ import annotations
@@ -63,7 +63,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models import base
 
-from .kernels import DEVICE_KERNELS, DEVICE_PREFILL_KERNELS, DEVICE_READERS
+from ..storage import STORERS
+from .kernels import DEVICE_KERNELS, DEVICE_PREFILL_KERNELS, DEVICE_READERS, DEVICE_STORERS
 from .prefill import attention_by_ops, use_ops
 from .records import PagedLayerCache, PagedView, PrefillView
 from .recurrent import route_gated_delta
@@ -302,6 +303,9 @@ def _register_device_kernels() -> None:
     for reader in DEVICE_READERS:
         if reader not in READERS:
             READERS.append(reader)
+    for storer in DEVICE_STORERS:
+        if storer not in STORERS:
+            STORERS.append(storer)
 
 
 _register_device_kernels()

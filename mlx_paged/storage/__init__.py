@@ -1,6 +1,6 @@
 """K/V storage: the MLX arrays of the block pool, their writes, copies and reads."""
 
-from .cold import ColdLayout, ColdStore, TierPlan
+from .cold import STORERS, ColdLayout, ColdStore, TierPlan
 from .kv_pool import KVPool, Reader
 from .quant import KVQuant, check_kv_dtype, check_kv_quant
 from .read import take_blocks, take_slots
@@ -8,6 +8,7 @@ from .states import StatePool, batch_bucket
 from .transfer import copy_table
 
 __all__ = [
+    "STORERS",
     "ColdLayout",
     "ColdStore",
     "KVPool",

@@ -250,8 +250,9 @@ class LayerArrays(BlockTables):
         ``src`` goes back to the pool, where a decode kernel may store K/V into it in place
         (``PagedView.new_keys``, past MLX's copy-on-write) only after this read."""
         at, to = mx.array(src, dtype=mx.int32), mx.array(dst, dtype=mx.int32)
-        self.cold.store_blocks(self.keys, self.values, at, to, self.blocks.cold.capacity)
-        mx.async_eval(self.cold.blobs)
+        mx.async_eval(
+            self.cold.store_blocks(self.keys, self.values, at, to, self.blocks.cold.capacity)
+        )
         self._update_bytes_per_block()
 
     def _update_bytes_per_block(self) -> None:

@@ -13,6 +13,7 @@ either tier: hot ones gathered as ``take_blocks`` does, cold ones dequantized.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import mlx.core as mx
@@ -23,6 +24,15 @@ from .read import take_blocks
 
 #: K or V of cold blocks: packed values, scales and biases.
 Quantized = tuple[mx.array, mx.array, mx.array]
+
+#: Device kernels that quantize pool blocks of every layer straight into a stack's
+#: records, tried in order by ``ColdStore.store_blocks``. Each is called as
+#: ``storer(keys, values, at, to, records, layout, quant)``, with every layer's pool
+#: arrays, ``(n,)`` int32 pool blocks and cold slots, and the ``(layers, slots, words)``
+#: stack, and returns an array that must be evaluated before the records are read, or
+#: ``None`` to decline. Each must write what ``ColdLayout.join`` of ``KVQuant.quantize``
+#: writes.
+STORERS: list[Callable[..., mx.array | None]] = []
 
 
 class ColdLayout(NamedTuple):
@@ -66,6 +76,14 @@ class ColdLayout(NamedTuple):
         packed = spans[0][0] + spans[1][0]
         scales = sum(n for n, _ in spans[2:]) * self.dtype.size // 4
         return spans, packed, (packed + scales + 3) // 4 * 4
+
+    @classmethod
+    def of_pool(cls, keys: mx.array, values: mx.array, quant: KVQuant) -> ColdLayout:
+        """The layout ``quant`` gives blocks of pool arrays ``(..., block_size, heads, D)``."""
+        bs, hk, dk = keys.shape[-3:]
+        hv, dv = values.shape[-2:]
+        bits, gs = quant.bits, quant.group_size
+        return cls(bs, hk, dk * bits // 32, dk // gs, hv, dv * bits // 32, dv // gs, keys.dtype)
 
     @property
     def words(self) -> int:
@@ -137,21 +155,30 @@ class ColdStore:
         at: mx.array,
         to: mx.array,
         slots: int,
-    ) -> None:
+    ) -> list[mx.array]:
         """Quantize blocks ``at`` of each layer's full-precision ``keys``/``values``
         (``None``: a layer never written) into cold slots ``to`` of a tier of ``slots``:
-        every layer in one write where they share shapes and dtypes."""
+        every layer at once where they share shapes and dtypes, by an entry of
+        ``STORERS`` where one takes the call. Returns what to evaluate before the
+        records are read."""
         shapes = {
             None if k is None else (k.shape, v.shape, k.dtype)
             for k, v in zip(keys, values, strict=True)
         }
         if None not in shapes and len(shapes) == 1:
+            layout = ColdLayout.of_pool(keys[0], values[0], self.quant)
+            if self._one_stack(layout, slots):
+                for storer in STORERS:
+                    done = storer(keys, values, at, to, self.blobs[0], layout, self.quant)
+                    if done is not None:
+                        return [done]
             k, v = mx.stack([x[at] for x in keys]), mx.stack([x[at] for x in values])
             self.store_layers(k, v, to, slots)
-            return
+            return self.blobs
         for layer, (k, v) in enumerate(zip(keys, values, strict=True)):
             if k is not None:
                 self.store(layer, k[at], v[at], to, slots)
+        return self.blobs
 
     def store_layers(self, keys: mx.array, values: mx.array, at: mx.array, slots: int) -> None:
         """Quantize every layer's ``(num_layers, n, bs, H, D)`` K and V into cold slots
@@ -251,6 +278,18 @@ class ColdStore:
             raise ValueError(f"cold blocks of layer {layer} in another layout: {layout}")
         self._grow(slots)
         return self.where[layer]
+
+    def _one_stack(self, layout: ColdLayout, slots: int) -> bool:
+        """Whether every layer's records are rows of one stack of ``layout``, in order, with
+        ``slots`` slots (made so if the store is empty)."""
+        if not self.blobs:
+            self._new_stack(layout, slots, self.num_layers)
+            self.where = [(0, layer) for layer in range(self.num_layers)]
+        ordered = self.where == [(0, layer) for layer in range(self.num_layers)]
+        if not ordered or self.layouts[0] != layout:
+            return False
+        self._grow(slots)
+        return True
 
     def _new_stack(self, layout: ColdLayout, slots: int, layers: int) -> None:
         """Append a zero-filled stack of ``layers`` for blocks of ``layout``."""

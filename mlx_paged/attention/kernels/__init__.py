@@ -4,7 +4,8 @@
 ``mlx_paged.attention.KERNELS``, ``dispatch.DEVICE_PREFILL_KERNELS`` (batched
 prefill attention, CUDA only) in ``mlx_paged.attention.PREFILL_KERNELS`` and
 ``dispatch.DEVICE_READERS`` (block reads for prefill) in
-``mlx_paged.attention.READERS``. ``reference_paged_decode`` and
+``mlx_paged.attention.READERS`` and ``dispatch.DEVICE_STORERS`` (a migration's
+quantization, CUDA only) in ``mlx_paged.storage.STORERS``. ``reference_paged_decode`` and
 ``reference_paged_prefill`` are their specs (plain MLX ops, run anywhere).
 """
 
@@ -12,7 +13,9 @@ from .dispatch import (
     DEVICE_KERNELS,
     DEVICE_PREFILL_KERNELS,
     DEVICE_READERS,
+    DEVICE_STORERS,
     cuda_block_read,
+    cuda_cold_store,
     cuda_paged_decode,
     cuda_paged_prefill,
     metal_block_read,
@@ -26,8 +29,10 @@ __all__ = [
     "DEVICE_KERNELS",
     "DEVICE_PREFILL_KERNELS",
     "DEVICE_READERS",
+    "DEVICE_STORERS",
     "compiled_variants",
     "cuda_block_read",
+    "cuda_cold_store",
     "cuda_paged_decode",
     "cuda_paged_prefill",
     "metal_block_read",

@@ -18,8 +18,9 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 import numpy as np
 
-from ...storage import take_blocks
+from ...storage import ColdLayout, KVQuant, take_blocks
 from . import cuda, metal
+from .cold_store import cuda_store_cold, store_reason, store_self_check
 from .cuda_prefill import paged_prefill_cuda, prefill_reason
 from .plan import Launch, LaunchCache, call_key, plan_decode
 from .read import read_blocks, read_reason
@@ -332,3 +333,35 @@ cuda_block_read = _device_reader("cuda", "cuda_block_read")
 metal_block_read = _device_reader("metal", "metal_block_read")
 
 DEVICE_READERS = [cuda_block_read, metal_block_read]
+
+
+_store_verdicts: dict[tuple, bool] = {}
+
+
+def cuda_cold_store(
+    keys: list[mx.array],
+    values: list[mx.array],
+    at: mx.array,
+    to: mx.array,
+    records: mx.array,
+    layout: ColdLayout,
+    quant: KVQuant,
+) -> mx.array | None:
+    """``STORERS`` entry for the CUDA migration kernel (self-checked per variant)."""
+    if not backend_available("cuda") or store_reason(keys, values, records, layout):
+        return None
+    variant = (len(keys), keys[0].shape[1:], values[0].shape[1:], keys[0].dtype, quant)
+    if variant not in _store_verdicts:
+
+        def check() -> str | None:
+            if store_self_check(keys, values, quant):
+                return None
+            return f"differs from mx.quantize's records for {variant}"
+
+        _store_verdicts[variant] = _passes("cuda", "cold-tier store", "MLX ops", check)
+    if not _store_verdicts[variant]:
+        return None
+    return cuda_store_cold(keys, values, at, to, records, layout, quant)
+
+
+DEVICE_STORERS = [cuda_cold_store]
