@@ -123,13 +123,18 @@ def test_store_reason_names_what_the_kernel_cannot_take():
     keys, values = pools(2, 4, (2, 2), (64, 64), mx.float32)
     layout = ColdLayout.of_pool(keys[0], values[0], quant)
     records = mx.zeros((2, 4, layout.words), dtype=mx.uint32)
-    assert cold_store.store_reason(keys, values, records, layout) is None
-    assert "3 layers" in cold_store.store_reason(
-        [*keys, keys[0]], [*values, values[0]], records, layout
-    )
-    assert "records" in cold_store.store_reason(keys, values, records[..., :-4], layout)
+    at, to = mx.array([1, 3], dtype=mx.int32), mx.array([0, 2], dtype=mx.int32)
+    assert cold_store.store_reason(keys, values, at, to, records, layout) is None
+    more = [*keys, keys[0]], [*values, values[0]]
+    assert "3 layers" in cold_store.store_reason(*more, at, to, records, layout)
+    assert "records" in cold_store.store_reason(keys, values, at, to, records[..., :-4], layout)
     half = [x.astype(mx.float16) for x in keys]
-    assert "dtypes" in cold_store.store_reason(half, values, records, layout)
+    assert "dtypes" in cold_store.store_reason(half, values, at, to, records, layout)
+    none = mx.array([], dtype=mx.int32)
+    assert "blocks" in cold_store.store_reason(keys, values, none, none, records, layout)
+    assert "blocks" in cold_store.store_reason(keys, values, at, to[:1], records, layout)
+    wide = at.astype(mx.int64)
+    assert "int32" in cold_store.store_reason(keys, values, wide, to, records, layout)
 
 
 @cuda_only
@@ -151,7 +156,7 @@ def test_the_cuda_kernel_writes_the_mlx_paths_records(monkeypatch, bits, group, 
     before = mlx_records(keys, values, mx.array([8]), mx.array([4]), 8, quant)
     got = mx.array(before)
     mx.eval(got)
-    assert cold_store.store_reason(keys, values, got, layout) is None
+    assert cold_store.store_reason(keys, values, at, to, got, layout) is None
     mx.eval(cold_store.cuda_store_cold(keys, values, at, to, got, layout, quant))
     assert mx.array_equal(got[:, to], want[:, to])
     assert mx.array_equal(got[:, 4], before[:, 4])  # the slot it was not given

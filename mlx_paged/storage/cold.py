@@ -31,7 +31,8 @@ Quantized = tuple[mx.array, mx.array, mx.array]
 #: arrays, ``(n,)`` int32 pool blocks and cold slots, and the ``(layers, slots, words)``
 #: stack, and returns an array that must be evaluated before the records are read, or
 #: ``None`` to decline. Each must write what ``ColdLayout.join`` of ``KVQuant.quantize``
-#: writes.
+#: writes; it may write into the stack in place, past MLX's graph, so a lazy read of the
+#: stack must be evaluated before its slots are freed (the disk tier's spills are).
 STORERS: list[Callable[..., mx.array | None]] = []
 
 

@@ -107,9 +107,18 @@ def _narrow(x: mx.array) -> mx.array:
 
 
 def store_reason(
-    keys: list[mx.array], values: list[mx.array], records: mx.array, layout: ColdLayout
+    keys: list[mx.array],
+    values: list[mx.array],
+    at: mx.array,
+    to: mx.array,
+    records: mx.array,
+    layout: ColdLayout,
 ) -> str | None:
     """Why ``cuda_store_cold`` cannot take these arrays, or ``None`` if it can."""
+    if at.ndim != 1 or at.size == 0 or to.shape != at.shape:
+        return f"blocks {at.shape} to slots {to.shape}"
+    if at.dtype != mx.int32 or to.dtype != mx.int32:
+        return f"blocks {at.shape} {at.dtype} to slots {to.shape} {to.dtype}"
     pairs = zip(keys, values, strict=True)
     shapes = {(k.shape[1:], v.shape[1:], k.dtype, v.dtype) for k, v in pairs}
     if len(shapes) != 1 or len(keys) != records.shape[0]:

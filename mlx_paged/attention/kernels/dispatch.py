@@ -348,7 +348,7 @@ def cuda_cold_store(
     quant: KVQuant,
 ) -> mx.array | None:
     """``STORERS`` entry for the CUDA migration kernel (self-checked per variant)."""
-    if not backend_available("cuda") or store_reason(keys, values, records, layout):
+    if not backend_available("cuda") or store_reason(keys, values, at, to, records, layout):
         return None
     variant = (len(keys), keys[0].shape[1:], values[0].shape[1:], keys[0].dtype, quant)
     if variant not in _store_verdicts:
