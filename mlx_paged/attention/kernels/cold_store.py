@@ -12,8 +12,11 @@ into the stack in place, in one launch: one thread per quantization group, with
 MLX's graph sees no write to the stack; the launch is evaluated before the next
 decode step is built, and evaluations run in order on the stream, as the decode
 kernel's own K/V stores do (``cuda.py``). Before a variant (dtypes, shapes, bits and
-group size) is trusted, ``dispatch.cold_store_self_check`` compares its records with
-the MLX path's, word for word, on random blocks; where it differs the MLX path stays.
+group size) is trusted, ``store_self_check`` (run by ``dispatch.cuda_cold_store``)
+compares its records with the MLX path's, word for word, on random blocks; where it
+differs the MLX path stays. Measured on an H200 (BENCHMARKS.md, runs 579-583): a
+migration's build and dispatch 0.4-0.9 ms against 0.9-5.9 ms, and no temporary memory
+against 66-303 MB.
 
 CUDA only. On Metal and on the CPU the MLX path quantizes.
 """
@@ -26,13 +29,10 @@ import mlx.core as mx
 
 from ...storage import ColdLayout, KVQuant
 from .cubin import CudaKernel
+from .cuda import NARROW_BYTES
 from .plan import FLOAT_TYPES
 
 THREADS = 256  # threads per block (one quantization group each)
-# Pool and stack arrays of at least this many bytes reach the kernel as views of their
-# first row: the kernel reads every row through the view's pointer, while MLX's
-# dispatch spends host time on an input by its size (as cuda.NARROW_BYTES).
-NARROW_BYTES = 128 << 20
 
 _BODY = """
   // k{l}, v{l}: layer l's pool, [blocks, BS, HK|HV, DK|DV] in T; at, to: [n] int32 pool
@@ -103,6 +103,8 @@ def _kernel(layers: int) -> CudaKernel:
 
 
 def _narrow(x: mx.array) -> mx.array:
+    """A pool or stack as the kernel takes it: itself, or from ``NARROW_BYTES`` (as the
+    decode kernel) a view of its first row, the same pointer and a smaller input."""
     return x[:1] if x.nbytes >= NARROW_BYTES else x
 
 
