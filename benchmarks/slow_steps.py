@@ -45,6 +45,7 @@ class Step:
     traces: int  # new traces of the compiled step
     trace_ms: float
     grew: bool  # a block pool's capacity changed
+    phases: dict[str, float]  # the engine's host ms in each StepClock phase
 
 
 def timed_steps(engine: PagedEngine, steps: int) -> list[Step]:
@@ -62,6 +63,7 @@ def timed_steps(engine: PagedEngine, steps: int) -> list[Step]:
         return n
 
     runner.migrate = counted
+    clock = engine.clock
     out = []
     try:
         mx.synchronize()  # the other engine's steps are done
@@ -69,9 +71,11 @@ def timed_steps(engine: PagedEngine, steps: int) -> list[Step]:
             traces = compiled.traces if compiled else 0
             traced = compiled.trace_seconds if compiled else 0.0
             before = (list(moved), [p.blocks.capacity for p in pools])
+            seconds = dict(clock.seconds)
             tic = time.perf_counter()
             engine.step()
             ms = (time.perf_counter() - tic) * 1e3
+            phases = {k: (v - seconds[k]) * 1e3 for k, v in clock.seconds.items()}
             out.append(
                 Step(
                     ms,
@@ -80,6 +84,7 @@ def timed_steps(engine: PagedEngine, steps: int) -> list[Step]:
                     (compiled.traces - traces) if compiled else 0,
                     ((compiled.trace_seconds - traced) * 1e3) if compiled else 0.0,
                     [p.blocks.capacity for p in pools] != before[1],
+                    phases,
                 )
             )
     finally:
@@ -131,6 +136,11 @@ def report(name: str, steps: list[Step], engine: PagedEngine) -> float:
     n = max(engine.clock.decode_steps, 1)
     phases = {k: round(v / n * 1e3, 3) for k, v in engine.clock.seconds.items() if v}
     print(f"  host ms a step, by phase: {phases}", flush=True)
+    if migrating:  # each phase's median over the migrating steps, and over the next ones
+        after = [steps[i + 1] for i, s in enumerate(steps[:-1]) if s.migrated]
+        for label, picked in (("migrating", migrating), ("after one", after)):
+            med = {k: round(statistics.median(s.phases[k] for s in picked), 3) for k in phases}
+            print(f"  {label} steps, median host ms by phase: {med}", flush=True)
     print(f"  slower than twice the median: {'; '.join(slow) or 'none'}", flush=True)
     return sum(ms)
 

@@ -439,8 +439,10 @@ def test_batch_due_agrees_with_the_cold_candidates(kinds, lengths, first, hot, b
     table.first = first
     for step in range(6):  # the same table as it grows, as blocks move, as it gains some
         table.lengths[:] = [n + step * 12 for n in lengths]
-        due = len(tables.cold_candidates(table, hot)) >= batch
-        assert tables.batch_due(table, hot, batch) == due
+        behind = (min(table.lengths) - hot) // BLOCK - table.first
+        scanned = [b for b in table.blocks[: max(behind, 0)] if 0 <= b < COLD]
+        assert tables.cold_candidates(table, hot) == scanned
+        assert tables.any_batch_due([table], hot, batch) == (len(scanned) >= batch)
         if step % 2:
             table.blocks.append(pool.allocate(1)[0])  # as a fresh table is filled: no version
         else:

@@ -9,14 +9,16 @@ copies a block's bytes where this class only re-points a table. Pure Python.
 
 from __future__ import annotations
 
+import bisect
 import math
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from .hot import hot_positions, repoint
 from .pool import BlockPool, PoolExhaustedError, PoolTooSmallError
-from .tiers import COLD, TieredBlockPool, is_cold
+from .tiers import TieredBlockPool, is_cold
 
 T = TypeVar("T")
 
@@ -191,16 +193,24 @@ class BlockTables:
         The hot tail is the last ``hot_tokens`` tokens every layer has written.
         """
         n = (min(table.lengths, default=0) - hot_tokens) // self.block_size - table.first
-        return [b for b in table.blocks[: max(n, 0)] if 0 <= b < COLD]
+        hot = hot_positions(table)
+        return [table.blocks[i] for i in hot[: bisect.bisect_left(hot, n)]]
 
-    def batch_due(self, table: BlockTable, hot_tokens: int, batch: int) -> bool:
-        """Whether ``cold_candidates`` would give at least ``batch`` blocks: while the
-        table's blocks stay the same, one comparison of its lengths with the length
-        at which its ``batch``-th hot block falls behind the hot tail."""
-        key = (table.version, table.first, len(table.blocks), hot_tokens, batch)
-        at = table.derived("cold_at", key, _cold_at, table, self.block_size, hot_tokens, batch)
-        lengths = table.lengths
-        return bool(lengths) and lengths[0] >= at and min(lengths) >= at
+    def any_batch_due(self, tables: list[BlockTable], hot_tokens: int, batch: int) -> bool:
+        """Whether ``cold_candidates`` would give at least ``batch`` blocks for any of
+        ``tables``: while a table's blocks stay the same, one comparison of its lengths
+        with the length at which its ``batch``-th hot block falls behind the hot tail.
+        Runs every decode step over every running table, so the loop is kept lean."""
+        bs = self.block_size
+        for t in tables:
+            key = (t.version, t.first, len(t.blocks), hot_tokens, batch)
+            held = t._derived.get("cold_at")
+            if held is None or held[0] != key:
+                held = t._derived["cold_at"] = (key, _cold_at(t, bs, hot_tokens, batch))
+            at, lengths = held[1], t.lengths
+            if lengths and lengths[0] >= at and min(lengths) >= at:
+                return True
+        return False
 
     def migrate(self, blocks: list[int]) -> dict[int, int]:
         """Move hot ``blocks`` (repeats allowed) to the cold tier; return ``{old: new}``.
@@ -223,9 +233,7 @@ class BlockTables:
             moved[b] = new
         if moved:
             for t in list(self._live.values()):
-                if not moved.keys().isdisjoint(t.blocks):  # a scan in C, 2.5x a generator
-                    t.blocks[:] = [moved.get(b, b) for b in t.blocks]
-                    t.version += 1
+                repoint(t, moved)
         return moved
 
     # ---- reservations -----------------------------------------------------
@@ -348,7 +356,7 @@ def _cold_at(table: BlockTable, block_size: int, hot_tokens: int, batch: int) ->
     its hot tail; infinite while it holds fewer."""
     if batch <= 0:
         return -math.inf
-    hot = [i for i, b in enumerate(table.blocks) if 0 <= b < COLD]
+    hot = hot_positions(table)
     if len(hot) < batch:
         return math.inf
     return (hot[batch - 1] + 1 + table.first) * block_size + hot_tokens

@@ -137,11 +137,7 @@ class KVPool(LayerArrays):
         q = self.quant
         if q is None or self.keys[0] is None:
             return 0
-        batch = q.migrate_blocks(self.block_size)
-        for t in tables:
-            if self.batch_due(t, q.hot_tokens, batch):
-                break
-        else:
+        if not self.any_batch_due(tables, q.hot_tokens, q.migrate_blocks(self.block_size)):
             return 0
         due = [b for t in tables for b in self.cold_candidates(t, q.hot_tokens)]
         moved = self.migrate(due)
