@@ -9,13 +9,14 @@ to the cold tier (``migrate``, and its host milliseconds), new traces of the com
 (and their host milliseconds), and whether a block pool grew. Per engine and round it prints
 the mean and median step, the total, the time of the steps that migrated, traced or grew,
 the engine's host time a step by phase (``StepClock``; ``wait`` is the read of the previous
-step's tokens, which waits for the GPU), and the steps slower than twice the median; then
-the ratio of each round's totals and of all rounds' together. ``--num-blocks`` and
-``--cold-blocks`` size the pools up front, as a server with ``--kv-memory`` and
-``--cold-blocks`` runs; by default every pool grows on demand, and each growth traces the
-compiled step again. ``--mlx-migrations`` adds a third engine, a cold one that quantizes
-its migrations with MLX ops instead of the CUDA kernel (``mlx_paged.storage.STORERS``
-emptied during its turns).
+step's tokens, which waits for the GPU), for an engine that migrated each phase's median
+over its migrating steps and over the steps right after them, and the steps slower than
+twice the median; then the ratio of each round's totals and of all rounds' together.
+``--num-blocks`` and ``--cold-blocks`` size the pools up front, as a server with
+``--kv-memory`` and ``--cold-blocks`` runs; by default every pool grows on demand, and each
+growth traces the compiled step again. ``--mlx-migrations`` adds a third engine, a cold one
+that quantizes its migrations with MLX ops instead of the CUDA kernel
+(``mlx_paged.storage.STORERS`` emptied during its turns).
 
 Usage:
     python benchmarks/slow_steps.py --model /root/l1b --batch 14 --kv-bits 8 \\
