@@ -1,6 +1,9 @@
 """A table's kept hot positions (``blocks/hot.py``) against a full scan of its ids, through
 every change the block tables make: appends with and without a version bump, copy-on-write,
-trims from either end, holes, forks, releases and migrations to the cold tier."""
+trims from either end, holes, forks, releases and migrations to the cold tier. The same
+changes check ``steps_until_due`` against tokens appended one at a time, and its promise
+that, while a table does not shrink, only a copy on write brings its next batch nearer
+than its growth does."""
 
 from __future__ import annotations
 
@@ -19,12 +22,25 @@ def scan(blocks: list[int]) -> list[int]:
     return [i for i, b in enumerate(blocks) if 0 <= b < COLD]
 
 
+def tokens_until_due(t, batch: int) -> int:
+    """Tokens appended one at a time (new blocks are hot) until ``batch`` hot blocks lie
+    behind the hot tail."""
+    hot = scan(t.blocks) + list(range(len(t.blocks), len(t.blocks) + batch))
+    k = 0
+    while sum(p < (t.lengths[0] + k - HOT) // BLOCK - t.first for p in hot) < batch:
+        k += 1
+    return k
+
+
 class HotPositionsMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         self.pool = TieredBlockPool(None, BLOCK)
         self.tables = BlockTables(1, BLOCK, pool=self.pool)
         self.live = [self.tables.new_table()]
+        self.promised = {}  # per batch, each table's (table, tokens until due, tokens taken)
+        self.taken = {}  # per table, tokens appended so far
+        self.copied = 0
 
     def _grow(self, table, n, bump):
         start = table.lengths[0]
@@ -33,6 +49,7 @@ class HotPositionsMachine(RuleBasedStateMachine):
         else:  # as a table filled from the prefix index or the disk tier is
             table.blocks.extend(self.pool.allocate(self.tables._missing(table, start + n)))
         table.lengths[0] = start + n
+        self.taken[id(table)] = self.taken.get(id(table), 0) + n
 
     @rule(i=st.integers(0, 7), n=st.integers(1, 9), bump=st.booleans())
     def write(self, i, n, bump):
@@ -51,6 +68,8 @@ class HotPositionsMachine(RuleBasedStateMachine):
     def truncate(self, i, cut):
         t = self.live[i % len(self.live)]
         self.tables.truncate(t, 0, max(t.first * BLOCK, t.lengths[0] - cut))
+        for batch in (1, 2, 3):  # a table that shrinks may get hot blocks where cold ones were
+            self.promised.pop((id(t), batch), None)
 
     @rule(i=st.integers(0, 7), upto=st.integers(0, 12))
     def drop_before(self, i, upto):
@@ -95,6 +114,17 @@ class HotPositionsMachine(RuleBasedStateMachine):
             assert self.tables.cold_candidates(t, HOT) == expect
             for batch in (1, 2, 3):
                 assert self.tables.any_batch_due([t], HOT, batch) == (len(expect) >= batch)
+                steps = self.tables.steps_until_due([t], HOT, batch)
+                assert max(steps, 0) == tokens_until_due(t, batch)
+                taken = self.taken.get(id(t), 0)
+                was, before, then = self.promised.get((id(t), batch), (None, 0, 0))
+                if was is t and self.tables.copied == self.copied:
+                    assert steps >= before - (taken - then)
+                self.promised[id(t), batch] = (t, steps, taken)
+            assert self.tables.steps_until_due(self.live, HOT, 2) == min(
+                self.tables.steps_until_due([t], HOT, 2) for t in self.live
+            )
+        self.copied = self.tables.copied
         self.pool.check_invariants([t.blocks for t in self.live])
 
 

@@ -439,6 +439,8 @@ def test_batch_due_agrees_with_the_cold_candidates(kinds, lengths, first, hot, b
     table.first = first
     for step in range(6):  # the same table as it grows, as blocks move, as it gains some
         table.lengths[:] = [n + step * 12 for n in lengths]
+        # Every token lies in a block: new ones as a fresh table is filled (no version).
+        table.blocks.extend(pool.allocate(tables._missing(table, max(table.lengths))))
         behind = (min(table.lengths) - hot) // BLOCK - table.first
         scanned = [b for b in table.blocks[: max(behind, 0)] if 0 <= b < COLD]
         assert tables.cold_candidates(table, hot) == scanned

@@ -10,13 +10,12 @@ copies a block's bytes where this class only re-points a table. Pure Python.
 from __future__ import annotations
 
 import bisect
-import math
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from .hot import hot_positions, repoint
+from .hot import hot_positions, repoint, steps_until_due
 from .pool import BlockPool, PoolExhaustedError, PoolTooSmallError
 from .tiers import TieredBlockPool, is_cold
 
@@ -117,6 +116,8 @@ class BlockTables:
         # Every table made here, so a block moving to the cold tier is re-pointed in all.
         self._live: weakref.WeakValueDictionary[int, BlockTable] = weakref.WeakValueDictionary()
         self._made = 0
+        #: Blocks copied on write so far (``steps_until_due`` holds only between copies).
+        self.copied = 0
 
     # ---- tables -----------------------------------------------------------
 
@@ -198,19 +199,14 @@ class BlockTables:
 
     def any_batch_due(self, tables: list[BlockTable], hot_tokens: int, batch: int) -> bool:
         """Whether ``cold_candidates`` would give at least ``batch`` blocks for any of
-        ``tables``: while a table's blocks stay the same, one comparison of its lengths
-        with the length at which its ``batch``-th hot block falls behind the hot tail.
-        Runs every decode step over every running table, so the loop is kept lean."""
-        bs = self.block_size
-        for t in tables:
-            key = (t.version, t.first, len(t.blocks), hot_tokens, batch)
-            held = t._derived.get("cold_at")
-            if held is None or held[0] != key:
-                held = t._derived["cold_at"] = (key, _cold_at(t, bs, hot_tokens, batch))
-            at, lengths = held[1], t.lengths
-            if lengths and lengths[0] >= at and min(lengths) >= at:
-                return True
-        return False
+        ``tables``."""
+        return self.steps_until_due(tables, hot_tokens, batch) <= 0
+
+    def steps_until_due(self, tables: list[BlockTable], hot_tokens: int, batch: int) -> float:
+        """How many more tokens every one of ``tables`` can take, one a step, before
+        ``cold_candidates`` could give ``batch`` blocks for one of them (0 or less: it
+        does now; infinite for no table): ``hot.steps_until_due``."""
+        return steps_until_due(tables, self.block_size, hot_tokens, batch)
 
     def migrate(self, blocks: list[int]) -> dict[int, int]:
         """Move hot ``blocks`` (repeats allowed) to the cold tier; return ``{old: new}``.
@@ -301,6 +297,7 @@ class BlockTables:
         old = table.blocks[index]
         (new,) = self._allocate(1)
         self.copy_block(old, new)
+        self.copied += 1
         table.blocks[index] = new
         table.version += 1
         self.blocks.release(old)
@@ -349,14 +346,3 @@ def _release_quietly(pool: BlockPool, blocks: list[int]) -> None:
     """Finalizer: a table dropped without ``release`` gives its blocks back."""
     _release_held(pool, blocks)
     blocks.clear()
-
-
-def _cold_at(table: BlockTable, block_size: int, hot_tokens: int, batch: int) -> float:
-    """The least length of every layer at which ``batch`` hot blocks of ``table`` lie behind
-    its hot tail; infinite while it holds fewer."""
-    if batch <= 0:
-        return -math.inf
-    hot = hot_positions(table)
-    if len(hot) < batch:
-        return math.inf
-    return (hot[batch - 1] + 1 + table.first) * block_size + hot_tokens

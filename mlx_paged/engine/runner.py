@@ -21,6 +21,7 @@ from ..cache import DecodeBatch, PagedKVCache, PagedLayout, StepPagedKVCache, St
 from ..storage import KVPool, StatePool
 from .head import Head
 from .masks import MaskWork
+from .migrations import MigrationCheck
 from .picks import pick
 from .request import Request, Sampled
 
@@ -47,6 +48,8 @@ class ModelRunner:
         self.pools = pools
         self.states = states
         self.masks = MaskWork()
+        #: Moves blocks to the cold tier before decode steps (``engine/migrations.py``).
+        self.migrations = MigrationCheck(pools)
         #: The model's head, cut to the sampled positions in prefill forwards (``head.py``).
         self.head = Head.of(model)
         self.vocab = 0  # columns of the logits, once a step has sampled
@@ -59,6 +62,7 @@ class ModelRunner:
         Returns the last position's logits ``(1, V)`` if asked, else ``None`` (left
         unevaluated, so the head over the chunk is not computed).
         """
+        self.migrations.forwarded()
         # Recurrent layers read and write state slots; a model with no paged layer writes
         # no K/V, so only the batched step records its tokens.
         if self.states is not None or not self.layout.counts:
@@ -88,6 +92,7 @@ class ModelRunner:
         ``None``. Evaluated before it returns, or with ``wait`` false only dispatched
         (``mx.async_eval``): the host may build the next forward while this one runs.
         """
+        self.migrations.forwarded()
         return self._forward(reqs, n, logits, counts, wait)
 
     def _forward(
@@ -109,8 +114,7 @@ class ModelRunner:
 
     def migrate(self, reqs: list[Request]) -> int:
         """Quantize the blocks due for the cold tier in every request (between steps)."""
-        pools = self.pools.items()
-        return sum(pool.maybe_migrate([r.tables[kind] for r in reqs]) for kind, pool in pools)
+        return self.migrations.migrate(reqs)
 
     def decode(self, reqs: list[Request], tokens: mx.array | None = None) -> mx.array:
         """One token for every request (blocks reserved): the lazy logits ``(B, V)``.
@@ -118,6 +122,7 @@ class ModelRunner:
         Each request feeds its last token, or row ``i`` of ``tokens (B,)`` where given
         (a previous step's samples, not yet on the host).
         """
+        self.migrations.decoded()
         if tokens is None:
             inputs = mx.array([[r.last_token] for r in reqs], dtype=mx.int32)
         else:

@@ -18,6 +18,7 @@ they lie; nothing writes them again.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import mlx.core as mx
@@ -134,16 +135,25 @@ class KVPool(LayerArrays):
         whatever it moves, so sequences of staggered lengths share one every batch
         of tokens instead of taking one each.
         """
+        return self.migrate_due(tables)[0]
+
+    def migrate_due(self, tables: list[BlockTable]) -> tuple[int, float]:
+        """``maybe_migrate``, and how many tokens every table can then take, one a step,
+        before a batch could be due (``steps_until_due``): 0 after a migration or before
+        the first write, infinite without a cold tier."""
         q = self.quant
-        if q is None or self.keys[0] is None:
-            return 0
-        if not self.any_batch_due(tables, q.hot_tokens, q.migrate_blocks(self.block_size)):
-            return 0
+        if q is None:
+            return 0, math.inf
+        if self.keys[0] is None:
+            return 0, 0
+        steps = self.steps_until_due(tables, q.hot_tokens, q.migrate_blocks(self.block_size))
+        if steps > 0:
+            return 0, steps
         due = [b for t in tables for b in self.cold_candidates(t, q.hot_tokens)]
         moved = self.migrate(due)
         if moved:
             self._quantize(list(moved), [new - COLD for new in moved.values()])
-        return len(moved)
+        return len(moved), 0
 
     def tier_plan(self, rows: list[list[int]]) -> TierPlan:
         """How ``read_tiered`` reads these equal-length rows of block ids (both tiers)."""
