@@ -444,7 +444,7 @@ def test_batch_due_agrees_with_the_cold_candidates(kinds, lengths, first, hot, b
         behind = (min(table.lengths) - hot) // BLOCK - table.first
         scanned = [b for b in table.blocks[: max(behind, 0)] if 0 <= b < COLD]
         assert tables.cold_candidates(table, hot) == scanned
-        assert tables.any_batch_due([table], hot, batch) == (len(scanned) >= batch)
+        assert (tables.steps_until_due([table], hot, batch) <= 0) == (len(scanned) >= batch)
         if step % 2:
             table.blocks.append(pool.allocate(1)[0])  # as a fresh table is filled: no version
         else:

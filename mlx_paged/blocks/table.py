@@ -197,11 +197,6 @@ class BlockTables:
         hot = hot_positions(table)
         return [table.blocks[i] for i in hot[: bisect.bisect_left(hot, n)]]
 
-    def any_batch_due(self, tables: list[BlockTable], hot_tokens: int, batch: int) -> bool:
-        """Whether ``cold_candidates`` would give at least ``batch`` blocks for any of
-        ``tables``."""
-        return self.steps_until_due(tables, hot_tokens, batch) <= 0
-
     def steps_until_due(self, tables: list[BlockTable], hot_tokens: int, batch: int) -> float:
         """How many more tokens every one of ``tables`` can take, one a step, before
         ``cold_candidates`` could give ``batch`` blocks for one of them (0 or less: it
