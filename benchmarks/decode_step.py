@@ -26,6 +26,9 @@ times engines on the model as loaded and on a fused copy in one process, taking 
 a routed copy (both fused with ``--fuse-projections``) in one process, taking turns.
 ``--writes ROUNDS`` times an engine whose steps write their K/V with a scatter a layer before
 the decode kernel and one whose kernel stores them (``PagedView.new_keys``, CUDA), taking turns.
+``--rope ROUNDS`` times engines on the model and on a copy whose layers leave their RoPE to the
+decode kernel (``mlx_paged.rope_in_kernel``, CUDA; both as the other flags make them), taking
+turns.
 
 Usage:
     python benchmarks/decode_step.py --model /root/l1b --batch 64 32 --cases paged dense
@@ -35,6 +38,8 @@ Usage:
     python benchmarks/decode_step.py --model /root/l1b --batch 1 14 --cases paged --kv-bits 8 \\
         --tiers 8 --steps 200
     python benchmarks/decode_step.py --model /root/l1b --batch 1 8 64 --cases paged --writes 6
+    python benchmarks/decode_step.py --model /root/l1b --batch 1 14 --cases paged --rope 6 \
+        --fuse-projections --few-row-matmuls
     ncu --clock-control none --profile-from-start off --metrics gpu__time_duration.sum \\
         python benchmarks/decode_step.py --model /root/l1b --batch 64 --cases paged --profile
 """
@@ -57,7 +62,7 @@ import mlx.core as mx
 from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlx_paged import PagedEngine, few_row_matmuls, fuse_projections
+from mlx_paged import PagedEngine, few_row_matmuls, fuse_projections, rope_in_kernel
 from mlx_paged.attention import routing
 from mlx_paged.attention.kernels import dispatch
 from mlx_paged.attention.kernels.plan import kernel_templates
@@ -161,7 +166,7 @@ def ready_engine(model, prompts: list[list[int]], args, kv_bits: int | None) -> 
     )
     engine.generate([prompts[0]], max_tokens=1)  # caches the shared prompt
     for p in prompts:
-        rounds = max(args.tiers, args.fused, args.few_rows, args.writes, 1)
+        rounds = max(args.tiers, args.fused, args.few_rows, args.writes, args.rope, 1)
         engine.add_request(p, args.steps * rounds + 40)
     while engine.waiting or any(not r.generated for r in engine.running):
         engine.step()
@@ -175,7 +180,7 @@ def paged(model, prompts: list[list[int]], args) -> None:
     if args.tiers:
         tiers(model, prompts, args)
         return
-    if args.fused or args.few_rows:
+    if args.fused or args.few_rows or args.rope:
         fusion(model, args.fused_model, prompts, args)
         return
     if args.writes:
@@ -217,6 +222,8 @@ def fusion(model, fused_model, prompts: list[list[int]], args) -> None:
     engines = [ready_engine(m, prompts, args, args.kv_bits) for m in (model, fused_model)]
     if args.few_rows:
         turns(["cuBLAS", "few-row kernel"], engines, args.few_rows, args, "few-rows")
+    elif args.rope:
+        turns(["layers rotate", "kernel rotates"], engines, args.rope, args, "rope")
     else:
         turns(["as loaded", "fused"], engines, args.fused, args, "fused")
 
@@ -371,12 +378,21 @@ def main() -> None:
         help="paged: engines that scatter each step's K/V and whose kernel stores them, in one "
         "process, taking turns for ROUNDS rounds of --steps steps",
     )
+    parser.add_argument(
+        "--rope",
+        type=int,
+        default=0,
+        metavar="ROUNDS",
+        help="paged: engines on the model and on a copy whose layers leave their RoPE to the "
+        "decode kernel, in one process, taking turns for ROUNDS rounds of --steps steps",
+    )
     args = parser.parse_args()
     if args.tiers and not args.kv_bits:
         parser.error("--tiers needs --kv-bits")
-    if sum(map(bool, (args.tiers, args.fused, args.few_rows, args.writes))) > 1:
+    if sum(map(bool, (args.tiers, args.fused, args.few_rows, args.writes, args.rope))) > 1:
         parser.error(
-            "--tiers, --fused, --few-rows and --writes each take turns of their own: one at a time"
+            "--tiers, --fused, --few-rows, --writes and --rope each take turns of their own: "
+            "one at a time"
         )
     model, _ = load(args.model)
     if args.fused:
@@ -387,6 +403,13 @@ def main() -> None:
         if args.fuse_projections:
             fuse_projections(args.fused_model)
         print(f"{few_row_matmuls(args.fused_model)} layers of the copy take few rows in a kernel")
+    if args.rope:
+        args.fused_model, _ = load(args.model)
+        if args.fuse_projections:
+            fuse_projections(args.fused_model)
+        if args.few_row_matmuls:
+            few_row_matmuls(args.fused_model)
+        print(f"{rope_in_kernel(args.fused_model)} layers of the copy leave RoPE to the kernel")
     if args.fuse_projections:
         print(f"fused {fuse_projections(model)} projection groups")
     if args.few_row_matmuls:

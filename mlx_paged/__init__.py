@@ -23,7 +23,14 @@ from .cache import (
     save_prefix,
     uninstall_paged_cache,
 )
-from .engine import EngineStats, Event, PagedEngine, few_row_matmuls, fuse_projections
+from .engine import (
+    EngineStats,
+    Event,
+    PagedEngine,
+    few_row_matmuls,
+    fuse_projections,
+    rope_in_kernel,
+)
 
 __all__ = [
     "BlockPool",
@@ -38,6 +45,7 @@ __all__ = [
     "PrefixIndex",
     "few_row_matmuls",
     "fuse_projections",
+    "rope_in_kernel",
     "install_paged_cache",
     "load_prefix",
     "make_paged_cache",

@@ -30,7 +30,7 @@ from .blocks import PoolTooSmallError
 from .cache import make_paged_cache
 from .cache.memory import blocks_for_memory, cache_summary, fmt_bytes, parse_memory, probe_footprint
 from .embedded import MODEL_DTYPES, EmbeddedModelMissing, load_model
-from .engine import PagedEngine, few_row_matmuls, fuse_projections
+from .engine import PagedEngine, few_row_matmuls, fuse_projections, rope_in_kernel
 from .engine.distributed import join_ranks
 from .progress import ProgressBar
 from .prompts import encode_prompt, read_prompts
@@ -73,13 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--kv-disk-bytes", default="50GB", help="Most bytes --kv-disk-dir takes.")
     hot = "With --kv-bits: each sequence's last tokens kept in full precision (the rest quantized)."
     g.add_argument("--hot-tokens", type=int, default=256, help=hot)
-    g.add_argument(
-        "--model-dtype",
-        choices=MODEL_DTYPES,
-        default="auto",
-        help="Cast the model's floating-point weights. auto: the embedded model runs in "
-        "float32 on CPU (float16 is emulated there); other models as stored.",
-    )
+    cast = "Cast the model's floating-point weights. auto: the embedded model runs in "
+    cast += "float32 on CPU (float16 is emulated there); other models as stored."
+    g.add_argument("--model-dtype", choices=MODEL_DTYPES, default="auto", help=cast)
     g.add_argument(
         "--prompts-file",
         default=None,
@@ -87,14 +83,13 @@ def build_parser() -> argparse.ArgumentParser:
         '{"prompt": ...} or {"messages": [...]} per line.',
     )
     g.add_argument("--max-batch-size", type=int, default=64, help="Sequences at once (engine).")
-    fuse = "Run each layer's q/k/v and gate/up projections as one matmul each (default)."
-    g.add_argument(
-        "--fuse-projections", action=argparse.BooleanOptionalAction, default=True, help=fuse
+    changes = (
+        ("fuse-projections", "Each layer's q/k/v and gate/up projections as one matmul each."),
+        ("few-row-matmuls", "On CUDA, 2 to 48 rows a matmul in a kernel of our own, not cuBLAS."),
+        ("rope-in-kernel", "On CUDA, the engine's decode kernel applies the layers' RoPE."),
     )
-    rows = "On CUDA, 2 to 48 rows a matmul in a kernel of our own, not cuBLAS (default)."
-    g.add_argument(
-        "--few-row-matmuls", action=argparse.BooleanOptionalAction, default=True, help=rows
-    )
+    for flag, text in changes:  # each on by default
+        g.add_argument(f"--{flag}", action=argparse.BooleanOptionalAction, default=True, help=text)
     g.add_argument(
         "--state-snapshot-interval",
         type=int,
@@ -370,6 +365,8 @@ def main(argv: list[str] | None = None) -> None:
         mx.eval(model.parameters())
         if group is None and args.few_row_matmuls:
             few_row_matmuls(model)
+        if group is None and args.rope_in_kernel:
+            rope_in_kernel(model)
     except (EmbeddedModelMissing, ValueError) as e:
         raise SystemExit(f"mlx_paged.generate: error: {e}") from e
     if group is not None and group.rank() > 0:

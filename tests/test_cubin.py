@@ -16,8 +16,8 @@ from mlx_paged.attention.kernels.synthetic import random_paged_batch
 from mlx_paged.storage import take_blocks
 
 DECODE_DTYPES = [mx.float16] * 3 + [mx.int32] * 3 + [mx.float32, mx.int32]
-DECODE_DTYPES += [mx.uint32] + [mx.float16] * 2
-DECODE_NDIMS = [4, 4, 4, 2] + [1] * 4 + [3] + [4, 4]
+DECODE_DTYPES += [mx.uint32] + [mx.float16] * 2 + [mx.float32]
+DECODE_NDIMS = [4, 4, 4, 2] + [1] * 4 + [3] + [4, 4] + [1]
 OUTPUT_DTYPES = [mx.float16, mx.float32, mx.float32, mx.float32]
 
 
@@ -45,6 +45,7 @@ def test_render_writes_mlxs_signature_with_shapes_as_trailing_ints():
     assert "const __half* queries" in params and "const unsigned int* cold," in params
     assert "float* part_out" in params and "const float* sinks" in params
     assert "const __half* new_keys" in params and "const __half* new_values" in params
+    assert "const float* rope_freqs" in params
     for line in [
         "const int block_tables_shape[] = {block_tables_shape_0, block_tables_shape_1};",
         "using T = __half;",
@@ -163,7 +164,7 @@ def test_kernels_from_the_disk_cache_match_the_reference(tmp_path, monkeypatch):
 
 
 def test_inputs_a_template_set_does_not_read_are_left_out_of_the_signature():
-    dtypes = [*DECODE_DTYPES[:6]] + [None] * 5
+    dtypes = [*DECODE_DTYPES[:6]] + [None] * 6
     src, shaped = cubin.render(
         "k",
         cuda.HEADER,
@@ -178,13 +179,14 @@ def test_inputs_a_template_set_does_not_read_are_left_out_of_the_signature():
     )
     params = re.search(r'extern "C" __global__ void k\(([^)]*)\)', src).group(1)
     assert "sinks" not in params and "counters" not in params and "cold" not in params
-    assert "new_" not in params
+    assert "new_" not in params and "rope_freqs" not in params
     assert shaped == [3]
     for line in [
         "const float* sinks = nullptr;",
         "const int* counters = nullptr;",
         "const unsigned int* cold = nullptr;",
         "const T* new_keys = nullptr;",
+        "const float* rope_freqs = nullptr;",
     ]:
         assert line in src
     assert src.index("using T = __half;") < src.index("const T* new_keys = nullptr;")

@@ -128,13 +128,14 @@ def kernel_function(name, body, inputs, outputs, space="", attrs=(), qualifier="
 
 def instantiation(
     name, dtype, rows, prefetch, bits, warps, inputs, outputs, attrs=(), qualifier="", hg=4, ce=16,
-    fw=None,
+    fw=None, rope=False,
 ):  # fmt: skip
     """The explicit instantiation of ``kernel_function(name, ...)`` for ``dtype``, with ``hg``
-    query heads per warp, ``ce`` elements of a cold row a lane and (CUDA) ``fw``."""
+    query heads per warp, ``ce`` elements of a cold row a lane and (CUDA) ``fw`` and
+    ``rope`` (not traditional)."""
     args = f"{dtype}, {dtype}, 128, 128, 32, 8, 4, {hg}, 16, 0, true, 1000, {warps}, 1, {rows}, "
     args += f"{str(prefetch).lower()}, {bits}, 64, {ce}"
-    args += "" if fw is None else f", {str(fw).lower()}"
+    args += "" if fw is None else f", {str(fw).lower()}, {str(rope).lower()}, false"
     types = [f"const {x.split(':')[1]}*" for x in inputs] + ["const int*"] * len(inputs)
     types += [f"{x.split(':')[1]}*" for x in outputs]
     types += [a.split()[0] for a in attrs]
@@ -195,14 +196,15 @@ def test_the_cuda_build_compiles_without_spilling(tmp_path):
     with a cold tier 4 loads per lane of 16 elements, so 16 rows and 4 heads per warp at 8
     and 4 bits, no prefetch; and 16-byte loads at 4 bits, 32 rows and 2 heads) and the
     block read, with no register spills; full precision and 8 bits also store the step's
-    new K/V rows (``FW``)."""
+    new K/V rows (``FW``), with and without rotating them and the queries (``ROPE``)."""
     header, body = source.decode_source("cuda", merge_inline=True)
     inputs = [*DECODE_INPUTS[:7], "counters:int32_t", *DECODE_INPUTS[7:]]
-    inputs += ["new_keys:T", "new_values:T"]
+    inputs += ["new_keys:T", "new_values:T", "rope_freqs:float"]
     code = "#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n#include <cstdint>\n" + header
     scalar = ["int cold_base"]  # CUDA's first cold row is a scalar argument
+    extra = ", bool FW, bool ROPE, bool ROPE_TRAD"
     code += kernel_function(
-        "decode", body, inputs, DECODE_OUTPUTS, "", scalar, "__global__ ", ", bool FW"
+        "decode", body, inputs, DECODE_OUTPUTS, "", scalar, "__global__ ", extra
     )
     shapes = {(0, None): (16, 4), (4, None): (16, 4), (8, None): (16, 4), (4, 16): (32, 2)}
     for (bits, lane_bytes), want in shapes.items():
@@ -210,10 +212,12 @@ def test_the_cuda_build_compiles_without_spilling(tmp_path):
         plan = cuda_plan(batch.queries, batch.view, lane_bytes=lane_bytes)
         rows = rows_per_step(128, 128, 2, COLD_SLOTS if bits else 16, plan.cold_elems)
         assert (rows, plan.heads_per_block) == want
-        for fw in (False, True) if bits in (0, 8) else (False,):
+        stores = ((False, False), (True, False), (True, True))  # (FW, ROPE)
+        for fw, rope in stores if bits in (0, 8) else stores[:1]:
             code += instantiation(
                 "decode", "__half", rows, not bits, bits, 8, inputs, DECODE_OUTPUTS, scalar,
                 qualifier="__global__ ", hg=plan.heads_per_block, ce=plan.cold_elems or 16, fw=fw,
+                rope=rope,
             )  # fmt: skip
     read_header, read_body = source.block_read_source("cuda")
     code += read_header[read_header.index("template <int H") :]
@@ -224,7 +228,7 @@ def test_the_cuda_build_compiles_without_spilling(tmp_path):
     done = subprocess.run(cmd, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     spills = re.findall(r"(\d+) bytes spill stores", done.stderr)
-    assert len(spills) == 7 and set(spills) == {"0"}, done.stderr[-3000:]  # 6 decodes, 1 read
+    assert len(spills) == 9 and set(spills) == {"0"}, done.stderr[-3000:]  # 8 decodes, 1 read
 
 
 # ---- kernels reading the cold tier -------------------------------------------------

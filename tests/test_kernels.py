@@ -344,14 +344,15 @@ def test_cuda_launch_parameters_without_a_gpu(monkeypatch, batch, length, splits
         assert counters.shape == (batch * blocks,) and counters.dtype == mx.int32
     else:
         assert counters is None  # left out of the launch, as the sinks and the cold tier are
-    assert call["inputs"][6] is None and call["inputs"][8:] == [None] * 3  # + no new rows
+    assert call["inputs"][6] is None and call["inputs"][8:] == [None] * 4  # + no new rows
     assert t["FW"] is False
 
 
 @pytest.mark.parametrize("bits", [None, 8])
 def test_new_rows_reach_the_cuda_kernel_as_its_last_inputs(monkeypatch, bits):
     """A view with the step's new K/V rows launches the ``FW`` build with them as its last
-    two inputs, apart from the launch without them; wrong rows are declined."""
+    two inputs before the rotation's angles (none here), apart from the launch without
+    them; wrong rows are declined."""
     from mlx_paged.attention.kernels import cuda
 
     calls = []
@@ -365,7 +366,7 @@ def test_new_rows_reach_the_cuda_kernel_as_its_last_inputs(monkeypatch, bits):
         paged_decode_cuda(b.queries, given, 0.125, None)
         call = calls[-1]
         assert dict(call["template"])["FW"] is fw
-        assert call["inputs"][9:] == (rows if fw else [None, None])
+        assert call["inputs"][9:] == (rows if fw else [None, None]) + [None]
     assert len(calls) == 2
     for bad in (rows[0][:1], rows[0].astype(mx.float16), rows[0][:, :, :, :32]):
         wrong = b.view._replace(new_keys=bad, new_values=rows[1])
@@ -416,7 +417,7 @@ class RecordingKernel:
         return [mx.zeros(s, dtype=d) for s, d in zip(shapes, dtypes, strict=True)]
 
     def build(self, inputs, template, output_dtypes, scalars=()):
-        assert [x is None for x in inputs] == [False] * 6 + [True, inputs[7] is None] + [True] * 3
+        assert [x is None for x in inputs] == [False] * 6 + [True, inputs[7] is None] + [True] * 4
         assert list(scalars) == []  # cold_base comes with a cold tier only
         self.built.add((tuple(template), inputs[7] is not None))
         return True

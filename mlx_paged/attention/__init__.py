@@ -11,6 +11,7 @@ from .records import (
     PagedLayerCache,
     PagedView,
     PrefillView,
+    Rope,
     stand_ins,
     table_width,
 )
@@ -42,6 +43,7 @@ __all__ = [
     "PagedLayerCache",
     "PagedView",
     "PrefillView",
+    "Rope",
     "attention_path",
     "fused_read",
     "kernels_ready",

@@ -8,6 +8,7 @@ router.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import NamedTuple
 
 import mlx.core as mx
@@ -45,6 +46,20 @@ class ColdView(NamedTuple):
         )
 
 
+class Rope(NamedTuple):
+    """A layer's rotary position embedding, for a kernel that applies it itself.
+
+    ``freqs`` ``(D / 2,)`` float32: each rotated pair's angle per position (mlx's
+    ``scale`` over its wavelength); the pairs are ``(i, i + D / 2)`` of the whole head,
+    or ``(2i, 2i + 1)`` with ``traditional``. ``apply`` is the layer's own RoPE, for every
+    path that does not.
+    """
+
+    freqs: mx.array
+    traditional: bool
+    apply: Callable[[mx.array, mx.array], mx.array]  # (x, offset) -> rotated x
+
+
 class PagedView(NamedTuple):
     """Where one layer's K/V lie in the blocks, for a batch of ``B`` sequences.
 
@@ -61,7 +76,9 @@ class PagedView(NamedTuple):
     With ``new_keys``/``new_values`` (``(B, n_kv_heads, 1, head_dim)`` in the pool's
     dtype) the step's own token is not in the pool yet: a kernel that takes the call
     stores those rows at position ``lengths[b] - 1`` and reads them there (only
-    ``KERNELS`` entries whose ``writes`` is true are offered such a view).
+    ``KERNELS`` entries whose ``writes`` is true are offered such a view). With ``rope``
+    as well, the queries and ``new_keys`` are not rotated yet: the kernel rotates them to
+    that position (only entries whose ``ropes`` is true take such a view).
 
     A named tuple: every layer of every decode step makes one, and a tuple is
     the cheapest immutable record to make.
@@ -76,6 +93,7 @@ class PagedView(NamedTuple):
     cold: ColdView | None = None
     new_keys: mx.array | None = None
     new_values: mx.array | None = None
+    rope: Rope | None = None
 
     @property
     def block_size(self) -> int:
@@ -156,6 +174,11 @@ class PagedLayerCache:
         attention asks here before any other path reads them.
         """
         return None
+
+    def rotated_queries(self, queries: mx.array) -> mx.array:
+        """``queries`` as every path but a rotating kernel takes them: rotated by the layer's
+        RoPE where its model left that to the kernel (``PagedView.rope``), else as they are."""
+        return queries
 
 
 def table_width(blocks: int) -> int:

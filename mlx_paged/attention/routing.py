@@ -216,9 +216,11 @@ def paged_attention(
     own = cache.fetched(keys, values, mask) and _path != "gather"
     if own and queries.shape[2] == 1 and KERNELS:
         view = cache.paged_view()
-        writes = view.new_keys is not None
+        writes, ropes = view.new_keys is not None, view.rope is not None
         for kernel in KERNELS:
             if writes and not getattr(kernel, "writes", False):
+                continue
+            if ropes and not getattr(kernel, "ropes", False):
                 continue
             out = kernel(queries, view, scale, sinks)
             if out is not None:
@@ -232,6 +234,7 @@ def paged_attention(
             if out is not None:
                 path_counts[getattr(kernel, "__name__", "kernel")] += 1
                 return out
+    queries = cache.rotated_queries(queries)
     keys, values = cache.deferred_read(keys, values) or (keys, values)
     path_counts["in_place" if cache.reads_in_place() else "gather"] += 1
     if use_ops(queries, keys, sinks):  # a CUDA prefill: no fused-kernel graph to build

@@ -15,6 +15,7 @@ from ..attention import (
     PagedLayerCache,
     PagedView,
     PrefillView,
+    Rope,
     fused_read,
     kernels_ready,
     kernels_write,
@@ -32,6 +33,9 @@ class StepPagedKVCache(PagedLayerCache):
         self._fetched: Fetched | None = None
         self._deferred: Fetched | None = None  # stand-ins returned for a deferred read
         self._new: tuple[mx.array, mx.array] | None = None  # K/V left to the kernel to store
+        # Set by the engine where the layer's model left its RoPE to the kernel: this step's
+        # queries and new keys come unrotated (``engine/rope.py``).
+        self.rope: Rope | None = None
 
     @property
     def offset(self) -> mx.array:
@@ -69,10 +73,10 @@ class StepPagedKVCache(PagedLayerCache):
         p.check_write(layer, keys[:1], values[:1])
         ready = kernels_ready() if b.n_new == 1 else not b.has_cold and prefill_kernels_ready()
         stores = p.defer_reads and ready and b.n_new == 1 and kernels_write()
-        if stores and self._as_is(keys, values):  # the kernel stores them (FW)
+        if stores and self._as_is(keys, values):  # the kernel stores them (FW), rotated
             self._new = (keys, values)
         else:
-            self._write(keys, values)
+            self._write(self._rotated(keys), values)
         if p.defer_reads and ready:
             # A fused kernel will read the blocks itself: no gather to build.
             dtype = p.input_dtypes[layer]
@@ -87,11 +91,19 @@ class StepPagedKVCache(PagedLayerCache):
         """The gathered K/V, if ``keys``/``values`` are this step's stand-ins (after writing
         the new K/V that no kernel stored)."""
         if self._new is not None:
-            self._write(*self._new)
+            keys_new, values_new = self._new
+            self._write(self._rotated(keys_new), values_new)
             self._new = None
         if self._deferred is None or not self._deferred.matches(keys, values):
             return None
         return self._read()
+
+    def rotated_queries(self, queries: mx.array) -> mx.array:
+        """``queries`` rotated where the kernel was to rotate them (``rope``)."""
+        return self._rotated(queries)
+
+    def _rotated(self, x: mx.array) -> mx.array:
+        return x if self.rope is None else self.rope.apply(x, self.batch.offset)
 
     def _as_is(self, keys: mx.array, values: mx.array) -> bool:
         """Whether the pool stores these K/V in their own dtype (a kernel copies rows as is)."""
@@ -148,6 +160,7 @@ class StepPagedKVCache(PagedLayerCache):
             cold=None if cold is None else ColdView(*cold),
             new_keys=new[0],
             new_values=new[1],
+            rope=self.rope,
         )
 
     def prefill_view(self) -> PrefillView | None:

@@ -4,6 +4,7 @@ from .engine import PagedEngine
 from .fusion import fuse_projections
 from .linears import few_row_matmuls
 from .request import EngineStats, Event, Request
+from .rope import rope_in_kernel
 from .runner import ModelRunner
 from .scheduler import Scheduler
 
@@ -16,4 +17,5 @@ __all__ = [
     "Scheduler",
     "few_row_matmuls",
     "fuse_projections",
+    "rope_in_kernel",
 ]

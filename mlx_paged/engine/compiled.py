@@ -192,7 +192,8 @@ class CompiledDecode:
                 StepStateCache(runner.states, i, rows) for i in range(runner.states.num_layers)
             ]
         caches = runner.layout.bind(runner.pools, batches, StepPagedKVCache, views.__getitem__)
-        logits = runner.model(tokens, cache=caches)[:, -1, :]
+        with runner.rope_kernel(caches, 1):
+            logits = runner.model(tokens, cache=caches)[:, -1, :]
         for view in views:
             view.finish()
         return logits

@@ -16,6 +16,7 @@ from contextlib import AbstractContextManager, nullcontext
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..attention import kernels_write
 from ..blocks import LayerKind
 from ..cache import DecodeBatch, PagedKVCache, PagedLayout, StepPagedKVCache, StepStateCache
 from ..storage import KVPool, StatePool
@@ -24,6 +25,7 @@ from .masks import MaskWork
 from .migrations import MigrationCheck
 from .picks import pick
 from .request import Request, Sampled
+from .rope import kernel_ropes
 
 
 class ModelRunner:
@@ -55,6 +57,8 @@ class ModelRunner:
         self.vocab = 0  # columns of the logits, once a step has sampled
         #: Decode steps through one compiled function per shape (``engine/compiled.py``).
         self.compiled: Callable[[list[Request], mx.array], mx.array] | None = None
+        #: The layers' rotations, where ``rope_in_kernel`` left them to the kernel.
+        self.ropes = kernel_ropes(model)
 
     def prefill(self, req: Request, n: int, logits: bool = False) -> mx.array | None:
         """Run ``req``'s next ``n`` tokens through its own caches.
@@ -170,7 +174,7 @@ class ModelRunner:
         caches = self.layout.bind(self.pools, batches, StepPagedKVCache, views.__getitem__)
         x = inputs if isinstance(inputs, mx.array) else mx.array(inputs)
         last = mx.array(counts, dtype=mx.int32) - 1 if padded else None  # last real positions
-        with self._head_at(logits and n > 1, last):
+        with self._head_at(logits and n > 1, last), self.rope_kernel(caches, n):
             out = self.model(x, cache=caches)
         if padded and out.shape[1] == n:  # the head ran over every position
             out = mx.take_along_axis(out, last[:, None, None], axis=1)[:, 0, :]
@@ -181,6 +185,18 @@ class ModelRunner:
         for view in views:
             view.finish()
         return out, caches
+
+    def rope_kernel(self, caches: list, n: int) -> AbstractContextManager:
+        """Within: a one-token forward's layers rotate nothing and ``caches`` hand the
+        kernel their rotations, where the model left them to it (``engine/rope.py``) and
+        a decode kernel stores K/V here (``kernels_write``)."""
+        if self.ropes is None or n != 1 or not kernels_write():
+            return nullcontext()
+        switch, specs = self.ropes
+        for cache, spec in zip(caches, specs, strict=False):
+            if spec is not None and isinstance(cache, StepPagedKVCache):
+                cache.rope = spec
+        return switch.deferring()
 
     def _head_at(self, cut: bool, rows: mx.array | None = None) -> AbstractContextManager:
         """Where ``cut`` (and the model has a ``Head``), the head computes one position

@@ -126,12 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=256,
         help="With --kv-bits: tokens at the end of each request kept in full precision.",
     )
-    p.add_argument(
-        "--model-dtype",
-        choices=("auto", *KV_DTYPES),
-        default="auto",
-        help="Cast the model's weights; auto: float32 for the embedded model on CPU.",
-    )
+    cast = "Cast the model's weights; auto: float32 for the embedded model on CPU."
+    p.add_argument("--model-dtype", choices=("auto", *KV_DTYPES), default="auto", help=cast)
     p.add_argument(
         "--chat-template-args",
         type=json.loads,
@@ -183,6 +179,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="On a CUDA GPU, multiply 2 to 48 rows by a float16 or bfloat16 linear layer's "
         "weight in a kernel of our own instead of cuBLAS, which costs a decode step more "
         "host time (mlx_paged.few_row_matmuls). Default: on, except for a sharded model.",
+    )
+    p.add_argument(
+        "--rope-in-kernel",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="On a CUDA GPU, let the decode kernel apply llama and qwen layers' RoPE to the "
+        "queries and new keys: two launches a layer fewer a step (mlx_paged.rope_in_kernel). "
+        "Default: on, except for a sharded model.",
     )
     p.add_argument(
         "--pipeline",
@@ -246,7 +250,7 @@ def loader(args: argparse.Namespace, group=None):
 
         from ..cache.memory import parse_memory
         from ..embedded import load_model
-        from ..engine import PagedEngine, few_row_matmuls, fuse_projections
+        from ..engine import PagedEngine, few_row_matmuls, fuse_projections, rope_in_kernel
         from ..engine.distributed import shard_model
 
         log = logging.getLogger("mlx_paged.server")
@@ -262,6 +266,8 @@ def loader(args: argparse.Namespace, group=None):
         mx.eval(model.parameters())
         if args.few_row_matmuls and not sharded:
             log.info("mlx_paged: %d layers take few rows in a kernel", few_row_matmuls(model))
+        if args.rope_in_kernel and not sharded:
+            log.info("mlx_paged: %d layers leave RoPE to the kernel", rope_in_kernel(model))
         kv_dtype = getattr(mx, args.kv_dtype) if args.kv_dtype else None
         num_blocks, cold_blocks = memory.pool_sizes(args, model, kv_dtype)
         preload = args.kv_disk_preload_bytes

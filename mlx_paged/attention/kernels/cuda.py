@@ -93,14 +93,14 @@ HEADER, DECODE_SOURCE = decode_source("cuda", merge_inline=True)
 
 _INPUTS = [
     *("queries", "keys", "values", "block_tables", "starts", "lengths", "sinks", "counters"),
-    *("cold", "new_keys", "new_values"),
+    *("cold", "new_keys", "new_values", "rope_freqs"),
 ]
 _OUTPUTS = ["out", "part_out", "part_max", "part_sum"]
 # Inputs a launch leaves out (passes as None) when its template set does not read them:
 # sinks without SINKS, counters without splits, the cold tier's records without QBITS, the
 # new K/V rows without FW.
 _ABSENT = {"sinks": mx.float32, "counters": mx.int32, "cold": mx.uint32}
-_ABSENT |= {"new_keys": "T", "new_values": "T"}
+_ABSENT |= {"new_keys": "T", "new_values": "T", "rope_freqs": mx.float32}
 _kernel_obj: list[object] = []
 #: Per decode variant launched (its base template and input signature), what ``prebuild``
 #: needs to build that variant's other warp, row and split layouts.
@@ -208,13 +208,16 @@ def _make_launch(
     template = base_template(plan, queries, view, has_sinks, scale * LOG2E)
     pf = (COLD_PREFETCH if bits else PREFETCH) if prefetch is None else prefetch
     fw = view.new_keys is not None
+    rope = view.rope  # the launch rotates its queries (and with FW the keys it stores)
+    trad = rope is not None and rope.traditional
     layouts = [("NW", nw), ("WH", wh), ("RS", rs), ("PF", pf), ("FW", fw)]
+    layouts += [("ROPE", rope is not None), ("ROPE_TRAD", trad)]
     kernel_templates.add(("cuda_paged_decode", *template, *layouts))
     if (num_warps, rows, head_warps, prefetch, lane_bytes) == (None,) * 5:
         main = [queries, view.keys, view.values, view.block_tables, view.starts, view.lengths]
         cold_parts = [view.cold.blob] if bits else []
         _variants.setdefault(
-            (tuple(template), fw),
+            (tuple(template), fw, rope is not None, trad),
             (
                 list(template),
                 [_signature(x) for x in main],
@@ -225,6 +228,7 @@ def _make_launch(
                 view.keys.dtype.size,
                 pf,
                 fw,
+                (rope is not None, trad),
             ),
         )
     template += layouts
@@ -238,15 +242,17 @@ def _make_launch(
     cold = view.cold is not None
 
     def kernel_call(base, q, keys, values, tables, starts, lengths, *rest):
-        # rest: the sinks (with SINKS), the cold tier's records (with a cold tier), then
-        # the new K/V rows (with FW)
+        # rest: the sinks (with SINKS), the cold tier's records (with a cold tier), the new
+        # K/V rows (with FW), then the rotation's angles (with ROPE)
         sinks = rest[0] if has_sinks else None
-        new = list(rest[-2:]) if fw else [None] * 2
+        freqs = rest[-1] if rope is not None else None
+        new = list(rest[-2 - (freqs is not None) :][:2]) if fw else [None] * 2
         records = _narrow(rest[has_sinks]) if cold else None
         keys, values = _narrow(keys), _narrow(values)
         counters = mx.zeros((slots,), dtype=mx.int32) if slots else None
+        inputs = [q, keys, values, tables, starts, lengths, sinks, counters, records, *new]
         return _kernel()(
-            inputs=[q, keys, values, tables, starts, lengths, sinks, counters, records, *new],
+            inputs=[*inputs, freqs],
             template=template,
             grid=grid,
             threadgroup=threads,
@@ -267,6 +273,8 @@ def _make_launch(
             base = view.cold.layer * view.cold.blob.shape[1]
         if fw:
             rest += [view.new_keys, view.new_values]
+        if rope is not None:
+            rest.append(view.rope.freqs)
         if base not in replays:
             replays[base] = compiled_launch(functools.partial(kernel_call, base))
         ids = (_as(x, mx.int32) for x in (view.block_tables, view.starts, view.lengths))
@@ -303,7 +311,8 @@ def prebuild() -> int:
     if build is None:
         return 0
     built = 0
-    for base, main, has_sinks, cold, groups, plan, itemsize, pf, fw in list(_variants.values()):
+    for variant in list(_variants.values()):
+        base, main, has_sinks, cold, groups, plan, itemsize, pf, fw, (rope, trad) = variant
         row_bases = (COLD_SLOTS,) if cold else (ROWS_PER_STEP, ROWS_PER_STEP_SHORT)
         rows = {rows_per_step(plan.dk, plan.dv, itemsize, r, plan.cold_elems) for r in row_bases}
         inputs = [_stand_in(x) for x in main]
@@ -317,7 +326,9 @@ def prebuild() -> int:
             wh, _ = warp_layout(groups, nw, HEAD_WARPS)
             for rs in sorted(rows):
                 template = [*base, ("NW", nw), ("WH", wh), ("RS", rs), ("PF", pf), ("FW", fw)]
-                args = [*inputs, sinks, counters if split else None, records, *new]
+                template += [("ROPE", rope), ("ROPE_TRAD", trad)]
+                freqs = _stand_in((mx.float32, 1)) if rope else None
+                args = [*inputs, sinks, counters if split else None, records, *new, freqs]
                 if build(args, template, outputs, ["cold_base"] if cold else []):
                     kernel_templates.add(("cuda_paged_decode", *template))
                     built += 1

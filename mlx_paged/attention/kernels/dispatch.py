@@ -24,10 +24,10 @@ from .cold_store import cuda_store_cold, store_reason, store_self_check
 from .cuda_prefill import paged_prefill_cuda, prefill_reason
 from .plan import Launch, LaunchCache, call_key, plan_decode
 from .read import read_blocks, read_reason
-from .reference import reference_paged_decode, reference_paged_prefill
+from .reference import reference_paged_decode, reference_paged_prefill, rotate
 
 if TYPE_CHECKING:
-    from ..records import PagedView, PrefillView
+    from ..records import PagedView, PrefillView, Rope
 
 logger = logging.getLogger("mlx_paged.kernels")
 
@@ -85,11 +85,14 @@ def self_check(
         want = reference_paged_decode(q, batch.view, scale, batch.sinks).astype(mx.float32)
         mx.eval(want)
     worst = 0.0
+    rope = view.rope if view.new_keys is not None else None
     for splits in (1, 3):
-        given, stored = batch.view, None
+        given, stored, q_given = batch.view, None, q
         if view.new_keys is not None:
-            given, stored = _last_rows_given(batch.view)
-        got = run(q, given, scale, batch.sinks, splits)
+            given, stored = _last_rows_given(batch.view, rope)
+        if rope is not None:  # the kernel rotates them back
+            q_given = rotate(q, given.lengths - 1, rope, inverse=True).astype(q.dtype)
+        got = run(q_given, given, scale, batch.sinks, splits)
         if got is None:
             raise RuntimeError("the kernel declined its own self-check inputs")
         worst = max(worst, mx.abs(got.astype(mx.float32) - want).max().item())
@@ -98,10 +101,13 @@ def self_check(
     return worst
 
 
-def _last_rows_given(view: PagedView) -> tuple[PagedView, Callable[[], float]]:
+def _last_rows_given(
+    view: PagedView, rope: Rope | None = None
+) -> tuple[PagedView, Callable[[], float]]:
     """``view`` with each sequence's last row replaced by garbage in copies of the pools
-    and handed over as the new rows instead, and a function that measures, once the call
-    ran, how far the rows in those copies are from the new rows."""
+    and handed over as the new rows instead (keys rotated back by ``rope``, which the view
+    then carries), and a function that measures, once the call ran, how far the rows in
+    those copies are from the original ones (relative to 1 + their size)."""
     tables, starts = np.array(view.block_tables), np.array(view.starts)
     at = np.array(view.lengths) - 1
     blocks = mx.array(tables[np.arange(len(at)), (at - starts) // view.block_size])
@@ -113,12 +119,17 @@ def _last_rows_given(view: PagedView) -> tuple[PagedView, Callable[[], float]]:
         pool[blocks, slots] = mx.array(1e4, dtype=pool.dtype)
         pools.append(pool)
     mx.eval(pools, new)
-    given = view._replace(keys=pools[0], values=pools[1], new_keys=new[0], new_values=new[1])
+    given_keys = new[0]
+    if rope is not None:
+        given_keys = rotate(new[0], mx.array(at), rope, inverse=True).astype(new[0].dtype)
+    given = view._replace(
+        keys=pools[0], values=pools[1], new_keys=given_keys, new_values=new[1], rope=rope
+    )
 
     def stored() -> float:
-        rows = [p[blocks, slots][:, :, None] for p in pools]
-        gaps = [mx.abs(r.astype(mx.float32) - n).max() for r, n in zip(rows, new, strict=True)]
-        return max(g.item() for g in gaps)
+        rows = [p[blocks, slots][:, :, None].astype(mx.float32) for p in pools]
+        gaps = [mx.abs(r - n) / (1 + mx.abs(n)) for r, n in zip(rows, new, strict=True)]
+        return max(g.max().item() for g in gaps)
 
     return given, stored
 
@@ -139,6 +150,7 @@ def _verified(backend: str, run: Runner, queries, view, scale, sinks) -> bool:
         scale,
         None if view.cold is None else (view.cold.bits, view.cold.group_size),
         view.new_keys is not None,
+        None if view.rope is None else view.rope.traditional,
     )
     if variant not in _verdicts:
         tol = max(TOLERANCE[view.keys.dtype], TOLERANCE[queries.dtype])
@@ -193,6 +205,7 @@ def _device_kernel(backend: str, run: Runner, launch_for: Callable[..., Launch |
     kernel.__doc__ = f"``KERNELS`` entry for the {backend} paged decode kernel (self-checked)."
     kernel.available = lambda: backend_available(backend)  # type: ignore[attr-defined]
     kernel.writes = backend == "cuda"  # type: ignore[attr-defined]  # stores view.new_keys
+    kernel.ropes = backend == "cuda"  # type: ignore[attr-defined]  # rotates with view.rope
     return kernel
 
 

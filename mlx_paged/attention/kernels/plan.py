@@ -100,6 +100,10 @@ def plan_decode(
         return DecodePlan(reason=f"block_tables {view.block_tables.shape} for batch {B}")
     if view.new_keys is not None and (why := _new_rows_reason(view, B, n_kv, dk, dv)):
         return DecodePlan(reason=why)
+    if view.rope is not None and (
+        view.rope.freqs.shape != (dk // 2,) or view.rope.freqs.dtype != mx.float32 or dk % 2
+    ):
+        return DecodePlan(reason=f"RoPE angles {view.rope.freqs.shape} for head dim {dk}")
     cold_elems = 0 if view.cold is None else cold_lane_elems(view.cold.bits, cold_lane_bytes)
     if view.cold is not None and (why := _cold_reason(view, dk, dv, cold_elems)):
         return DecodePlan(reason=why)
@@ -204,7 +208,7 @@ def call_key(
     queries: mx.array, view: PagedView, scale: float, sinks: mx.array | None, *tuning: object
 ) -> tuple:
     """What a launch depends on: shapes, dtypes, window, sinks, scale, the cold tier's
-    format and size, whether it stores the step's K/V, and tuning overrides."""
+    format and size, whether it stores (and rotates) the step's K/V, and tuning overrides."""
     keys, values = view.keys, view.values
     cold = (
         None
@@ -225,6 +229,7 @@ def call_key(
         cold,
         None if view.new_keys is None else (view.new_keys.shape, view.new_keys.dtype),
         None if view.new_values is None else (view.new_values.shape, view.new_values.dtype),
+        None if view.rope is None else (view.rope.freqs.shape, view.rope.traditional),
         *tuning,
     )
 

@@ -18,6 +18,10 @@
 #define PD_LOAD_SHARED_RESULT(p) __ldcg(p)  // read another block's partials past L1
 #define PD_NEG_INF __int_as_float(0xff800000)
 #define PD_LOG2E 1.4426950408889634f
+#define PD_ROPE_IN_KERNEL 1  // a decode launch may rotate its queries and new keys (ROPE)
+#define PD_RINT(x) rintf(x)
+#define PD_FMA(a, b, c) fmaf((a), (b), (c))
+#define PD_SINCOS(x, s, c) __sincosf((x), &(s), &(c))  // accurate in [-pi, pi]
 typedef unsigned int pd_uint;
 PD_INLINE float pd_float(float x) { return x; }
 PD_INLINE float pd_float(__half x) { return __half2float(x); }

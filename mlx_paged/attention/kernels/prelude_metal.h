@@ -9,6 +9,10 @@
 #define PD_BARRIER() threadgroup_barrier(mem_flags::mem_threadgroup)
 #define PD_WARP_BARRIER() simdgroup_barrier(mem_flags::mem_threadgroup)
 #define PD_EXP2(x) metal::exp2(x)
+#define PD_ROPE_IN_KERNEL 0  // the Metal build takes queries and keys rotated
+#define PD_RINT(x) metal::rint(x)
+#define PD_FMA(a, b, c) metal::fma((a), (b), (c))
+#define PD_SINCOS(x, s, c) ((s) = metal::sincos((x), (c)))
 #define PD_FMAX(a, b) metal::max((a), (b))
 #define PD_INT_AS_FLOAT(i) as_type<float>(int(i))
 // 2^23 + byte k of w as a float's bits.

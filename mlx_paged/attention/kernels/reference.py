@@ -16,7 +16,20 @@ import mlx.core as mx
 from ...blocks import COLD
 
 if TYPE_CHECKING:
-    from ..records import PagedView, PrefillView
+    from ..records import PagedView, PrefillView, Rope
+
+
+def rotate(x: mx.array, positions: mx.array, rope: Rope, inverse: bool = False) -> mx.array:
+    """``(B, H, 1, D)`` ``x`` rotated as ``rope`` rotates position ``positions[b]`` (by the
+    opposite angles with ``inverse``), computed in float32 from ``rope.freqs``."""
+    angles = positions.astype(mx.float32)[:, None, None, None] * rope.freqs
+    cos, sin = mx.cos(angles), mx.sin(angles) * (-1 if inverse else 1)
+    x = x.astype(mx.float32)
+    if rope.traditional:
+        a, b = x[..., 0::2], x[..., 1::2]
+        return mx.stack([a * cos - b * sin, b * cos + a * sin], axis=-1).reshape(x.shape)
+    a, b = mx.split(x, 2, axis=-1)
+    return mx.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)
 
 
 def visible_range(view: PagedView) -> tuple[mx.array, mx.array]:
