@@ -11,9 +11,10 @@ keys as it stores them. Any other forward (prefills, other devices, mlx-lm's own
 rotates as before, and a decode call that no kernel takes rotates in the cache and the
 attention fallback (``StepPagedKVCache``).
 
-Supported: mlx-lm's llama, qwen2 and qwen3 attention layers (each rotates its queries,
-then its keys, then calls ``update_and_fetch``, over the whole head) with ``nn.RoPE`` or
-mlx-lm's ``Llama3RoPE``.
+Supported: the attention layers of mlx-lm's llama, qwen2, qwen3, qwen3_moe and gemma3_text
+modules (each rotates its queries, then its keys, then calls ``update_and_fetch``) with
+``nn.RoPE`` or mlx-lm's ``Llama3RoPE``. A rotation over part of the head only is left to the
+fallback (``plan_decode`` declines its angles).
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ import numpy as np
 from ..attention import Rope
 
 #: Attention layer classes (by module) whose call order the deferral relies on.
-MODULES = ("mlx_lm.models.llama", "mlx_lm.models.qwen2", "mlx_lm.models.qwen3")
+MODULES = tuple(
+    f"mlx_lm.models.{name}" for name in ("llama", "qwen2", "qwen3", "qwen3_moe", "gemma3_text")
+)
 
 
 class RopeSwitch:

@@ -184,8 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--rope-in-kernel",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="On a CUDA GPU, let the decode kernel apply llama and qwen layers' RoPE to the "
-        "queries and new keys: two launches a layer fewer a step (mlx_paged.rope_in_kernel). "
+        help="On a CUDA GPU, let the decode kernel apply llama, qwen and gemma 3 layers' RoPE: "
+        "two launches a layer fewer a decode step (mlx_paged.rope_in_kernel). "
         "Default: on, except for a sharded model.",
     )
     p.add_argument(
