@@ -851,9 +851,9 @@ def test_requests_past_the_timeout_are_aborted(tmp_path):
 
 
 def test_a_pool_under_pressure_preempts_and_loses_nothing(server, tmp_path):
-    """Six requests of 6 prompt tokens fit a 10-block pool at admission and need 18 blocks
-    of 16 by their end (38 tokens each): requests are preempted and resumed, and every text
-    equals the one from a pool that never runs short."""
+    """Six requests of 6 prompt tokens fit a pool of 12 blocks of 8 at admission and need 18
+    by their end (22 tokens each): requests are preempted and resumed, and every text equals
+    the one from a pool that never runs short."""
     prompts = [f"{i}. {STORY}" for i in range(6)]
 
     async def run_all(target: Server) -> list[str]:
@@ -861,7 +861,7 @@ def test_a_pool_under_pressure_preempts_and_loses_nothing(server, tmp_path):
         try:
             outs = await asyncio.gather(
                 *(
-                    client.completions.create(model=MODEL, prompt=p, max_tokens=32, temperature=0)
+                    client.completions.create(model=MODEL, prompt=p, max_tokens=16, temperature=0)
                     for p in prompts
                 )
             )
@@ -870,12 +870,13 @@ def test_a_pool_under_pressure_preempts_and_loses_nothing(server, tmp_path):
         return [o.choices[0].text for o in outs]
 
     want = asyncio.run(run_all(server))
-    small = start_server(tmp_path, "pressure", "--num-blocks", "10", "--log-level", "warning")
+    flags = ["--block-size", "8", "--num-blocks", "12", "--log-level", "warning"]
+    small = start_server(tmp_path, "pressure", *flags)
     try:
         assert asyncio.run(run_all(small)) == want
         m = small.wait_metrics(lambda m: m["mlx_paged_requests_running"] == 0)
         assert m["mlx_paged_preemptions_total"] > 0 and m["mlx_paged_kv_blocks_active"] == 0
-        assert m["mlx_paged_kv_blocks_total"] == 10
+        assert m["mlx_paged_kv_blocks_total"] == 12
     finally:
         small.stop()
 
