@@ -28,6 +28,7 @@ from .engine import (
     Event,
     PagedEngine,
     few_row_matmuls,
+    fuse_add_norms,
     fuse_projections,
     rope_in_kernel,
 )
@@ -44,6 +45,7 @@ __all__ = [
     "PoolTooSmallError",
     "PrefixIndex",
     "few_row_matmuls",
+    "fuse_add_norms",
     "fuse_projections",
     "rope_in_kernel",
     "install_paged_cache",
