@@ -28,10 +28,7 @@ a routed copy (both fused with ``--fuse-projections``) in one process, taking tu
 the decode kernel and one whose kernel stores them (``PagedView.new_keys``, CUDA), taking turns.
 ``--rope ROUNDS`` times engines on the model and on a copy whose layers leave their RoPE to the
 decode kernel (``mlx_paged.rope_in_kernel``, CUDA; both as the other flags make them), taking
-turns; ``--rope-in-kernel`` makes that change to the model itself. ``--add-norms ROUNDS`` times
-engines on the model and on a copy whose layers make their residual sums with the norms after
-them (``mlx_paged.fuse_add_norms``, CUDA; both as the other flags make them), taking turns;
-``--fuse-add-norms`` makes that change to the model itself.
+turns.
 
 Usage:
     python benchmarks/decode_step.py --model /root/l1b --batch 64 32 --cases paged dense
@@ -43,8 +40,6 @@ Usage:
     python benchmarks/decode_step.py --model /root/l1b --batch 1 8 64 --cases paged --writes 6
     python benchmarks/decode_step.py --model /root/l1b --batch 1 14 --cases paged --rope 6 \
         --fuse-projections --few-row-matmuls
-    python benchmarks/decode_step.py --model /root/l1b --batch 1 14 --cases paged --add-norms 6 \
-        --fuse-projections --few-row-matmuls --rope-in-kernel
     ncu --clock-control none --profile-from-start off --metrics gpu__time_duration.sum \\
         python benchmarks/decode_step.py --model /root/l1b --batch 64 --cases paged --profile
 """
@@ -67,13 +62,7 @@ import mlx.core as mx
 from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlx_paged import (
-    PagedEngine,
-    few_row_matmuls,
-    fuse_add_norms,
-    fuse_projections,
-    rope_in_kernel,
-)
+from mlx_paged import PagedEngine, few_row_matmuls, fuse_projections, rope_in_kernel
 from mlx_paged.attention import routing
 from mlx_paged.attention.kernels import dispatch
 from mlx_paged.attention.kernels.plan import kernel_templates
@@ -177,9 +166,7 @@ def ready_engine(model, prompts: list[list[int]], args, kv_bits: int | None) -> 
     )
     engine.generate([prompts[0]], max_tokens=1)  # caches the shared prompt
     for p in prompts:
-        rounds = max(
-            args.tiers, args.fused, args.few_rows, args.writes, args.rope, args.add_norms, 1
-        )
+        rounds = max(args.tiers, args.fused, args.few_rows, args.writes, args.rope, 1)
         engine.add_request(p, args.steps * rounds + 40)
     while engine.waiting or any(not r.generated for r in engine.running):
         engine.step()
@@ -193,7 +180,7 @@ def paged(model, prompts: list[list[int]], args) -> None:
     if args.tiers:
         tiers(model, prompts, args)
         return
-    if args.fused or args.few_rows or args.rope or args.add_norms:
+    if args.fused or args.few_rows or args.rope:
         fusion(model, args.fused_model, prompts, args)
         return
     if args.writes:
@@ -237,8 +224,6 @@ def fusion(model, fused_model, prompts: list[list[int]], args) -> None:
         turns(["cuBLAS", "few-row kernel"], engines, args.few_rows, args, "few-rows")
     elif args.rope:
         turns(["layers rotate", "kernel rotates"], engines, args.rope, args, "rope")
-    elif args.add_norms:
-        turns(["sums and norms", "sums with norms"], engines, args.add_norms, args, "add-norms")
     else:
         turns(["as loaded", "fused"], engines, args.fused, args, "fused")
 
@@ -401,29 +386,12 @@ def main() -> None:
         help="paged: engines on the model and on a copy whose layers leave their RoPE to the "
         "decode kernel, in one process, taking turns for ROUNDS rounds of --steps steps",
     )
-    parser.add_argument(
-        "--rope-in-kernel", action="store_true", help="the decode kernel applies RoPE (CUDA)"
-    )
-    parser.add_argument(
-        "--fuse-add-norms", action="store_true", help="sums with the norms after them (CUDA)"
-    )
-    parser.add_argument(
-        "--add-norms",
-        type=int,
-        default=0,
-        metavar="ROUNDS",
-        help="paged: engines on the model and on a copy whose layers make their residual sums "
-        "with the norms after them, in one process, taking turns for ROUNDS rounds of --steps "
-        "steps",
-    )
     args = parser.parse_args()
     if args.tiers and not args.kv_bits:
         parser.error("--tiers needs --kv-bits")
-    turns_of = (args.tiers, args.fused, args.few_rows, args.writes, args.rope, args.add_norms)
-    if sum(map(bool, turns_of)) > 1:
+    if sum(map(bool, (args.tiers, args.fused, args.few_rows, args.writes, args.rope))) > 1:
         parser.error(
-            "--tiers, --fused, --few-rows, --writes, --rope and --add-norms each take turns of "
-            "their own: "
+            "--tiers, --fused, --few-rows, --writes and --rope each take turns of their own: "
             "one at a time"
         )
     model, _ = load(args.model)
@@ -442,23 +410,10 @@ def main() -> None:
         if args.few_row_matmuls:
             few_row_matmuls(args.fused_model)
         print(f"{rope_in_kernel(args.fused_model)} layers of the copy leave RoPE to the kernel")
-    if args.add_norms:
-        args.fused_model, _ = load(args.model)
-        if args.fuse_projections:
-            fuse_projections(args.fused_model)
-        if args.few_row_matmuls:
-            few_row_matmuls(args.fused_model)
-        if args.rope_in_kernel:
-            rope_in_kernel(args.fused_model)
-        print(f"{fuse_add_norms(args.fused_model)} layers of the copy make sums with norms")
     if args.fuse_projections:
         print(f"fused {fuse_projections(model)} projection groups")
     if args.few_row_matmuls:
         print(f"{few_row_matmuls(model)} layers take few rows in a kernel")
-    if args.rope_in_kernel:
-        print(f"{rope_in_kernel(model)} layers leave RoPE to the kernel")
-    if args.fuse_add_norms:
-        print(f"{fuse_add_norms(model)} layers make sums with norms")
     for prompts in workloads(model.args.vocab_size, args):
         for case in args.cases:
             {"paged": paged, "dense": dense}[case](model, prompts, args)

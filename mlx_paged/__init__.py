@@ -28,7 +28,6 @@ from .engine import (
     Event,
     PagedEngine,
     few_row_matmuls,
-    fuse_add_norms,
     fuse_projections,
     rope_in_kernel,
 )
@@ -45,7 +44,6 @@ __all__ = [
     "PoolTooSmallError",
     "PrefixIndex",
     "few_row_matmuls",
-    "fuse_add_norms",
     "fuse_projections",
     "rope_in_kernel",
     "install_paged_cache",

@@ -32,7 +32,6 @@ from .cache.memory import blocks_for_memory, cache_summary, fmt_bytes, parse_mem
 from .embedded import MODEL_DTYPES, EmbeddedModelMissing, load_model
 from .engine import PagedEngine, few_row_matmuls, fuse_projections, rope_in_kernel
 from .engine.distributed import join_ranks
-from .engine.norms import fuse_add_norms
 from .progress import ProgressBar
 from .prompts import encode_prompt, read_prompts
 
@@ -88,7 +87,6 @@ def build_parser() -> argparse.ArgumentParser:
         ("fuse-projections", "Each layer's q/k/v and gate/up projections as one matmul each."),
         ("few-row-matmuls", "On CUDA, 2 to 48 rows a matmul in a kernel of our own, not cuBLAS."),
         ("rope-in-kernel", "On CUDA, the engine's decode kernel applies the layers' RoPE."),
-        ("fuse-add-norms", "On CUDA, each layer's residual sums and norms in one launch each."),
     )
     for flag, text in changes:  # each on by default
         g.add_argument(f"--{flag}", action=argparse.BooleanOptionalAction, default=True, help=text)
@@ -362,14 +360,13 @@ def main(argv: list[str] | None = None) -> None:
             lazy=True,  # a shard or fused layers read straight into their own arrays
         )
         group = join_ranks(model, args.seed, args.pipeline)  # under mlx.launch: its shard
-        changes = (few_row_matmuls, rope_in_kernel, fuse_add_norms)  # not on a shard
-        flags = (args.few_row_matmuls, args.rope_in_kernel, args.fuse_add_norms)
         if group is None and args.fuse_projections:
             fuse_projections(model)
         mx.eval(model.parameters())
-        for change, on in zip(changes, flags, strict=True):
-            if group is None and on:
-                change(model)
+        if group is None and args.few_row_matmuls:
+            few_row_matmuls(model)
+        if group is None and args.rope_in_kernel:
+            rope_in_kernel(model)
     except (EmbeddedModelMissing, ValueError) as e:
         raise SystemExit(f"mlx_paged.generate: error: {e}") from e
     if group is not None and group.rank() > 0:

@@ -3,7 +3,6 @@
 from .engine import PagedEngine
 from .fusion import fuse_projections
 from .linears import few_row_matmuls
-from .norms import fuse_add_norms
 from .request import EngineStats, Event, Request
 from .rope import rope_in_kernel
 from .runner import ModelRunner
@@ -17,7 +16,6 @@ __all__ = [
     "Request",
     "Scheduler",
     "few_row_matmuls",
-    "fuse_add_norms",
     "fuse_projections",
     "rope_in_kernel",
 ]

@@ -172,22 +172,22 @@ def build_parser() -> argparse.ArgumentParser:
         "values, fewer primitives a step: mlx_paged.fuse_projections). Default: on, except "
         "for a model sharded under mlx.launch.",
     )
-    kernels = {  # each flag names the function it calls
-        "few-row-matmuls": "multiply 2 to 48 rows by a float16 or bfloat16 linear layer's weight "
-        "in a kernel of our own instead of cuBLAS, which costs a decode step more host time",
-        "rope-in-kernel": "let the decode kernel apply llama, qwen and gemma 3 layers' RoPE: two "
-        "launches a layer fewer a decode step",
-        "fuse-add-norms": "make each llama or qwen layer's residual sums and the RMS norms after "
-        "them in one launch each: two launches a layer fewer a forward",
-    }
-    for flag, text in kernels.items():
-        p.add_argument(
-            f"--{flag}",
-            action=argparse.BooleanOptionalAction,
-            default=True,
-            help=f"On a CUDA GPU, {text} (mlx_paged.{flag.replace('-', '_')}). "
-            "Default: on, except for a sharded model.",
-        )
+    p.add_argument(
+        "--few-row-matmuls",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="On a CUDA GPU, multiply 2 to 48 rows by a float16 or bfloat16 linear layer's "
+        "weight in a kernel of our own instead of cuBLAS, which costs a decode step more "
+        "host time (mlx_paged.few_row_matmuls). Default: on, except for a sharded model.",
+    )
+    p.add_argument(
+        "--rope-in-kernel",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="On a CUDA GPU, let the decode kernel apply llama, qwen and gemma 3 layers' RoPE: "
+        "two launches a layer fewer a decode step (mlx_paged.rope_in_kernel). "
+        "Default: on, except for a sharded model.",
+    )
     p.add_argument(
         "--pipeline",
         action="store_true",
@@ -248,9 +248,9 @@ def loader(args: argparse.Namespace, group=None):
     def load():
         import mlx.core as mx
 
-        from .. import engine as paged
         from ..cache.memory import parse_memory
         from ..embedded import load_model
+        from ..engine import PagedEngine, few_row_matmuls, fuse_projections, rope_in_kernel
         from ..engine.distributed import shard_model
 
         log = logging.getLogger("mlx_paged.server")
@@ -262,15 +262,16 @@ def loader(args: argparse.Namespace, group=None):
         if sharded:
             shard_model(model, group, pipeline=args.pipeline)
         elif args.fuse_projections:
-            log.info("mlx_paged: fused %d projection groups", paged.fuse_projections(model))
+            log.info("mlx_paged: fused %d projection groups", fuse_projections(model))
         mx.eval(model.parameters())
-        for change in (paged.few_row_matmuls, paged.rope_in_kernel, paged.fuse_add_norms):
-            if getattr(args, change.__name__) and not sharded:
-                log.info("mlx_paged: %s changed %d layers", change.__name__, change(model))
+        if args.few_row_matmuls and not sharded:
+            log.info("mlx_paged: %d layers take few rows in a kernel", few_row_matmuls(model))
+        if args.rope_in_kernel and not sharded:
+            log.info("mlx_paged: %d layers leave RoPE to the kernel", rope_in_kernel(model))
         kv_dtype = getattr(mx, args.kv_dtype) if args.kv_dtype else None
         num_blocks, cold_blocks = memory.pool_sizes(args, model, kv_dtype)
         preload = args.kv_disk_preload_bytes
-        engine = paged.PagedEngine(
+        engine = PagedEngine(
             model,
             block_size=args.block_size,
             num_blocks=num_blocks,
