@@ -28,7 +28,7 @@ a routed copy (both fused with ``--fuse-projections``) in one process, taking tu
 the decode kernel and one whose kernel stores them (``PagedView.new_keys``, CUDA), taking turns.
 ``--rope ROUNDS`` times engines on the model and on a copy whose layers leave their RoPE to the
 decode kernel (``mlx_paged.rope_in_kernel``, CUDA; both as the other flags make them), taking
-turns.
+turns; ``--rope-in-kernel`` makes that change to the model itself (as the server does).
 
 Usage:
     python benchmarks/decode_step.py --model /root/l1b --batch 64 32 --cases paged dense
@@ -386,6 +386,9 @@ def main() -> None:
         help="paged: engines on the model and on a copy whose layers leave their RoPE to the "
         "decode kernel, in one process, taking turns for ROUNDS rounds of --steps steps",
     )
+    parser.add_argument(
+        "--rope-in-kernel", action="store_true", help="the decode kernel applies RoPE (CUDA)"
+    )
     args = parser.parse_args()
     if args.tiers and not args.kv_bits:
         parser.error("--tiers needs --kv-bits")
@@ -414,6 +417,8 @@ def main() -> None:
         print(f"fused {fuse_projections(model)} projection groups")
     if args.few_row_matmuls:
         print(f"{few_row_matmuls(model)} layers take few rows in a kernel")
+    if args.rope_in_kernel:
+        print(f"{rope_in_kernel(model)} layers leave RoPE to the kernel")
     for prompts in workloads(model.args.vocab_size, args):
         for case in args.cases:
             {"paged": paged, "dense": dense}[case](model, prompts, args)

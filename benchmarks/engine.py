@@ -49,7 +49,7 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models import llama
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlx_paged import PagedEngine, few_row_matmuls, fuse_projections
+from mlx_paged import PagedEngine, few_row_matmuls, fuse_projections, rope_in_kernel
 from mlx_paged.attention import path_counts
 from mlx_paged.attention.kernels import compiled_variants
 
@@ -383,10 +383,16 @@ def main() -> None:
         help="the paged cases' linear layers take 2-48 rows in the few-row kernel (CUDA), "
         "as mlx_paged.server runs them",
     )
+    parser.add_argument(
+        "--rope-in-kernel",
+        action="store_true",
+        help="the paged cases' decode kernel applies the layers' RoPE (CUDA), as "
+        "mlx_paged.server runs it",
+    )
     args = parser.parse_args()
 
     model = paged_model = build_model(args)
-    if args.fuse_projections or args.few_row_matmuls:
+    if args.fuse_projections or args.few_row_matmuls or args.rope_in_kernel:
         paged_model = build_model(args)
         paged_model.update(model.parameters())  # the same weights, then fused or routed
     if args.fuse_projections:
@@ -394,6 +400,9 @@ def main() -> None:
     if args.few_row_matmuls:
         routed = few_row_matmuls(paged_model)
         print(f"{routed} layers of the paged cases' model take few rows in a kernel")
+    if args.rope_in_kernel:
+        rotated = rope_in_kernel(paged_model)
+        print(f"{rotated} layers of the paged cases' model leave RoPE to the kernel")
     weights_gb = sum(v.nbytes for _, v in tree_flatten(model.parameters())) / 1e9
     print(
         f"device={mx.default_device()} shape={args.shape} dtype={args.dtype} layers={args.layers} "
