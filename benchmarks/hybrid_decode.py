@@ -24,6 +24,7 @@ Usage:
     python benchmarks/hybrid_decode.py --dtype float16      # on a GPU
     python benchmarks/hybrid_decode.py --hidden 128 --layers 4 --vocab 1000 --system 64 --b 4
     python benchmarks/hybrid_decode.py --model /path/to/model --stream --steps 240
+    python benchmarks/hybrid_decode.py --dtype float16 --stream --rope-in-kernel   # as served
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from mlx_lm import load
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlx_paged import PagedEngine
+from mlx_paged import PagedEngine, rope_in_kernel
 from mlx_paged.engine.engine import vocab_size
 
 
@@ -156,6 +157,12 @@ def main() -> None:
     parser.add_argument(
         "--uncompiled", action="store_true", help="with --stream: decode steps not compiled"
     )
+    parser.add_argument(
+        "--rope-in-kernel",
+        action="store_true",
+        help="the engine's decode kernel applies the attention layers' RoPE (CUDA), as "
+        "mlx_paged.server runs it; mlx-lm's caches rotate in the layers as before",
+    )
     args = parser.parse_args()
     args.shape = "qwen3_5"
     if args.model:
@@ -163,6 +170,8 @@ def main() -> None:
         args.vocab = vocab_size(model)
     else:
         model = build_model(args)
+    if args.rope_in_kernel:
+        print(f"{rope_in_kernel(model)} attention layers leave RoPE to the kernel", flush=True)
     rng = random.Random(0)
     system = [rng.randrange(args.vocab) for _ in range(args.system)]
     print(f"device={mx.default_device()} dtype={args.dtype} system={args.system}", flush=True)

@@ -135,7 +135,7 @@ def instantiation(
     ``rope`` (not traditional)."""
     args = f"{dtype}, {dtype}, 128, 128, 32, 8, 4, {hg}, 16, 0, true, 1000, {warps}, 1, {rows}, "
     args += f"{str(prefetch).lower()}, {bits}, 64, {ce}"
-    args += "" if fw is None else f", {str(fw).lower()}, {str(rope).lower()}, false"
+    args += "" if fw is None else f", {str(fw).lower()}, {128 if rope else 0}, false"
     types = [f"const {x.split(':')[1]}*" for x in inputs] + ["const int*"] * len(inputs)
     types += [f"{x.split(':')[1]}*" for x in outputs]
     types += [a.split()[0] for a in attrs]
@@ -202,7 +202,7 @@ def test_the_cuda_build_compiles_without_spilling(tmp_path):
     inputs += ["new_keys:T", "new_values:T", "rope_freqs:float"]
     code = "#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n#include <cstdint>\n" + header
     scalar = ["int cold_base"]  # CUDA's first cold row is a scalar argument
-    extra = ", bool FW, bool ROPE, bool ROPE_TRAD"
+    extra = ", bool FW, int ROPE, bool ROPE_TRAD"
     code += kernel_function(
         "decode", body, inputs, DECODE_OUTPUTS, "", scalar, "__global__ ", extra
     )

@@ -37,8 +37,10 @@ LLAMA3 = {
         nn.RoPE(16, traditional=True, base=500000.0),
         nn.RoPE(16, base=10000.0, scale=0.25),
         initialize_rope(16, 500000.0, False, LLAMA3, 1024),
+        nn.RoPE(4, base=10000.0),  # qwen3_next's kind: the head's leading quarter turns
+        nn.RoPE(8, traditional=True, base=10000.0),
     ],
-    ids=["rope", "traditional", "scaled", "llama3"],
+    ids=["rope", "traditional", "scaled", "llama3", "quarter", "half-traditional"],
 )
 def test_the_kernels_rotation_is_the_layers_own(rope):
     spec = rope_spec(rope)
@@ -48,7 +50,7 @@ def test_the_kernels_rotation_is_the_layers_own(rope):
     assert mx.allclose(got, rope(x, offset=positions), atol=1e-4).item()
     assert mx.allclose(spec.apply(x, positions), rope(x, offset=positions)).item()
     assert mx.allclose(rotate(got, positions, spec, inverse=True), x, atol=1e-5).item()
-    assert spec.freqs.dtype == mx.float32 and spec.freqs.shape == (8,)
+    assert spec.freqs.dtype == mx.float32 and spec.freqs.shape == (rope.dims // 2,)
 
 
 def test_only_supported_layers_change_and_only_once():
@@ -65,7 +67,13 @@ def test_only_supported_layers_change_and_only_once():
         assert not mx.allclose(model(x), before, atol=1e-3).item()  # nothing rotated
     for family in ("qwen3", "qwen3_moe", "gemma3_text"):
         assert rope_in_kernel(tiny_model(family)) > 0
-    for family in ("gpt_oss", "qwen3_5", "lfm2"):  # other layer classes
+    for family in ("qwen3_5", "qwen3_next"):  # hybrids: their attention layers (every second)
+        model = tiny_model(family)
+        assert rope_in_kernel(model) == 2
+        _, specs = kernel_ropes(model)
+        assert [s is not None for s in specs] == [False, True, False, True]
+        assert specs[1].freqs.shape == (4,)  # half of a 16-wide head turns
+    for family in ("gpt_oss", "lfm2"):  # other layer classes
         model = tiny_model(family)
         assert rope_in_kernel(model) == 0 and kernel_ropes(model) is None
 
@@ -107,7 +115,9 @@ def kernel(monkeypatch):
     routing._ready.clear()
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe", "gemma3_text"])
+@pytest.mark.parametrize(
+    "family", ["llama", "qwen3", "qwen3_moe", "gemma3_text", "qwen3_next", "qwen3_5"]
+)
 @pytest.mark.parametrize("compiled", [True, False])
 def test_engine_tokens_with_the_rotation_left_to_the_kernel_match_solo_dense(
     kernel, family, compiled
@@ -177,14 +187,15 @@ def cuda_only(test):
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
 @pytest.mark.parametrize("traditional", [False, True])
 @pytest.mark.parametrize("kv_bits", [None, 8, 4])
-def test_the_cuda_kernel_rotates_queries_and_the_keys_it_stores(dtype, traditional, kv_bits):
+@pytest.mark.parametrize("dims", [64, 16])  # the whole head, or its first quarter
+def test_the_cuda_kernel_rotates_queries_and_the_keys_it_stores(dtype, traditional, kv_bits, dims):
     """The kernel handed unrotated queries and new keys (rotated back from the reference's)
     against the reference, split and not, the stored rows included (``self_check``)."""
     from mlx_paged.attention.kernels import dispatch
     from mlx_paged.attention.kernels.cuda import paged_decode_cuda
     from mlx_paged.attention.kernels.synthetic import random_paged_batch
 
-    rope = rope_spec(nn.RoPE(64, traditional=traditional, base=10000.0))
+    rope = rope_spec(nn.RoPE(dims, traditional=traditional, base=10000.0))
     batch = random_paged_batch([300, 5], 8, 2, 64, dtype=dtype, kv_bits=kv_bits)
     rows = [mx.zeros((2, 2, 1, 64), dtype=dtype)] * 2
     view = batch.view._replace(new_keys=rows[0], new_values=rows[1], rope=rope)
@@ -202,35 +213,45 @@ def test_the_cuda_kernel_rotates_queries_and_the_keys_it_stores(dtype, tradition
 
 
 @cuda_only
-@pytest.mark.parametrize("kv_bits", [None, 8])
-def test_engine_tokens_with_the_cuda_kernel_rotating_match_the_layers_rotating(kv_bits):
+@pytest.mark.parametrize(
+    "family, kv_bits, layers, turned",
+    [("llama", None, 4, 64), ("llama", 8, 4, 64), ("qwen3_next", None, 2, 32)],
+)
+def test_engine_tokens_with_the_cuda_kernel_rotating_match_the_layers_rotating(
+    family, kv_bits, layers, turned
+):
+    """llama turns the whole head; qwen3_next's attention layers (half of a hybrid's
+    layers) turn half of it here (``partial_rotary_factor``)."""
     from mlx_paged.attention import path_counts
     from mlx_paged.attention.kernels.plan import kernel_templates
 
     prompts = [list(range(1 + s, 60 + 9 * s)) for s in range(3)]
     results = []
     for rotate_in_kernel in (False, True):  # float32: greedy tokens do not drift apart
-        model = tiny_model("llama", head_dim=64)
+        model = tiny_model(family, head_dim=64)
         if rotate_in_kernel:
-            assert rope_in_kernel(model) == 4
+            assert rope_in_kernel(model) == layers
         kw = {"kv_bits": kv_bits, "hot_tokens": 16} if kv_bits else {}
         engine = PagedEngine(model, block_size=8, max_batch_size=3, **kw)
         before = path_counts["cuda_paged_decode"]
         results.append(run_all(engine, prompts, max_tokens=12))
         assert path_counts["cuda_paged_decode"] > before
-    assert any(("ROPE", True) in t for t in kernel_templates)
+    assert any(("ROPE", turned) in t for t in kernel_templates)
     assert results[0] == results[1]
 
 
 def test_the_kernels_decline_angles_that_do_not_fit_the_head():
     """MLX does not bounds-check the kernel's reads of the angles: a view whose angles are
-    not the head's half in float32 goes to no kernel."""
+    not one float32 for each of 1 to half the head's pairs goes to no kernel."""
     from mlx_paged.attention.kernels.plan import plan_decode
     from mlx_paged.attention.kernels.synthetic import random_paged_batch
 
     b = random_paged_batch([20, 9], 4, 2, 64)
     spec = rope_spec(nn.RoPE(64))
-    assert plan_decode(b.queries, b.view._replace(rope=spec)).reason is None
-    for freqs in (spec.freqs[:16], spec.freqs.astype(mx.float16), mx.zeros((64,))):
+    for freqs in (spec.freqs, spec.freqs[:16], spec.freqs[:1]):  # the whole head, or its start
+        view = b.view._replace(rope=spec._replace(freqs=freqs))
+        assert plan_decode(b.queries, view).reason is None
+    bad = (spec.freqs.astype(mx.float16), mx.zeros((33,)), mx.zeros((0,)), spec.freqs[None])
+    for freqs in bad:
         view = b.view._replace(rope=spec._replace(freqs=freqs))
         assert "RoPE" in plan_decode(b.queries, view).reason

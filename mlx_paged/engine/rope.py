@@ -12,9 +12,10 @@ rotates as before, and a decode call that no kernel takes rotates in the cache a
 attention fallback (``StepPagedKVCache``).
 
 Supported: the attention layers of mlx-lm's llama, qwen2, qwen3, qwen3_moe and gemma3_text
-modules (each rotates its queries, then its keys, then calls ``update_and_fetch``) with
-``nn.RoPE`` or mlx-lm's ``Llama3RoPE``. A rotation over part of the head only is left to the
-fallback (``plan_decode`` declines its angles).
+modules, and of qwen3_next (the attention layers of the qwen3_next, qwen3_5 and qwen3_5_moe
+hybrids), each of which rotates its queries, then its keys, then calls ``update_and_fetch``,
+with ``nn.RoPE`` or mlx-lm's ``Llama3RoPE``. A rotation of the head's leading dimensions
+only (qwen3_next's quarter of the head) turns those and leaves the rest.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from ..attention import Rope
 
 #: Attention layer classes (by module) whose call order the deferral relies on.
 MODULES = tuple(
-    f"mlx_lm.models.{name}" for name in ("llama", "qwen2", "qwen3", "qwen3_moe", "gemma3_text")
+    f"mlx_lm.models.{name}"
+    for name in ("llama", "qwen2", "qwen3", "qwen3_moe", "gemma3_text", "qwen3_next")
 )
 
 

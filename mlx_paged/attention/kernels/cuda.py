@@ -210,14 +210,15 @@ def _make_launch(
     fw = view.new_keys is not None
     rope = view.rope  # the launch rotates its queries (and with FW the keys it stores)
     trad = rope is not None and rope.traditional
+    turned = 0 if rope is None else 2 * rope.freqs.shape[0]  # each head's dimensions rotated
     layouts = [("NW", nw), ("WH", wh), ("RS", rs), ("PF", pf), ("FW", fw)]
-    layouts += [("ROPE", rope is not None), ("ROPE_TRAD", trad)]
+    layouts += [("ROPE", turned), ("ROPE_TRAD", trad)]
     kernel_templates.add(("cuda_paged_decode", *template, *layouts))
     if (num_warps, rows, head_warps, prefetch, lane_bytes) == (None,) * 5:
         main = [queries, view.keys, view.values, view.block_tables, view.starts, view.lengths]
         cold_parts = [view.cold.blob] if bits else []
         _variants.setdefault(
-            (tuple(template), fw, rope is not None, trad),
+            (tuple(template), fw, turned, trad),
             (
                 list(template),
                 [_signature(x) for x in main],
@@ -228,7 +229,7 @@ def _make_launch(
                 view.keys.dtype.size,
                 pf,
                 fw,
-                (rope is not None, trad),
+                (turned, trad),
             ),
         )
     template += layouts

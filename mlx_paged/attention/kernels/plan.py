@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 
 if TYPE_CHECKING:
-    from ..records import PagedView
+    from ..records import PagedView, Rope
 
 FLOAT_TYPES = (mx.float16, mx.bfloat16, mx.float32)
 COLD_BITS = (4, 8)
@@ -100,10 +100,8 @@ def plan_decode(
         return DecodePlan(reason=f"block_tables {view.block_tables.shape} for batch {B}")
     if view.new_keys is not None and (why := _new_rows_reason(view, B, n_kv, dk, dv)):
         return DecodePlan(reason=why)
-    if view.rope is not None and (
-        view.rope.freqs.shape != (dk // 2,) or view.rope.freqs.dtype != mx.float32 or dk % 2
-    ):
-        return DecodePlan(reason=f"RoPE angles {view.rope.freqs.shape} for head dim {dk}")
+    if view.rope is not None and (why := _rope_reason(view.rope, dk)):
+        return DecodePlan(reason=why)
     cold_elems = 0 if view.cold is None else cold_lane_elems(view.cold.bits, cold_lane_bytes)
     if view.cold is not None and (why := _cold_reason(view, dk, dv, cold_elems)):
         return DecodePlan(reason=why)
@@ -113,6 +111,16 @@ def plan_decode(
     group = n_heads // n_kv
     hg = max(h for h in range(1, group + 1) if group % h == 0 and h * per_lane <= max_lanes_elems)
     return DecodePlan(B, n_heads, n_kv, group, hg, dk, dv, cold_elems=cold_elems)
+
+
+def _rope_reason(rope: Rope, dk: int) -> str | None:
+    """Why a launch cannot rotate by ``rope``: its angles must be one float32 per pair of the
+    head's leading dimensions, at most half the head (MLX does not bounds-check the
+    kernel's reads of them)."""
+    freqs = rope.freqs
+    if freqs.ndim != 1 or not 0 < freqs.shape[0] <= dk // 2 or freqs.dtype != mx.float32:
+        return f"RoPE angles {freqs.shape} {freqs.dtype} for head dim {dk}"
+    return None
 
 
 def _new_rows_reason(view: PagedView, batch: int, n_kv: int, dk: int, dv: int) -> str | None:

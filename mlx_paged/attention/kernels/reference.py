@@ -21,15 +21,19 @@ if TYPE_CHECKING:
 
 def rotate(x: mx.array, positions: mx.array, rope: Rope, inverse: bool = False) -> mx.array:
     """``(B, H, 1, D)`` ``x`` rotated as ``rope`` rotates position ``positions[b]`` (by the
-    opposite angles with ``inverse``), computed in float32 from ``rope.freqs``."""
+    opposite angles with ``inverse``), computed in float32 from ``rope.freqs``: its first
+    ``2 * len(freqs)`` dimensions turn, the rest pass as they are."""
     angles = positions.astype(mx.float32)[:, None, None, None] * rope.freqs
     cos, sin = mx.cos(angles), mx.sin(angles) * (-1 if inverse else 1)
     x = x.astype(mx.float32)
+    turned, rest = x[..., : 2 * rope.freqs.shape[0]], x[..., 2 * rope.freqs.shape[0] :]
     if rope.traditional:
-        a, b = x[..., 0::2], x[..., 1::2]
-        return mx.stack([a * cos - b * sin, b * cos + a * sin], axis=-1).reshape(x.shape)
-    a, b = mx.split(x, 2, axis=-1)
-    return mx.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)
+        a, b = turned[..., 0::2], turned[..., 1::2]
+        out = mx.stack([a * cos - b * sin, b * cos + a * sin], axis=-1).reshape(turned.shape)
+    else:
+        a, b = mx.split(turned, 2, axis=-1)
+        out = mx.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)
+    return mx.concatenate([out, rest], axis=-1)
 
 
 def visible_range(view: PagedView) -> tuple[mx.array, mx.array]:
