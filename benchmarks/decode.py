@@ -1,9 +1,13 @@
 """Single-sequence decode speed: make_paged_cache against mlx-lm's default cache.
 
 A llama-1B-shaped random model (hidden 2048, 16 layers, 32 heads, 8 KV heads,
-vocab 128256), or with ``--shape smollm2`` the embedded model's shape
-(SmolLM2-135M). The context is filled with random K/V written through each
-cache's ``update_and_fetch`` (decode speed does not depend on the values), then
+vocab 128256), or with ``--shape`` another family's: ``smollm2`` (the embedded
+model, SmolLM2-135M), ``qwen3-1.7b`` (q/k norms, 128-wide heads), ``gemma3-1b``
+(256-wide heads, five sliding-window layers of 512 tokens to one global) or
+``qwen3_5-2b`` (a Qwen3.5-shaped hybrid: three GatedDeltaNet layers to one
+attention layer, whose recurrent state does not grow with the context). The
+context is filled with random K/V written through each cache's
+``update_and_fetch`` (decode speed does not depend on the values), then
 decode steps run the way ``mlx_lm.generate_step`` runs them: the next step is
 queued with ``async_eval`` before the current token is read.
 
@@ -16,6 +20,8 @@ Usage:
     python benchmarks/decode.py --dtype float16 --steps 60 --interleave 7 --general-case --breakdown
     python benchmarks/decode.py --shape smollm2 --bits 4 --dtype float16   # the embedded model's
         # shape and 4-bit weights (random values)
+    python benchmarks/decode.py --dtype float16 --shape qwen3_5-2b --steps 10 --interleave 41 \
+        --views-case   # short rounds in turn: the lent host changes speed within seconds
     python benchmarks/decode.py --dtype float16 --steps 50 --interleave 6 --kv-bits 8
         # also both caches as mlx-lm's kv_bits makes them
 """
@@ -30,14 +36,15 @@ import time
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models import llama
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models import gemma3_text, llama, qwen3, qwen3_5
+from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
 from mlx_paged import make_paged_cache
-from mlx_paged.attention import path_counts, set_attention_path
+from mlx_paged.attention import path_counts, routing, set_attention_path
 from mlx_paged.attention.kernels import compiled_variants
 
-KV_HEADS = 8  # of the model built (set in main)
+KV_HEADS, HEAD_DIM = 8, 64  # of the model built (set in main)
+ALL_HEAD_DIMS = frozenset(range(1, 1025))
 
 
 SHAPES = {
@@ -60,19 +67,51 @@ SHAPES = {
         rope_theta=100000.0,
         rope_traditional=True,
     ),
+    "qwen3-1.7b": dict(
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        rope_theta=1000000.0,
+        max_position_embeddings=40960,
+    ),
+    # mlx-lm's gemma3_text defaults are Gemma 3 1B's shape.
+    "gemma3-1b": dict(num_key_value_heads=1, head_dim=256),
+    "qwen3_5-2b": dict(
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=256,
+        linear_num_value_heads=16,
+        linear_num_key_heads=16,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        full_attention_interval=4,
+        vocab_size=248320,
+        rope_parameters={"type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
+    ),
 }
+LAYERS = {"llama-1b": 16, "smollm2": 30, "qwen3-1.7b": 28, "gemma3-1b": 26, "qwen3_5-2b": 24}
 
 
-def llama_1b(dtype: mx.Dtype, layers: int, shape: str = "llama-1b", bits: int = 0) -> llama.Model:
-    """A random-weight llama of ``shape``; ``bits`` quantizes its weights (groups of 32)."""
-    args = llama.ModelArgs(
-        model_type="llama",
-        num_hidden_layers=layers,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=True,
-        **SHAPES[shape],
-    )
-    model = llama.Model(args)
+def llama_1b(dtype: mx.Dtype, layers: int, shape: str = "llama-1b", bits: int = 0) -> nn.Module:
+    """A random-weight model of ``shape``; ``bits`` quantizes its weights (groups of 32)."""
+    common = dict(num_hidden_layers=layers, **SHAPES[shape])
+    if shape != "gemma3-1b":  # gemma 3 always ties its head to its embedding
+        common["tie_word_embeddings"] = True
+    if shape == "qwen3-1.7b":
+        model = qwen3.Model(qwen3.ModelArgs(model_type="qwen3", rms_norm_eps=1e-6, **common))
+    elif shape == "gemma3-1b":
+        model = gemma3_text.Model(gemma3_text.ModelArgs(model_type="gemma3_text", **common))
+    elif shape == "qwen3_5-2b":
+        config = dict(common, model_type="qwen3_5", rms_norm_eps=1e-6)
+        model = qwen3_5.Model(qwen3_5.ModelArgs.from_dict(config))
+    else:
+        model = llama.Model(llama.ModelArgs(model_type="llama", rms_norm_eps=1e-5, **common))
     model.set_dtype(dtype)
     if bits:
         nn.quantize(model, group_size=32, bits=bits)
@@ -81,12 +120,18 @@ def llama_1b(dtype: mx.Dtype, layers: int, shape: str = "llama-1b", bits: int = 
 
 
 def fill(cache: list, context: int, dtype: mx.Dtype, chunk: int = 2048) -> None:
-    """Write ``context`` random tokens of K/V into every layer."""
-    for c in cache:
-        for start in range(0, context, chunk):
+    """Write ``context`` random tokens of K/V into every attention layer (a recurrent
+    layer's state stays zero: its size and step do not depend on the context). Each chunk
+    goes to every layer before the next, as a model's forward writes them: a model's paged
+    sliding-window layers share one block table, and each gives back for all of them the
+    blocks behind its window."""
+    for start in range(0, context, chunk):
+        for c in cache:
+            if isinstance(c, ArraysCache):
+                continue
             n = min(chunk, context - start)
-            k = mx.random.normal((1, KV_HEADS, n, 64)).astype(dtype)
-            v = mx.random.normal((1, KV_HEADS, n, 64)).astype(dtype)
+            k = mx.random.normal((1, KV_HEADS, n, HEAD_DIM)).astype(dtype)
+            v = mx.random.normal((1, KV_HEADS, n, HEAD_DIM)).astype(dtype)
             c.update_and_fetch(k, v)
             mx.eval(c.state)
 
@@ -127,7 +172,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384])
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--layers", type=int, default=None, help="default: the shape's (16, 30)")
+    parser.add_argument("--layers", type=int, default=None, help="default: the shape's (LAYERS)")
     parser.add_argument("--shape", default="llama-1b", choices=sorted(SHAPES))
     parser.add_argument("--bits", type=int, default=0, help="quantize the weights (4 or 8)")
     parser.add_argument("--block-size", type=int, default=16)
@@ -167,6 +212,13 @@ def main() -> None:
         "to the fused kernel (attention path 'kernel': no in-place read)",
     )
     parser.add_argument(
+        "--views-case",
+        action="store_true",
+        help="with --interleave: also time a paged cache whose one-token steps read views of "
+        "the pool at every head dim (on CUDA the default sends head dims MLX's vector "
+        "attention does not take to the fused kernel: routing.CUDA_VIEW_HEAD_DIMS)",
+    )
+    parser.add_argument(
         "--general-case",
         action="store_true",
         help="with --interleave: also time a paged cache whose one-token steps all take the "
@@ -192,11 +244,12 @@ def main() -> None:
         parser.error("--breakdown needs --interleave ROUNDS")
     if args.kv_bits and not args.interleave:
         parser.error("--kv-bits needs --interleave ROUNDS")
-    global KV_HEADS
+    global KV_HEADS, HEAD_DIM
     dtype = getattr(mx, args.dtype)
-    layers = args.layers or {"llama-1b": 16, "smollm2": 30}[args.shape]
+    layers = args.layers or LAYERS[args.shape]
     model = llama_1b(dtype, layers, args.shape, args.bits)
     KV_HEADS = SHAPES[args.shape]["num_key_value_heads"]
+    HEAD_DIM = SHAPES[args.shape].get("head_dim", 64)
     print(
         f"device={mx.default_device()} shape={args.shape} bits={args.bits} dtype={args.dtype} "
         f"layers={layers} block_size={args.block_size} steps={args.steps}"
@@ -229,14 +282,18 @@ def main() -> None:
     def eager() -> list:
         cache = make_paged_cache(model, args.block_size)
         for c in cache:
-            c.pool.defer_reads = False
+            if hasattr(c, "pool"):
+                c.pool.defer_reads = False
         return cache
 
     def general() -> list:
         cache = make_paged_cache(model, args.block_size)
         for c in cache:
-            c.pool.append_view = lambda *_: None  # declines: the general path runs
+            if hasattr(c, "pool"):
+                c.pool.append_view = lambda *_: None  # declines: the general path runs
         return cache
+
+    views = routing.CUDA_VIEW_HEAD_DIMS
 
     def interleaved(context: int, cases: dict) -> dict[str, float]:
         """Median seconds per step of each case over ``--interleave`` rounds taken in turn
@@ -253,6 +310,7 @@ def main() -> None:
             order = list(caches.items())
             for name, cache in order if r % 2 == 0 else order[::-1]:
                 set_attention_path("kernel" if name == "paged-kernel" else "auto")
+                routing.CUDA_VIEW_HEAD_DIMS = ALL_HEAD_DIMS if name == "paged-views" else views
                 try:
                     s = decode_seconds_per_step(
                         model, cache, args.steps, warmup=2, parts=parts[name]
@@ -263,6 +321,7 @@ def main() -> None:
                     continue
                 times[name].append(s)
         set_attention_path("auto")
+        routing.CUDA_VIEW_HEAD_DIMS = views
         out = {name: statistics.median(t) for name, t in times.items() if t}
         if args.breakdown:
             for name, p in parts.items():
@@ -282,6 +341,8 @@ def main() -> None:
                 cases["paged-eager-read"] = eager
             if args.kernel_case:
                 cases["paged-kernel"] = cases["paged"]
+            if args.views_case:
+                cases["paged-views"] = cases["paged"]
             if args.general_case:
                 cases["paged-general"] = general
             if args.kv_bits:

@@ -241,3 +241,26 @@ def test_kernel_readiness_is_found_once_per_device(kernel):
     for _ in range(50):
         assert routing.kernels_ready()
     assert len(routing._ready) == 1 and len(checks) == 1
+
+
+@pytest.mark.parametrize("on_cuda", [True, False])
+def test_decode_views_that_mlx_would_copy_go_to_the_kernel_on_cuda(kernel, monkeypatch, on_cuda):
+    """On CUDA, MLX's one-query attention copies views of the pool unless the head dim is
+    one its vector kernel takes (64, 96, 128): a lone sequence's decode steps of other head
+    dims go to a fused kernel; elsewhere, and for those dims, they read the pool in place."""
+    set_attention_path("auto")
+    monkeypatch.setattr(routing, "on_cuda", lambda: on_cuda)
+    prompt = mx.random.randint(0, VOCAB, (1, 21), key=mx.random.key(1))
+    steps = mx.random.randint(0, VOCAB, (1, 6), key=mx.random.key(2))
+    for head_dim in (64, 32):
+        model = tiny_model("qwen3", head_dim=head_dim)
+        want = decode_logits(model, make_prompt_cache(model), prompt, steps)
+        cache = make_paged_cache(model, block_size=8)
+        model(prompt, cache=cache)
+        took, in_place = kernel["took"], path_counts["in_place"]
+        got = mx.concatenate([model(steps[:, i : i + 1], cache=cache) for i in range(6)])
+        to_kernel = on_cuda and head_dim == 32
+        calls = 6 * len(cache)
+        assert kernel["took"] - took == (calls if to_kernel else 0)
+        assert path_counts["in_place"] - in_place == (0 if to_kernel else calls)
+        assert max_diff(want, got) < 1e-4

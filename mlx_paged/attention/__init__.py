@@ -31,6 +31,7 @@ from .routing import (
     route_attention,
     scaled_dot_product_attention,
     set_attention_path,
+    views_read_in_place,
 )
 
 __all__ = [
@@ -47,6 +48,7 @@ __all__ = [
     "attention_path",
     "fused_read",
     "kernels_ready",
+    "views_read_in_place",
     "kernels_write",
     "paged_attention",
     "path_counts",

@@ -53,6 +53,7 @@ import, and the CUDA migration kernel in ``mlx_paged.storage.STORERS``.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
@@ -150,6 +151,29 @@ def kernels_ready() -> bool:
     if ready is None:
         ready = _ready[key] = any(_available(k) for k in KERNELS)
     return ready
+
+
+#: Head dims whose one-query attention MLX's CUDA backend runs in its vector kernel, which
+#: reads a view of the pool where it lies. Others go through matrix products that copy the
+#: view's K and V at every step (BENCHMARKS.md, runs 615-616).
+CUDA_VIEW_HEAD_DIMS = frozenset({64, 96, 128})
+
+
+def views_read_in_place(head_dim: int) -> bool:
+    """Whether a one-query step should read views of the pool (``run_view``) rather than
+    go to a fused kernel: on CUDA, only for ``CUDA_VIEW_HEAD_DIMS`` or where no kernel
+    may take the call (``kernels_ready()``)."""
+    return head_dim in CUDA_VIEW_HEAD_DIMS or not kernels_ready() or not on_cuda()
+
+
+@functools.cache
+def _cuda_build() -> bool:
+    return bool(getattr(mx, "cuda", None) and mx.cuda.is_available())
+
+
+def on_cuda() -> bool:
+    """Whether the default device is a CUDA GPU."""
+    return _cuda_build() and mx.default_device() == mx.gpu
 
 
 def kernels_write() -> bool:

@@ -23,6 +23,7 @@ from ..attention import (
     kernels_ready,
     route_attention,
     stand_ins,
+    views_read_in_place,
 )
 from ..blocks import COLD, HOLE, BlockTable, PagedCacheStats, is_cold
 from ..storage import KVPool, check_kv_quant
@@ -292,9 +293,12 @@ def read_start(offset: int, window: int | None, block_size: int) -> int:
 
 def _one_token(keys: mx.array, values: mx.array) -> bool:
     """Whether ``append_view`` may take a write: one token of well-formed arrays (the
-    general path checks anything else), and not the ``kernel`` path."""
+    general path checks anything else) whose views attention reads in place, and not the
+    ``kernel`` path."""
     arrays = isinstance(keys, mx.array) and isinstance(values, mx.array)
-    return arrays and keys.ndim == 4 and keys.shape[2] == 1 and attention_path() != "kernel"
+    if not (arrays and keys.ndim == 4 and keys.shape[2] == 1 and attention_path() != "kernel"):
+        return False
+    return views_read_in_place(keys.shape[3]) and views_read_in_place(values.shape[3])
 
 
 def _in_place_view(
@@ -302,8 +306,14 @@ def _in_place_view(
 ) -> tuple[mx.array, mx.array] | None:
     """For a decode step or a prefill chunk over consecutive blocks, tokens ``[start, end)``
     as views of the pool, which attention reads in place like mlx-lm's dense cache; else
-    ``None`` (path ``kernel``, cold blocks, or blocks that do not lie in one stretch)."""
+    ``None`` (path ``kernel``, cold blocks, blocks that do not lie in one stretch, or a
+    decode step whose views MLX's attention would copy, see ``views_read_in_place``)."""
     if attention_path() == "kernel" or pool.has_cold(table):
+        return None
+    if n == 1 and not (
+        views_read_in_place(pool.keys[layer].shape[3])
+        and views_read_in_place(pool.values[layer].shape[3])
+    ):
         return None
     return pool.run_view(table, layer, start, end)
 
