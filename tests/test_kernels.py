@@ -554,19 +554,32 @@ def test_models_through_the_cuda_kernels_match_dense(family, kernel_path):
 
 
 @cuda_only
-@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3_text", "deepseek_v3"])
-def test_in_place_reads_on_the_gpu_match_dense(family):
+@pytest.mark.parametrize(
+    "family, config, decode",
+    [
+        ("llama", {"head_dim": 64}, "in_place"),
+        ("qwen3", {"head_dim": 64}, "in_place"),
+        ("qwen3", {"head_dim": 32}, "cuda_paged_decode"),
+        ("gemma3_text", {"head_dim": 64}, None),  # sliding layers take the kernel
+        ("deepseek_v3", {}, None),
+    ],
+)
+def test_in_place_reads_on_the_gpu_match_dense(family, config, decode):
     """Under ``auto``, a fresh cache's decode reads views of the pool with MLX's own SDPA
-    on the GPU (strided K/V: token stride ``H * D``); the logits match mlx-lm's dense
-    cache on the same GPU."""
+    on the GPU (strided K/V: token stride ``H * D``) where MLX's vector attention takes the
+    head dim, and goes to the CUDA kernel where it would copy the views; the logits match
+    mlx-lm's dense cache on the same GPU."""
     set_attention_path("auto")
-    model = tiny_model(family)
+    model = tiny_model(family, **config)
     prompt = prompt_tokens(45)
     gpu = mx.new_stream(mx.gpu)
     dense_tokens, dense = run_generate_step(model, prompt, make_prompt_cache(model), stream=gpu)
-    in_place = path_counts["in_place"]
-    tokens, paged = run_generate_step(model, prompt, make_paged_cache(model, BLOCK), stream=gpu)
-    assert path_counts["in_place"] > in_place
+    before = dict(path_counts)
+    cache = make_paged_cache(model, BLOCK)
+    tokens, paged = run_generate_step(model, prompt, cache, stream=gpu)
+    assert path_counts["in_place"] > before.get("in_place", 0)  # the prompt's chunks
+    if decode is not None:
+        assert path_counts[decode] - before.get(decode, 0) >= len(cache) * DECODE_STEPS
     assert tokens == dense_tokens
     assert max_diff(dense, paged) <= TOL
 

@@ -71,7 +71,7 @@ class PagedKVCache(PagedLayerCache, KVCache):
         the start of the block holding the oldest key any new query sees.
         """
         self._fetched = self._deferred = None
-        if self.window is None and _one_token(keys, values):
+        if self.window is None and _one_token(self.pool, keys, values):
             view = self.pool.append_view(self.table, self.layer, keys, values)
             if view is not None:  # written, and read in place: no other check needed
                 self._in_place = True
@@ -291,14 +291,20 @@ def read_start(offset: int, window: int | None, block_size: int) -> int:
     return oldest - oldest % block_size
 
 
-def _one_token(keys: mx.array, values: mx.array) -> bool:
+def _one_token(pool: KVPool, keys: mx.array, values: mx.array) -> bool:
     """Whether ``append_view`` may take a write: one token of well-formed arrays (the
-    general path checks anything else) whose views attention reads in place, and not the
+    general path checks anything else) not for a kernel (``_for_kernel``), and not the
     ``kernel`` path."""
     arrays = isinstance(keys, mx.array) and isinstance(values, mx.array)
     if not (arrays and keys.ndim == 4 and keys.shape[2] == 1 and attention_path() != "kernel"):
         return False
-    return views_read_in_place(keys.shape[3]) and views_read_in_place(values.shape[3])
+    return not _for_kernel(pool, keys.shape[3], values.shape[3])
+
+
+def _for_kernel(pool: KVPool, dk: int, dv: int) -> bool:
+    """Whether a one-token step should leave its read to a fused kernel rather than hand
+    attention views of the pool that MLX's attention would copy (``views_read_in_place``)."""
+    return pool.defer_reads and not (views_read_in_place(dk) and views_read_in_place(dv))
 
 
 def _in_place_view(
@@ -307,13 +313,10 @@ def _in_place_view(
     """For a decode step or a prefill chunk over consecutive blocks, tokens ``[start, end)``
     as views of the pool, which attention reads in place like mlx-lm's dense cache; else
     ``None`` (path ``kernel``, cold blocks, blocks that do not lie in one stretch, or a
-    decode step whose views MLX's attention would copy, see ``views_read_in_place``)."""
+    decode step better left to a kernel, ``_for_kernel``)."""
     if attention_path() == "kernel" or pool.has_cold(table):
         return None
-    if n == 1 and not (
-        views_read_in_place(pool.keys[layer].shape[3])
-        and views_read_in_place(pool.values[layer].shape[3])
-    ):
+    if n == 1 and _for_kernel(pool, pool.keys[layer].shape[3], pool.values[layer].shape[3]):
         return None
     return pool.run_view(table, layer, start, end)
 
