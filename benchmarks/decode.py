@@ -36,6 +36,7 @@ import time
 
 import mlx.core as mx
 import mlx.nn as nn
+from engine import QWEN3_5
 from mlx_lm.models import gemma3_text, llama, qwen3, qwen3_5
 from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
@@ -44,6 +45,7 @@ from mlx_paged.attention import path_counts, routing, set_attention_path
 from mlx_paged.attention.kernels import compiled_variants
 
 KV_HEADS, HEAD_DIM = 8, 64  # of the model built (set in main)
+_PASSED = ("model_type", "tie_word_embeddings", "rms_norm_eps")  # set in llama_1b
 ALL_HEAD_DIMS = frozenset(range(1, 1025))
 
 
@@ -79,21 +81,9 @@ SHAPES = {
     ),
     # mlx-lm's gemma3_text defaults are Gemma 3 1B's shape.
     "gemma3-1b": dict(num_key_value_heads=1, head_dim=256),
-    "qwen3_5-2b": dict(
-        hidden_size=2048,
-        intermediate_size=6144,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=256,
-        linear_num_value_heads=16,
-        linear_num_key_heads=16,
-        linear_key_head_dim=128,
-        linear_value_head_dim=128,
-        linear_conv_kernel_dim=4,
-        full_attention_interval=4,
-        vocab_size=248320,
-        rope_parameters={"type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
-    ),
+    # benchmarks/engine.py's Qwen3.5 hybrid at Qwen3.5-2B's width and vocabulary.
+    "qwen3_5-2b": {k: v for k, v in QWEN3_5.items() if k not in _PASSED}
+    | dict(hidden_size=2048, intermediate_size=6144, vocab_size=248320),
 }
 LAYERS = {"llama-1b": 16, "smollm2": 30, "qwen3-1.7b": 28, "gemma3-1b": 26, "qwen3_5-2b": 24}
 
