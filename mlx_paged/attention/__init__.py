@@ -48,7 +48,6 @@ __all__ = [
     "attention_path",
     "fused_read",
     "kernels_ready",
-    "views_read_in_place",
     "kernels_write",
     "paged_attention",
     "path_counts",
@@ -59,4 +58,5 @@ __all__ = [
     "set_attention_path",
     "stand_ins",
     "table_width",
+    "views_read_in_place",
 ]
