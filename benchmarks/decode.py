@@ -22,6 +22,8 @@ Usage:
         # shape and 4-bit weights (random values)
     python benchmarks/decode.py --dtype float16 --shape qwen3_5-2b --steps 10 --interleave 41 \
         --views-case   # short rounds in turn: the lent host changes speed within seconds
+    python benchmarks/decode.py --dtype float16 --shape gemma3-1b --steps 10 --interleave 41 \
+        --write-first-case --breakdown
     python benchmarks/decode.py --dtype float16 --steps 50 --interleave 6 --kv-bits 8
         # also both caches as mlx-lm's kv_bits makes them
 """
@@ -209,6 +211,13 @@ def main() -> None:
         "attention does not take to the fused kernel: routing.CUDA_VIEW_HEAD_DIMS)",
     )
     parser.add_argument(
+        "--write-first-case",
+        action="store_true",
+        help="with --interleave: also time a paged cache whose one-token steps that go to the "
+        "fused kernel write the token first (by default the kernel stores it: "
+        "routing.one_token_read's 'store')",
+    )
+    parser.add_argument(
         "--general-case",
         action="store_true",
         help="with --interleave: also time a paged cache whose one-token steps all take the "
@@ -283,7 +292,7 @@ def main() -> None:
                 c.pool.append_view = lambda *_: None  # declines: the general path runs
         return cache
 
-    views = routing.CUDA_VIEW_HEAD_DIMS
+    views, writes = routing.CUDA_VIEW_HEAD_DIMS, routing.kernels_write
 
     def interleaved(context: int, cases: dict) -> dict[str, float]:
         """Median seconds per step of each case over ``--interleave`` rounds taken in turn
@@ -301,6 +310,8 @@ def main() -> None:
             for name, cache in order if r % 2 == 0 else order[::-1]:
                 set_attention_path("kernel" if name == "paged-kernel" else "auto")
                 routing.CUDA_VIEW_HEAD_DIMS = ALL_HEAD_DIMS if name == "paged-views" else views
+                routing.kernels_write = (lambda: False) if name == "paged-write-first" else writes
+                routing._ready.clear()  # one_token_read's answers, kept per head dim
                 try:
                     s = decode_seconds_per_step(
                         model, cache, args.steps, warmup=2, parts=parts[name]
@@ -311,14 +322,27 @@ def main() -> None:
                     continue
                 times[name].append(s)
         set_attention_path("auto")
-        routing.CUDA_VIEW_HEAD_DIMS = views
+        routing.CUDA_VIEW_HEAD_DIMS, routing.kernels_write = views, writes
+        routing._ready.clear()
         out = {name: statistics.median(t) for name, t in times.items() if t}
         if args.breakdown:
             for name, p in parts.items():
                 line = ", ".join(f"{k} {statistics.median(v) * 1e3:.3f}" for k, v in p.items())
                 print(f"context={context:6d} {name:17s} median ms per step: {line}")
+        # Each round's ratio to the dense round beside it: steadier than the ratio of
+        # medians while the host's speed drifts over the rounds.
+        dense = times.get("dense", [])
+        paired = {
+            name: statistics.median(d / c for d, c in zip(dense, t, strict=True))
+            for name, t in times.items()
+            if name != "dense" and len(t) == len(dense)
+        }
+        if paired:
+            line = "  ".join(f"{name} {r:.3f}" for name, r in paired.items())
+            print(f"context={context:6d} median of each round's dense/case time: {line}")
         for name, s in out.items():
-            results.append(dict(case=name, context=context, ms_per_step=s * 1e3, tok_s=1 / s))
+            row = dict(case=name, context=context, ms_per_step=s * 1e3, tok_s=1 / s)
+            results.append(row | ({"paired": paired[name]} if name in paired else {}))
         return out
 
     if args.interleave:
@@ -333,6 +357,8 @@ def main() -> None:
                 cases["paged-kernel"] = cases["paged"]
             if args.views_case:
                 cases["paged-views"] = cases["paged"]
+            if args.write_first_case:
+                cases["paged-write-first"] = cases["paged"]
             if args.general_case:
                 cases["paged-general"] = general
             if args.kv_bits:

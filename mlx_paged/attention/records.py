@@ -175,6 +175,11 @@ class PagedLayerCache:
         """
         return None
 
+    def kernel_stored(self, out: mx.array) -> None:
+        """A kernel took the last decode step and stored its new K/V (``PagedView.new_keys``);
+        ``out`` is its output. A cache whose arrays someone may read before ``out`` is
+        evaluated makes those reads wait for it."""
+
     def rotated_queries(self, queries: mx.array) -> mx.array:
         """``queries`` as every path but a rotating kernel takes them: rotated by the layer's
         RoPE where its model left that to the kernel (``PagedView.rope``), else as they are."""

@@ -138,7 +138,7 @@ def attention_path() -> str:
     return _path
 
 
-_ready: dict[tuple, bool] = {}
+_ready: dict[tuple, bool | str] = {}
 
 
 def kernels_ready() -> bool:
@@ -165,6 +165,34 @@ def views_read_in_place(head_dim: int) -> bool:
     go to a fused kernel: on CUDA, only for ``CUDA_VIEW_HEAD_DIMS`` or where no kernel
     may take the call (``kernels_ready()``)."""
     return head_dim in CUDA_VIEW_HEAD_DIMS or not kernels_ready() or not on_cuda()
+
+
+#: What ``one_token_read`` answers.
+ONE_TOKEN_READS = ("views", "store", "read", "gather")
+
+
+def one_token_read(dk: int, dv: int) -> str:
+    """How a one-token step of a sequence alone in its pool, whose pool defers its reads to
+    a fused kernel (``defer_reads``), should read its K/V of head dims ``dk`` and ``dv``:
+
+    - ``"views"``: views of the pool for MLX's attention (``views_read_in_place``);
+    - ``"store"``: a fused kernel reads the blocks and stores the token (``kernels_write``);
+    - ``"read"``: a fused kernel reads the blocks; the cache writes the token first;
+    - ``"gather"``: path ``kernel`` where no kernel runs (it gathers, see ``paged_attention``).
+
+    Kept per device, path, kernel list and head dims: every decode layer asks.
+    """
+    key = ("one_token", _path, str(mx.default_device()), dk, dv, *map(id, KERNELS))
+    read = _ready.get(key)
+    if read is None:
+        if not kernels_ready():
+            read = "gather" if _path == "kernel" else "views"
+        elif _path != "kernel" and views_read_in_place(dk) and views_read_in_place(dv):
+            read = "views"
+        else:
+            read = "store" if kernels_write() else "read"
+        _ready[key] = read
+    return read
 
 
 @functools.cache
@@ -250,6 +278,8 @@ def paged_attention(
             out = kernel(queries, view, scale, sinks)
             if out is not None:
                 path_counts[getattr(kernel, "__name__", "kernel")] += 1
+                if writes:
+                    cache.kernel_stored(out)
                 return out
         if _path == "kernel":
             _warn_no_kernel()

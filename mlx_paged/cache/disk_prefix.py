@@ -68,7 +68,8 @@ from ..storage.disk_entries import (
 )
 from ..storage.disk_runs import leading, read_ahead
 from ..storage.pinned import Staging
-from .paged import PagedKVCache, read_start
+from .paged import PagedKVCache
+from .reads import read_start
 
 __all__ = ["load_prefix", "open_disk", "save_prefix"]
 

@@ -14,21 +14,20 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import KVCache
 
 from ..attention import (
-    ColdView,
     Fetched,
     PagedLayerCache,
     PagedView,
     attention_path,
     fused_read,
     kernels_ready,
+    one_token_read,
     route_attention,
-    stand_ins,
-    views_read_in_place,
 )
-from ..blocks import COLD, HOLE, BlockTable, PagedCacheStats, is_cold
+from ..blocks import BlockTable, PagedCacheStats
 from ..storage import KVPool, check_kv_quant
-from .batch import pad_tables
 from .batch_cache import PagedBatchKVCache
+from .reads import paged_view, read_start, table_stand_ins, window_mask
+from .saved import restore_layer
 
 
 class PagedKVCache(PagedLayerCache, KVCache):
@@ -55,6 +54,8 @@ class PagedKVCache(PagedLayerCache, KVCache):
         self.window = window
         self._fetched: Fetched | None = None
         self._deferred: tuple[Fetched, int, int] | None = None  # stand-ins, first, end
+        # A decode step's K/V left to the kernel to store (``PagedView.new_keys``), its slot.
+        self._new: tuple[mx.array, mx.array, int, int] | None = None
         self._in_place = False  # the last fetch returned views of the pool (``run_view``)
 
     # ---- mlx-lm protocol --------------------------------------------------
@@ -70,12 +71,15 @@ class PagedKVCache(PagedLayerCache, KVCache):
         Full attention returns every token; a sliding window returns tokens from
         the start of the block holding the oldest key any new query sees.
         """
-        self._fetched = self._deferred = None
-        if self.window is None and _one_token(self.pool, keys, values):
+        self._fetched = self._deferred = self._new = None
+        route = _one_token_route(self.pool, keys, values)
+        if route == "views" and self.window is None:
             view = self.pool.append_view(self.table, self.layer, keys, values)
             if view is not None:  # written, and read in place: no other check needed
                 self._in_place = True
                 return view
+        elif route == "store" and self._as_is(keys, values):
+            return self._leave_to_kernel(keys, values)
         start = self.offset
         if self.layer == 0 and self.pool.quant is not None:  # between steps: due blocks go cold
             self.pool.maybe_migrate([self.table])
@@ -88,7 +92,7 @@ class PagedKVCache(PagedLayerCache, KVCache):
         elif n == 1 and self.pool.defer_reads and kernels_ready():
             t, dtype = end - lo, self.pool.input_dtypes[self.layer]
             shapes = ((1, keys.shape[1], t, keys.shape[3]), (1, keys.shape[1], t, values.shape[3]))
-            keys, values = _stand_ins(self.table, shapes, dtype)
+            keys, values = table_stand_ins(self.table, shapes, dtype)
             self._deferred = (Fetched(keys, values), lo, end)
         else:
             # A prefill chunk's attention reads the gathered K/V: let a device kernel copy them.
@@ -113,7 +117,7 @@ class PagedKVCache(PagedLayerCache, KVCache):
             if N == 1:
                 return None
             return create_causal_mask(N, self.offset) if return_array else "causal"
-        self.table.mask = _window_mask(
+        self.table.mask = window_mask(
             N, self.offset, self.window, self.pool.block_size, window_size, return_array
         )
         return self.table.mask
@@ -145,7 +149,7 @@ class PagedKVCache(PagedLayerCache, KVCache):
 
     @state.setter
     def state(self, v: tuple) -> None:
-        self.pool, self.table, self.window = _restore(v)
+        self.pool, self.table, self.window = restore_layer(v)
         self.layer, self._fetched, self._deferred, self._in_place = 0, None, None, False
 
     @classmethod
@@ -249,6 +253,40 @@ class PagedKVCache(PagedLayerCache, KVCache):
 
     # ---- paged extras -----------------------------------------------------
 
+    def _as_is(self, keys: mx.array, values: mx.array) -> bool:
+        """Whether a kernel may store this token's K/V itself: rows of the shapes the
+        layer's last one-token write passed with, in the dtype the pool stores, no cold tier."""
+        p = self.pool
+        stored = p.kv_dtype is None or p.kv_dtype == keys.dtype
+        return stored and p.quant is None and p.passed_check(self.layer, keys, values)
+
+    def _leave_to_kernel(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """A decode step whose token the fused kernel stores as it reads the blocks
+        (``PagedView.new_keys``): claim the slot, return stand-ins for the read."""
+        p, t, layer = self.pool, self.table, self.layer
+        block, slot = p.claim_slot(t, layer)
+        end = t.lengths[layer]
+        lo = read_start(end - 1, self.window, p.block_size)
+        shapes = (
+            (1, keys.shape[1], end - lo, keys.shape[3]),
+            (1, keys.shape[1], end - lo, values.shape[3]),
+        )
+        stand_k, stand_v = table_stand_ins(t, shapes, keys.dtype)
+        self._new = (keys, values, block, slot)
+        self._deferred = (Fetched(stand_k, stand_v), lo, end)
+        self._fetched, self._in_place = Fetched(stand_k, stand_v), False
+        if self.window is not None:
+            p.drop_before(t, lo)
+        return stand_k, stand_v
+
+    def kernel_stored(self, out: mx.array) -> None:
+        """A kernel took the step and stored its token in the pool arrays: later reads of
+        them wait for ``out`` (the kernel's output)."""
+        if self._new is not None:
+            p, layer = self.pool, self.layer
+            p.keys[layer], p.values[layer] = mx.depends([p.keys[layer], p.values[layer]], [out])
+            self._new = None
+
     def stats(self) -> PagedCacheStats:
         """Block counts and bytes of the pool this layer lives in."""
         return self.pool.blocks.stats()
@@ -265,7 +303,8 @@ class PagedKVCache(PagedLayerCache, KVCache):
 
     def paged_view(self) -> PagedView:
         """This layer's blocks as a batch of one, for fused kernels."""
-        return _paged_view(self.pool, self.table, self.layer, self.offset, self.window)
+        new = (None, None) if self._new is None else self._new[:2]
+        return paged_view(self.pool, self.table, self.layer, self.offset, self.window, new)
 
     def reads_in_place(self) -> bool:
         """Whether the last fetch returned views of the pool (``KVPool.run_view``)."""
@@ -273,6 +312,9 @@ class PagedKVCache(PagedLayerCache, KVCache):
 
     def deferred_read(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array] | None:
         """The K/V the last decode step stood in for, if these are its stand-ins."""
+        if self._new is not None:  # no kernel stored the token
+            self.pool.put(self.layer, *self._new[2:], *self._new[:2])
+            self._new = None
         if self._deferred is None or not self._deferred[0].matches(keys, values):
             return None
         return self.pool.gather(self.table, self.layer, *self._deferred[1:])
@@ -282,29 +324,15 @@ class PagedKVCache(PagedLayerCache, KVCache):
         return self.pool.gather_visible(self.table, self.layer)
 
 
-def read_start(offset: int, window: int | None, block_size: int) -> int:
-    """First token a layer with ``window`` reads for queries from ``offset``: the start of
-    the block holding the oldest key they see."""
-    if window is None:
-        return 0
-    oldest = max(0, offset - window + 1)
-    return oldest - oldest % block_size
-
-
-def _one_token(pool: KVPool, keys: mx.array, values: mx.array) -> bool:
-    """Whether ``append_view`` may take a write: one token of well-formed arrays (the
-    general path checks anything else) not for a kernel (``_for_kernel``), and not the
-    ``kernel`` path."""
+def _one_token_route(pool: KVPool, keys: mx.array, values: mx.array) -> str | None:
+    """How a one-token step of well-formed arrays reads (``one_token_read``), or ``None``
+    for the general path, which checks and routes anything else."""
     arrays = isinstance(keys, mx.array) and isinstance(values, mx.array)
-    if not (arrays and keys.ndim == 4 and keys.shape[2] == 1 and attention_path() != "kernel"):
-        return False
-    return not _for_kernel(pool, keys.shape[3], values.shape[3])
-
-
-def _for_kernel(pool: KVPool, dk: int, dv: int) -> bool:
-    """Whether a one-token step should leave its read to a fused kernel rather than hand
-    attention views of the pool that MLX's attention would copy (``views_read_in_place``)."""
-    return pool.defer_reads and not (views_read_in_place(dk) and views_read_in_place(dv))
+    if not (arrays and keys.ndim == 4 and keys.shape[2] == 1):
+        return None
+    if pool.defer_reads:
+        return one_token_read(keys.shape[3], values.shape[3])
+    return None if attention_path() == "kernel" else "views"
 
 
 def _in_place_view(
@@ -313,85 +341,13 @@ def _in_place_view(
     """For a decode step or a prefill chunk over consecutive blocks, tokens ``[start, end)``
     as views of the pool, which attention reads in place like mlx-lm's dense cache; else
     ``None`` (path ``kernel``, cold blocks, blocks that do not lie in one stretch, or a
-    decode step better left to a kernel, ``_for_kernel``)."""
+    decode step better left to a kernel, ``one_token_read``)."""
     if attention_path() == "kernel" or pool.has_cold(table):
         return None
-    if n == 1 and _for_kernel(pool, pool.keys[layer].shape[3], pool.values[layer].shape[3]):
-        return None
+    if n == 1 and pool.defer_reads:  # a decode step: views unless it is better left to a kernel
+        if one_token_read(pool.keys[layer].shape[3], pool.values[layer].shape[3]) != "views":
+            return None
     return pool.run_view(table, layer, start, end)
-
-
-def _window_mask(
-    n: int, offset: int, window: int, block_size: int, window_size: int | None, as_array: bool
-) -> mx.array | str | None:
-    """A sliding layer's mask for ``n`` queries from ``offset`` against the keys it reads
-    (from the start of the block holding the oldest key they see)."""
-    # A wider window sees no more: the layer holds no keys older than its own.
-    seen = min(window_size or window, window)
-    before = offset - read_start(offset, window, block_size)  # keys older than the queries
-    if not as_array and before + n <= seen:
-        return None if n == 1 else "causal"
-    return create_causal_mask(n, before, window_size=seen)
-
-
-def _paged_view(p: KVPool, t: BlockTable, layer: int, offset: int, window: int | None) -> PagedView:
-    """One layer of one sequence as a ``PagedView`` of the pool (a kernel's input)."""
-    block_tables, starts, lengths = _view_arrays(p, t, offset)
-    cold = p.cold_arrays(layer) if p.has_cold(t) else None
-    return PagedView(
-        keys=p.keys[layer],
-        values=p.values[layer],
-        block_tables=block_tables,
-        starts=starts,
-        lengths=lengths,
-        window=window,
-        cold=None if cold is None else ColdView(*cold),
-    )
-
-
-def _view_arrays(pool: KVPool, table: BlockTable, offset: int) -> tuple[mx.array, ...]:
-    """A one-sequence view's block table (padded, ``pad_tables``), start and length; the
-    layers of a step share them."""
-    return table.derived(
-        "view",
-        (table.version, offset),
-        lambda: (
-            pad_tables(pool.table_ids(table)[None]),
-            mx.array([table.first * pool.block_size], dtype=mx.int32),
-            mx.array([offset], dtype=mx.int32),
-        ),
-    )
-
-
-def _stand_ins(table: BlockTable, shapes: tuple, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
-    """Stand-ins of ``shapes`` for a deferred read, made once per step for the table's layers."""
-    return table.derived("stand_ins", (*shapes, dtype), lambda: stand_ins(*shapes, dtype))
-
-
-def _restore(state: tuple) -> tuple[KVPool, BlockTable, int | None]:
-    """A private one-layer pool and table holding a saved layer's blocks, and its window."""
-    keys, values, blocks, first, offset, window, block_size, dtype = state[:8]
-    cold = state[8:14]
-    quant = check_kv_quant(*(int(x) for x in state[14:17])) if cold else None
-    pool = KVPool(1, int(block_size), None, None, quant)
-    table = pool.new_table()
-    table.first = int(first)
-    table.lengths[0] = int(offset)
-    ids = blocks.tolist() if blocks is not None and blocks.size else []
-    hot = [b for b in ids if b != HOLE and not is_cold(b)]
-    frozen = [b - COLD for b in ids if is_cold(b)]
-    if keys is not None and (hot or frozen):
-        new_hot = iter(pool.blocks.allocate(len(hot)))
-        new_cold = iter(c + COLD for c in pool.blocks.cold.allocate(len(frozen)))
-        table.blocks.extend(
-            HOLE if b == HOLE else next(new_cold if is_cold(b) else new_hot) for b in ids
-        )
-        idx = mx.array(hot, dtype=mx.int32)
-        pool.adopt_layer(0, keys[idx], values[idx], getattr(mx, dtype))
-        if frozen:
-            at = mx.array(frozen, dtype=mx.int32)
-            pool.adopt_cold(0, tuple(x[at] for x in cold[:3]), tuple(x[at] for x in cold[3:]))
-    return pool, table, None if window is None else int(window)
 
 
 # load_prompt_cache looks cache classes up by name in mlx-lm's cache module.

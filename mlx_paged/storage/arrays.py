@@ -173,10 +173,9 @@ class LayerArrays(BlockTables):
 
     def check_write(self, layer: int, keys: mx.array, values: mx.array) -> None:
         """Raise ValueError unless ``(1, H, n, D)`` K/V fit the layer; create it on first use."""
-        ok = self._decode_ok.get(layer)
-        if ok is not None and isinstance(keys, mx.array) and isinstance(values, mx.array):
-            if ok == (keys.shape, values.shape, keys.dtype, values.dtype):
-                return  # the shapes of the layer's previous one-token write: checked then
+        arrays = isinstance(keys, mx.array) and isinstance(values, mx.array)
+        if arrays and layer in self._decode_ok and self.passed_check(layer, keys, values):
+            return  # the shapes of the layer's previous one-token write: checked then
         for name, x in (("keys", keys), ("values", values)):
             if not isinstance(x, mx.array) or x.ndim != 4 or x.shape[0] != 1:
                 shape = getattr(x, "shape", type(x).__name__)
@@ -207,6 +206,11 @@ class LayerArrays(BlockTables):
             )
         if keys.shape[2] == 1:
             self._decode_ok[layer] = (keys.shape, values.shape, keys.dtype, values.dtype)
+
+    def passed_check(self, layer: int, keys: mx.array, values: mx.array) -> bool:
+        """Whether one token's K/V have the shapes and dtypes of the layer's last one-token
+        write that passed ``check_write`` (which then has nothing to check)."""
+        return self._decode_ok.get(layer) == (keys.shape, values.shape, keys.dtype, values.dtype)
 
     def adopt_layer(
         self, layer: int, keys: mx.array, values: mx.array, input_dtype: mx.Dtype

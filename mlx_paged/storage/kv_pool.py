@@ -51,23 +51,33 @@ class KVPool(LayerArrays):
         n = keys.shape[2]
         if n == 0:
             return
-        bs = self.block_size
-        if n == 1:  # decode: usually the tail block is already ours
-            i = start // bs - table.first
-            if i >= len(table.blocks) or self.blocks.is_shared(table.blocks[i]):
-                self.reserve(table, start, start + 1)
-            b, s = table.blocks[start // bs - table.first], start % bs
-            put_token(self.keys[layer], b, s, self.to_storage(keys))
-            put_token(self.values[layer], b, s, self.to_storage(values))
-        else:
-            if table.reserved_key != (table.version, start, start + n, self.blocks.shares):
-                self.reserve(table, start, start + n)
-            k = self.to_storage(keys[0].swapaxes(0, 1))  # (n, H, Dk)
-            v = self.to_storage(values[0].swapaxes(0, 1))  # (n, H, Dv)
-            ids, slots = self._write_index(table, start, n)
-            self.keys[layer][ids, slots] = k
-            self.values[layer][ids, slots] = v
+        if n == 1:
+            self.put(layer, *self.claim_slot(table, layer), keys, values)
+            return
+        if table.reserved_key != (table.version, start, start + n, self.blocks.shares):
+            self.reserve(table, start, start + n)
+        k = self.to_storage(keys[0].swapaxes(0, 1))  # (n, H, Dk)
+        v = self.to_storage(values[0].swapaxes(0, 1))  # (n, H, Dv)
+        ids, slots = self._write_index(table, start, n)
+        self.keys[layer][ids, slots] = k
+        self.values[layer][ids, slots] = v
         table.lengths[layer] = start + n
+
+    def claim_slot(self, table: BlockTable, layer: int) -> tuple[int, int]:
+        """Count one more token of the layer and return its (block id, slot), the block the
+        table's own: the write of a decode step, left to the caller (``put_token``, or a
+        kernel that stores it, ``PagedView.new_keys``)."""
+        start, bs = table.lengths[layer], self.block_size
+        i = start // bs - table.first
+        if i >= len(table.blocks) or self.blocks.is_shared(table.blocks[i]):  # usually ours
+            self.reserve(table, start, start + 1)
+        table.lengths[layer] = start + 1
+        return table.blocks[start // bs - table.first], start % bs
+
+    def put(self, layer: int, block: int, slot: int, keys: mx.array, values: mx.array) -> None:
+        """Write one token's ``(1, H, 1, D)`` K/V at ``(block, slot)`` (``claim_slot``'s)."""
+        put_token(self.keys[layer], block, slot, self.to_storage(keys))
+        put_token(self.values[layer], block, slot, self.to_storage(values))
 
     def append(self, table: BlockTable, layer: int, keys: mx.array, values: mx.array) -> None:
         """Decode-step write of one token: ``(1, n_kv_heads, 1, head_dim)``."""
@@ -86,7 +96,7 @@ class KVPool(LayerArrays):
         model's dtype and the K/V shapes are those of the layer's last one-token write.
         Returns ``None``, having written nothing, where any of that does not hold.
         """
-        if self._decode_ok.get(layer) != (keys.shape, values.shape, keys.dtype, values.dtype):
+        if not self.passed_check(layer, keys, values):
             return None
         start, bs = table.lengths[layer], self.block_size
         i = start // bs
