@@ -151,6 +151,7 @@ class PagedKVCache(PagedLayerCache, KVCache):
     def state(self, v: tuple) -> None:
         self.pool, self.table, self.window = restore_layer(v)
         self.layer, self._fetched, self._deferred, self._in_place = 0, None, None, False
+        self._new = None
 
     @classmethod
     def from_state(cls, state: tuple) -> PagedKVCache:

@@ -62,16 +62,20 @@ def paged_view(
 
 def view_arrays(pool: KVPool, table: BlockTable, offset: int) -> tuple[mx.array, ...]:
     """A one-sequence view's block table (padded, ``pad_tables``), start and length; the
-    layers of a step share them."""
-    return table.derived(
+    layers of a step share them, and the steps between two table changes the first two."""
+    ids, starts = table.derived(
         "view",
-        (table.version, offset),
+        (table.version, table.first, len(table.blocks)),
         lambda: (
             pad_tables(pool.table_ids(table)[None]),
             mx.array([table.first * pool.block_size], dtype=mx.int32),
-            mx.array([offset], dtype=mx.int32),
         ),
     )
+    return ids, starts, table.derived("view_length", offset, _length, offset)
+
+
+def _length(offset: int) -> mx.array:
+    return mx.array([offset], dtype=mx.int32)
 
 
 def table_stand_ins(table: BlockTable, shapes: tuple, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
