@@ -14,7 +14,9 @@ mx.set_default_device(mx.cpu)
 
 import pytest  # noqa: E402
 
+from mlx_paged.attention import routing, set_attention_path  # noqa: E402
 from mlx_paged.attention.kernels import cubin, fatbin  # noqa: E402
+from mlx_paged.attention.kernels.reference import reference_paged_decode  # noqa: E402
 
 # Make tests/tiny_models.py importable as a plain module.
 sys.path.insert(0, str(Path(__file__).parent))
@@ -69,3 +71,38 @@ def launched(monkeypatch):
 
     monkeypatch.setattr(mx.fast, "precompiled_cuda_kernel", precompiled)
     return calls
+
+
+def store_new_rows(view) -> None:
+    """What the CUDA kernel does first with ``FW``: each sequence's new K/V row into its slot
+    (``view.keys`` is the pool's own array, updated in place)."""
+    at = view.lengths - 1
+    col = ((at - view.starts) // view.block_size)[:, None]
+    blocks = mx.take_along_axis(view.block_tables, col, axis=1)[:, 0]
+    slots = at % view.block_size
+    view.keys[blocks, slots] = view.new_keys[:, :, 0]
+    view.values[blocks, slots] = view.new_values[:, :, 0]
+
+
+@pytest.fixture
+def writing(monkeypatch):
+    """A ``KERNELS`` entry that stores the new rows then reads like the reference, or
+    declines; it records the views it was offered."""
+    calls = {"take": True, "views": [], "declined": 0}
+
+    def entry(queries, view, scale, sinks):
+        calls["views"].append(view)
+        if not calls["take"]:
+            calls["declined"] += 1
+            return None
+        if view.new_keys is not None:
+            store_new_rows(view)
+        return reference_paged_decode(queries, view, scale, sinks)
+
+    entry.writes = True
+    monkeypatch.setattr(routing, "KERNELS", [entry])
+    routing._ready.clear()
+    set_attention_path("kernel")
+    yield calls
+    set_attention_path("auto")
+    routing._ready.clear()

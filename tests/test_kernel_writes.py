@@ -1,7 +1,8 @@
 """Decode steps that leave the K/V write to the kernel (``PagedView.new_keys``): who is offered
 such a view, what it carries, the write when no kernel takes the call, and the engine's tokens
 on every path against mlx-lm's dense cache. The CUDA kernel's own stores are checked on the GPU
-(``test_kernel_sources.py``); here a stand-in entry stores the rows with MLX ops."""
+(``test_kernel_sources.py``); here a stand-in entry stores the rows with MLX ops (``writing``,
+in conftest.py)."""
 
 from __future__ import annotations
 
@@ -12,46 +13,10 @@ from tiny_models import tiny_model
 
 from mlx_paged import PagedEngine
 from mlx_paged.attention import routing, set_attention_path
-from mlx_paged.attention.kernels.reference import reference_paged_decode
 from mlx_paged.cache import DecodeBatch, StepPagedKVCache
 from mlx_paged.storage import KVPool
 
 MAX_TOKENS = 8
-
-
-def store_new_rows(view) -> None:
-    """What the CUDA kernel does first with ``FW``: each sequence's new K/V row into its slot
-    (``view.keys`` is the pool's own array, updated in place)."""
-    at = view.lengths - 1
-    col = ((at - view.starts) // view.block_size)[:, None]
-    blocks = mx.take_along_axis(view.block_tables, col, axis=1)[:, 0]
-    slots = at % view.block_size
-    view.keys[blocks, slots] = view.new_keys[:, :, 0]
-    view.values[blocks, slots] = view.new_values[:, :, 0]
-
-
-@pytest.fixture
-def writing(monkeypatch):
-    """A ``KERNELS`` entry that stores the new rows then reads like the reference, or
-    declines; it records the views it was offered."""
-    calls = {"take": True, "views": [], "declined": 0}
-
-    def entry(queries, view, scale, sinks):
-        calls["views"].append(view)
-        if not calls["take"]:
-            calls["declined"] += 1
-            return None
-        if view.new_keys is not None:
-            store_new_rows(view)
-        return reference_paged_decode(queries, view, scale, sinks)
-
-    entry.writes = True
-    monkeypatch.setattr(routing, "KERNELS", [entry])
-    routing._ready.clear()
-    set_attention_path("kernel")
-    yield calls
-    set_attention_path("auto")
-    routing._ready.clear()
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3_text", "gpt_oss"])

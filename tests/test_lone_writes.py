@@ -1,8 +1,8 @@
 """A lone sequence's decode steps (``make_paged_cache``) that leave the token's write to the
 fused kernel (``PagedView.new_keys``): when they do, the write when no kernel takes the call,
 copy-on-write of a shared tail block, and tokens against mlx-lm's dense cache. Here a
-stand-in entry stores the rows with MLX ops; the CUDA kernel's own stores are checked on
-the GPU at the end."""
+stand-in entry stores the rows with MLX ops (``writing``, in conftest.py); the CUDA
+kernel's own stores are checked on the GPU at the end."""
 
 from __future__ import annotations
 
@@ -11,37 +11,13 @@ import copy
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache, make_prompt_cache
-from test_kernel_writes import store_new_rows
 from test_parity import BLOCK, ROTATING, TOL, max_diff, prompt_tokens, run_generate_step
 from tiny_models import VOCAB, tiny_model
 
 from mlx_paged import make_paged_cache
 from mlx_paged.attention import one_token_read, path_counts, routing, set_attention_path
-from mlx_paged.attention.kernels.reference import reference_paged_decode
 
 PROMPT, STEPS = 45, 8
-
-
-@pytest.fixture
-def storing(monkeypatch):
-    """A ``KERNELS`` entry that stores a view's new rows, then reads like the reference,
-    or declines every call; it records the views it was offered."""
-    calls = {"take": True, "views": []}
-
-    def entry(queries, view, scale, sinks):
-        calls["views"].append(view)
-        if not calls["take"]:
-            return None
-        if view.new_keys is not None:
-            store_new_rows(view)
-        return reference_paged_decode(queries, view, scale, sinks)
-
-    entry.writes = True
-    monkeypatch.setattr(routing, "KERNELS", [entry])
-    routing._ready.clear()
-    yield calls
-    set_attention_path("auto")
-    routing._ready.clear()
 
 
 def decode(model, cache, prompt: mx.array, steps: mx.array) -> mx.array:
@@ -57,12 +33,12 @@ def tokens(n: int, seed: int) -> mx.array:
 
 @pytest.mark.parametrize("family", ["llama", "gemma3_text", "qwen3"])
 @pytest.mark.parametrize("take", [True, False])
-def test_lone_steps_leave_the_write_to_a_storing_kernel(storing, family, take):
+def test_lone_steps_leave_the_write_to_a_storing_kernel(writing, family, take):
     """From the second step on (the first checks the token's shapes), every layer's view
     carries the token for the kernel to store; a kernel that declines leaves the write to
     the cache. Logits and every full layer's K/V match mlx-lm's dense cache."""
     set_attention_path("kernel")
-    storing["take"] = take
+    writing["take"] = take
     model = tiny_model(family)
     prompt, steps = tokens(PROMPT, 1), tokens(STEPS, 2)
     dense = make_prompt_cache(model)
@@ -71,7 +47,7 @@ def test_lone_steps_leave_the_write_to_a_storing_kernel(storing, family, take):
     got = decode(model, cache, prompt, steps)
     assert max_diff(want, got) < TOL
     layers = len(cache)
-    offered = [v.new_keys is not None for v in storing["views"]]
+    offered = [v.new_keys is not None for v in writing["views"]]
     assert offered == [False] * layers + [True] * (STEPS - 1) * layers
     assert all(c._new is None for c in cache)  # stored by the kernel, or written on decline
     tol = TOL if family in ROTATING else 0.0  # later layers' inputs differ in the last bits
@@ -85,7 +61,7 @@ def test_lone_steps_leave_the_write_to_a_storing_kernel(storing, family, take):
 
 @pytest.mark.parametrize("head_dim, read", [(32, "store"), (64, "views")])
 def test_on_cuda_only_views_mlx_would_copy_go_to_the_storing_kernel(
-    storing, monkeypatch, head_dim, read
+    writing, monkeypatch, head_dim, read
 ):
     """Under ``auto`` on CUDA, head dims MLX's vector attention does not take go to the
     kernel, which stores the token; the others read the pool in place."""
@@ -98,13 +74,13 @@ def test_on_cuda_only_views_mlx_would_copy_go_to_the_storing_kernel(
     cache = make_paged_cache(model, block_size=BLOCK)
     in_place = path_counts["in_place"]
     got = decode(model, cache, prompt, steps)
-    stored = sum(v.new_keys is not None for v in storing["views"])
+    stored = sum(v.new_keys is not None for v in writing["views"])
     assert stored == (5 * len(cache) if read == "store" else 0)
     assert path_counts["in_place"] - in_place == len(cache) * (1 if read == "store" else 7)
     assert max_diff(want, got) < TOL
 
 
-def test_a_forked_lone_sequence_copies_its_shared_tail_before_the_kernel_stores(storing):
+def test_a_forked_lone_sequence_copies_its_shared_tail_before_the_kernel_stores(writing):
     """A fork shares its tail block (copy-on-write): the fork's first stored step moves it
     to a fresh block, so the kernel stores there and the original keeps its bytes. (46
     tokens in blocks of 8: two more fill the tail block.)"""
@@ -121,10 +97,10 @@ def test_a_forked_lone_sequence_copies_its_shared_tail_before_the_kernel_stores(
     tail = table.blocks[-1]
     assert pool.blocks.refcounts[tail] == 2
     live = pool.blocks.stats().live_blocks
-    steps, storing["views"] = tokens(2, 2), []
+    steps, writing["views"] = tokens(2, 2), []
     for i in range(2):
         mx.eval(model(steps[:, i : i + 1], cache=fork))
-    assert all(v.new_keys is not None for v in storing["views"])
+    assert all(v.new_keys is not None for v in writing["views"])
     new_tail = fork[0].table.blocks[-1]
     assert new_tail != tail and fork[0].table.blocks[:-1] == table.blocks[:-1]
     assert pool.blocks.refcounts[tail] == 1 and pool.blocks.refcounts[new_tail] == 1
