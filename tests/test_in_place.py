@@ -23,7 +23,7 @@ from mlx_paged import PagedEngine, install_paged_cache, make_paged_cache, uninst
 from mlx_paged.attention import path_counts, set_attention_path
 from mlx_paged.blocks import COLD, HOLE
 from mlx_paged.storage import KVPool
-from mlx_paged.storage.kv_pool import consecutive_start
+from mlx_paged.storage.runs import consecutive_start
 
 
 @pytest.fixture(autouse=True)

@@ -29,7 +29,8 @@ the cache returns views of the pool arrays (``KVPool.run_view``) and MLX's own
 attention reads them in place, as it reads mlx-lm's dense buffer, with no
 custom kernel launch (``path_counts["in_place"]``). On CUDA, a decode step whose head
 dim MLX's one-query attention would copy the views for (``views_read_in_place``) goes to
-a fused kernel instead. Tables that share or reuse blocks take the paths above and below.
+a fused kernel instead, which also stores the step's token where it can
+(``one_token_read``). Tables that share or reuse blocks take the paths above and below.
 
 Which path runs is chosen by ``set_attention_path`` or the environment variable
 ``MLX_PAGED_ATTENTION``: ``auto`` (default: in-place reads where the blocks

@@ -27,10 +27,10 @@ from ..blocks import BlockTable, PagedCacheStats
 from ..storage import KVPool, check_kv_quant
 from .batch_cache import PagedBatchKVCache
 from .reads import paged_view, read_start, table_stand_ins, window_mask
-from .saved import restore_layer
+from .saved import LayerBuffers, restore_layer
 
 
-class PagedKVCache(PagedLayerCache, KVCache):
+class PagedKVCache(LayerBuffers, PagedLayerCache, KVCache):
     """One layer's KV cache for one sequence, stored in a shared ``KVPool``.
 
     Use ``make_paged_cache(model)`` to build a model's caches. ``update_and_fetch``
@@ -122,32 +122,7 @@ class PagedKVCache(PagedLayerCache, KVCache):
         )
         return self.table.mask
 
-    @property
-    def state(self) -> tuple:
-        """This layer's pool arrays, the sequence's blocks and scalars.
-
-        Evaluating it forces pending writes without copying; ``from_state``
-        keeps only this sequence's blocks.
-        """
-        p, t = self.pool, self.table
-        dtype = p.input_dtypes[self.layer]
-        state = (
-            p.keys[self.layer],
-            p.values[self.layer],
-            mx.array(t.blocks, dtype=mx.int32),
-            t.first,
-            self.offset,
-            self.window,
-            p.block_size,
-            None if dtype is None else str(dtype).rsplit(".", 1)[-1],
-        )
-        parts = None if p.cold is None else p.cold.layer_parts(self.layer)
-        if parts is None:
-            return state
-        q = p.quant
-        return (*state, *parts[0], *parts[1], q.bits, q.group_size, q.hot_tokens)
-
-    @state.setter
+    @LayerBuffers.state.setter
     def state(self, v: tuple) -> None:
         self.pool, self.table, self.window = restore_layer(v)
         self.layer, self._fetched, self._deferred, self._in_place = 0, None, None, False
@@ -196,39 +171,6 @@ class PagedKVCache(PagedLayerCache, KVCache):
     def merge(cls, caches: list[PagedKVCache]) -> PagedBatchKVCache:
         """One layer of a batch from these sequences' caches (see ``PagedBatchKVCache.merge``)."""
         return PagedBatchKVCache.merge(caches, single=cls)
-
-    def keys_and_values(self) -> tuple[mx.array, mx.array]:
-        """This layer's retained K/V as contiguous ``(1, H, T, D)`` arrays."""
-        return self.gather_visible()
-
-    @property
-    def keys(self) -> mx.array | None:
-        """The retained keys, ``(1, H, T, D)``, read from the blocks (``None`` before a write)."""
-        return None if self.empty() else self.gather_visible()[0]
-
-    @keys.setter
-    def keys(self, value: mx.array) -> None:
-        self._assign("keys", value)
-
-    @property
-    def values(self) -> mx.array | None:
-        """The retained values, ``(1, H, T, D)``, read from the blocks (``None`` before a write)."""
-        return None if self.empty() else self.gather_visible()[1]
-
-    @values.setter
-    def values(self, value: mx.array) -> None:
-        self._assign("values", value)
-
-    def _assign(self, name: str, value: mx.array) -> None:
-        """A model replacing the retained K or V (deepseek_v32's indexer zeroes its values)."""
-        want = None if self.empty() else getattr(self, name).shape
-        if not isinstance(value, mx.array) or value.shape != want:
-            got = getattr(value, "shape", type(value).__name__)
-            raise ValueError(
-                f"a paged cache's {name} can only be replaced by an array of their shape {want}, "
-                f"got {got}; the K/V lives in shared blocks."
-            )
-        self.pool.overwrite(self.table, self.layer, name, value)
 
     def to_quantized(self, group_size: int = 64, bits: int = 4) -> PagedKVCache:
         """Quantize this cache's pool behind a full-precision hot tail; return ``self``.

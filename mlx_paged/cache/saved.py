@@ -1,4 +1,5 @@
-"""A saved ``PagedKVCache`` layer (its ``state``) restored into a private pool."""
+"""A ``PagedKVCache`` layer as code written for mlx-lm's dense buffers sees it: its
+``state`` (saved, and restored into a private pool) and its ``keys`` and ``values``."""
 
 from __future__ import annotations
 
@@ -6,6 +7,70 @@ import mlx.core as mx
 
 from ..blocks import COLD, HOLE, BlockTable, is_cold
 from ..storage import KVPool, check_kv_quant
+
+
+class LayerBuffers:
+    """``PagedKVCache``'s members that stand for mlx-lm's dense buffers, read from (and
+    written to) the blocks. Expects ``pool``, ``table``, ``layer``, ``window``, ``offset``,
+    ``empty()`` and ``gather_visible()`` of the subclass."""
+
+    @property
+    def state(self) -> tuple:
+        """This layer's pool arrays, the sequence's blocks and scalars.
+
+        Evaluating it forces pending writes without copying; ``from_state``
+        keeps only this sequence's blocks.
+        """
+        p, t = self.pool, self.table
+        dtype = p.input_dtypes[self.layer]
+        state = (
+            p.keys[self.layer],
+            p.values[self.layer],
+            mx.array(t.blocks, dtype=mx.int32),
+            t.first,
+            self.offset,
+            self.window,
+            p.block_size,
+            None if dtype is None else str(dtype).rsplit(".", 1)[-1],
+        )
+        parts = None if p.cold is None else p.cold.layer_parts(self.layer)
+        if parts is None:
+            return state
+        q = p.quant
+        return (*state, *parts[0], *parts[1], q.bits, q.group_size, q.hot_tokens)
+
+    def keys_and_values(self) -> tuple[mx.array, mx.array]:
+        """This layer's retained K/V as contiguous ``(1, H, T, D)`` arrays."""
+        return self.gather_visible()
+
+    @property
+    def keys(self) -> mx.array | None:
+        """The retained keys, ``(1, H, T, D)``, read from the blocks (``None`` before a write)."""
+        return None if self.empty() else self.gather_visible()[0]
+
+    @keys.setter
+    def keys(self, value: mx.array) -> None:
+        self._assign("keys", value)
+
+    @property
+    def values(self) -> mx.array | None:
+        """The retained values, ``(1, H, T, D)``, read from the blocks (``None`` before a write)."""
+        return None if self.empty() else self.gather_visible()[1]
+
+    @values.setter
+    def values(self, value: mx.array) -> None:
+        self._assign("values", value)
+
+    def _assign(self, name: str, value: mx.array) -> None:
+        """A model replacing the retained K or V (deepseek_v32's indexer zeroes its values)."""
+        want = None if self.empty() else getattr(self, name).shape
+        if not isinstance(value, mx.array) or value.shape != want:
+            got = getattr(value, "shape", type(value).__name__)
+            raise ValueError(
+                f"a paged cache's {name} can only be replaced by an array of their shape {want}, "
+                f"got {got}; the K/V lives in shared blocks."
+            )
+        self.pool.overwrite(self.table, self.layer, name, value)
 
 
 def restore_layer(state: tuple) -> tuple[KVPool, BlockTable, int | None]:

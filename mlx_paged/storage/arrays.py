@@ -176,19 +176,7 @@ class LayerArrays(BlockTables):
         arrays = isinstance(keys, mx.array) and isinstance(values, mx.array)
         if arrays and layer in self._decode_ok and self.passed_check(layer, keys, values):
             return  # the shapes of the layer's previous one-token write: checked then
-        for name, x in (("keys", keys), ("values", values)):
-            if not isinstance(x, mx.array) or x.ndim != 4 or x.shape[0] != 1:
-                shape = getattr(x, "shape", type(x).__name__)
-                raise ValueError(
-                    f"{name} must be an mx.array shaped (1, n_kv_heads, n_new, head_dim) "
-                    f"for one sequence; got {shape}."
-                )
-        if keys.shape[:3] != values.shape[:3]:
-            raise ValueError(
-                f"keys {keys.shape} and values {values.shape} must agree on batch, heads, tokens."
-            )
-        if keys.dtype != values.dtype:
-            raise ValueError(f"keys ({keys.dtype}) and values ({values.dtype}) must share a dtype.")
+        check_one_sequence(keys, values)
         if self.keys[layer] is None:
             self._create_layer(layer, keys, values)
             return
@@ -270,3 +258,21 @@ class LayerArrays(BlockTables):
         self.blocks.bytes_per_block = total
         if self.cold is not None:
             self.blocks.cold.bytes_per_block = self.cold.bytes_per_block()
+
+
+def check_one_sequence(keys: object, values: object) -> None:
+    """Raise ValueError unless ``keys`` and ``values`` are ``(1, H, n, D)`` arrays of one
+    sequence that agree on heads, tokens and dtype."""
+    for name, x in (("keys", keys), ("values", values)):
+        if not isinstance(x, mx.array) or x.ndim != 4 or x.shape[0] != 1:
+            shape = getattr(x, "shape", type(x).__name__)
+            raise ValueError(
+                f"{name} must be an mx.array shaped (1, n_kv_heads, n_new, head_dim) "
+                f"for one sequence; got {shape}."
+            )
+    if keys.shape[:3] != values.shape[:3]:
+        raise ValueError(
+            f"keys {keys.shape} and values {values.shape} must agree on batch, heads, tokens."
+        )
+    if keys.dtype != values.dtype:
+        raise ValueError(f"keys ({keys.dtype}) and values ({values.dtype}) must share a dtype.")

@@ -24,16 +24,16 @@ from collections.abc import Callable
 import mlx.core as mx
 
 from ..blocks import COLD, BlockTable
-from .arrays import LayerArrays
 from .cold import TierPlan, read_tiered
 from .read import take_blocks
+from .runs import TokenRuns
 
 #: A device read of pool slots: ``read(keys, values, slots)`` returns ``(B, H, T, D)``
 #: K and V in the pool's dtype, or ``None`` to leave the read to ``take_blocks``.
 Reader = Callable[[mx.array, mx.array, mx.array], "tuple[mx.array, mx.array] | None"]
 
 
-class KVPool(LayerArrays):
+class KVPool(TokenRuns):
     """K/V arrays for a layer group, on top of the group's block-table bookkeeping.
 
     Writes, copies, migration to the cold tier and reads of tokens; the arrays
@@ -62,64 +62,6 @@ class KVPool(LayerArrays):
         self.keys[layer][ids, slots] = k
         self.values[layer][ids, slots] = v
         table.lengths[layer] = start + n
-
-    def claim_slot(self, table: BlockTable, layer: int) -> tuple[int, int]:
-        """Count one more token of the layer and return its (block id, slot), the block the
-        table's own: the write of a decode step, left to the caller (``put_token``, or a
-        kernel that stores it, ``PagedView.new_keys``)."""
-        start, bs = table.lengths[layer], self.block_size
-        i = start // bs - table.first
-        if i >= len(table.blocks) or self.blocks.is_shared(table.blocks[i]):  # usually ours
-            self.reserve(table, start, start + 1)
-        table.lengths[layer] = start + 1
-        return table.blocks[start // bs - table.first], start % bs
-
-    def put(self, layer: int, block: int, slot: int, keys: mx.array, values: mx.array) -> None:
-        """Write one token's ``(1, H, 1, D)`` K/V at ``(block, slot)`` (``claim_slot``'s)."""
-        put_token(self.keys[layer], block, slot, self.to_storage(keys))
-        put_token(self.values[layer], block, slot, self.to_storage(values))
-
-    def append(self, table: BlockTable, layer: int, keys: mx.array, values: mx.array) -> None:
-        """Decode-step write of one token: ``(1, n_kv_heads, 1, head_dim)``."""
-        if keys.ndim != 4 or keys.shape[2] != 1:
-            raise ValueError(f"append writes one token, shape (1, H, 1, D); got {keys.shape}.")
-        self.write_prefill(table, layer, keys, values)
-
-    def append_view(
-        self, table: BlockTable, layer: int, keys: mx.array, values: mx.array
-    ) -> tuple[mx.array, mx.array] | None:
-        """A one-token write at the layer's tail, then all its tokens as views of the pool.
-
-        ``append`` then ``run_view`` in one call, for the common decode step of a
-        sequence alone in its pool (``make_paged_cache``): the token's block is already
-        the sequence's own, all its blocks are consecutive hot ids, the pool stores the
-        model's dtype and the K/V shapes are those of the layer's last one-token write.
-        Returns ``None``, having written nothing, where any of that does not hold.
-        """
-        if not self.passed_check(layer, keys, values):
-            return None
-        start, bs = table.lengths[layer], self.block_size
-        i = start // bs
-        run = (table.version, self.blocks.shares, i)
-        first = table.derived("append_run", run, self._append_run, table, i)
-        ks, vs = self.keys, self.values
-        if first is None or ks[layer].dtype != keys.dtype:
-            return None
-        put_token(ks[layer], first + i, start % bs, keys)
-        put_token(vs[layer], first + i, start % bs, values)
-        end = table.lengths[layer] = start + 1
-        return slot_view(ks[layer], first * bs, end), slot_view(vs[layer], first * bs, end)
-
-    def _append_run(self, table: BlockTable, i: int) -> int | None:
-        """``table``'s first block id if ``append_view`` may write its block ``i``: no block
-        given back, block ``i`` reserved and its own, every block a consecutive hot id.
-        (Memoized per table version and pool ``shares``: a block only becomes shared
-        through a retain or a park, which count in ``shares``.)"""
-        if table.first or self.quant is not None or i >= len(table.blocks):
-            return None
-        if self.blocks.is_shared(table.blocks[i]):
-            return None
-        return consecutive_start(table.blocks)
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy block ``src`` (either tier) into hot block ``dst``, every layer (copy-on-write).
@@ -225,27 +167,6 @@ class KVPool(LayerArrays):
         dtype = self.input_dtypes[layer]
         return (k, v) if k.dtype == dtype else (k.astype(dtype), v.astype(dtype))
 
-    def run_view(
-        self, table: BlockTable, layer: int, start: int, end: int
-    ) -> tuple[mx.array, mx.array] | None:
-        """Tokens ``[start, end)`` of one layer as ``(1, H, T, D)`` views of the pool, or ``None``.
-
-        Only where their blocks are consecutive hot ids and the pool stores the layer's
-        input dtype (a fresh sequence in its own pool, as ``make_paged_cache`` gives):
-        then they fill one stretch of each pool array, and attention reads it in place,
-        as it reads mlx-lm's dense buffer. No gather, no copy, no custom kernel.
-        """
-        bs = self.block_size
-        lo, hi = start // bs - table.first, -(-end // bs) - table.first
-        first = table.derived(
-            "run", (table.version, lo, hi), lambda: consecutive_start(table.blocks[lo:hi])
-        )
-        keys, values = self.keys[layer], self.values[layer]
-        if first is None or keys.dtype != self.input_dtypes[layer]:
-            return None
-        at = first * bs + start % bs
-        return slot_view(keys, at, end - start), slot_view(values, at, end - start)
-
     def table_ids(self, table: BlockTable) -> mx.array:
         """The retained block ids of a table as an int32 array (cached until it changes)."""
         return self._block_ids(table, table.first, table.first + len(table.blocks))
@@ -292,28 +213,3 @@ class KVPool(LayerArrays):
             (table.version, lo, hi),
             lambda: mx.array(table.blocks[lo - table.first : hi - table.first], dtype=mx.int32),
         )
-
-
-def consecutive_start(ids: list[int]) -> int | None:
-    """``ids[0]`` if ``ids`` are consecutive hot block ids, else ``None``."""
-    if not ids or ids[0] < 0 or ids[-1] >= COLD:
-        return None
-    first = ids[0]
-    return first if ids == list(range(first, first + len(ids))) else None
-
-
-def put_token(pool: mx.array, block: int, slot: int, x: mx.array) -> None:
-    """Write one token's ``(1, H, 1, D)`` K or V into ``pool[block, slot]`` in place.
-
-    Python slices make a static slice update, which MLX does in place (an index array,
-    ``mx.slice_update``, made a dynamic one that copied the pool), and slices of the
-    update's own shape leave no broadcast in the step's graph.
-    """
-    pool[block : block + 1, slot : slot + 1] = x.reshape(1, 1, x.shape[1], -1)
-
-
-def slot_view(pool: mx.array, slot: int, n: int) -> mx.array:
-    """Flat slots ``[slot, slot + n)`` of a row-contiguous ``[blocks, block_size, H, D]`` pool
-    array as a ``(1, H, n, D)`` view (head stride ``D``, token stride ``H * D``)."""
-    h, d = pool.shape[2], pool.shape[3]
-    return mx.as_strided(pool, (1, h, n, d), (n * h * d, d, h * d, 1), slot * h * d)
