@@ -34,11 +34,12 @@ class PagedKVCache(LayerBuffers, PagedLayerCache, KVCache):
     """One layer's KV cache for one sequence, stored in a shared ``KVPool``.
 
     Use ``make_paged_cache(model)`` to build a model's caches. ``update_and_fetch``
-    returns the layer's K/V gathered lazily from the blocks (a decode step whose
-    attention a fused kernel will serve returns stand-ins, see
-    ``PagedLayerCache.deferred_read``); ``copy.deepcopy``
-    forks by reference (copy-on-write), it never copies the pool. A subclass of
-    mlx-lm's ``KVCache`` for code that checks the type; it overrides every member.
+    returns the layer's K/V gathered lazily from the blocks, or views of them (a decode
+    step whose attention a fused kernel will serve returns stand-ins, see
+    ``PagedLayerCache.deferred_read``, and may leave the token's write to the kernel,
+    ``routing.one_token_read``); ``copy.deepcopy`` forks by reference (copy-on-write),
+    it never copies the pool. A subclass of mlx-lm's ``KVCache`` for code that checks
+    the type; it overrides every member.
 
     Args:
         pool: Storage for the layer group this layer belongs to.
