@@ -21,6 +21,8 @@ from mlx_paged.attention.kernels.reference import reference_paged_decode  # noqa
 # Make tests/tiny_models.py importable as a plain module.
 sys.path.insert(0, str(Path(__file__).parent))
 
+from stand_ins import store_new_rows  # noqa: E402
+
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: runs on the GPU (every other test runs on the CPU)")
@@ -71,17 +73,6 @@ def launched(monkeypatch):
 
     monkeypatch.setattr(mx.fast, "precompiled_cuda_kernel", precompiled)
     return calls
-
-
-def store_new_rows(view) -> None:
-    """What the CUDA kernel does first with ``FW``: each sequence's new K/V row into its slot
-    (``view.keys`` is the pool's own array, updated in place)."""
-    at = view.lengths - 1
-    col = ((at - view.starts) // view.block_size)[:, None]
-    blocks = mx.take_along_axis(view.block_tables, col, axis=1)[:, 0]
-    slots = at % view.block_size
-    view.keys[blocks, slots] = view.new_keys[:, :, 0]
-    view.values[blocks, slots] = view.new_values[:, :, 0]
 
 
 @pytest.fixture

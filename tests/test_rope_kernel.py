@@ -11,8 +11,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 from mlx_lm.models.rope_utils import initialize_rope
+from stand_ins import store_new_rows
 from test_engine import mixed_prompts, run_all, solo
-from test_kernel_writes import store_new_rows
 from tiny_models import tiny_model
 
 from mlx_paged import PagedEngine, rope_in_kernel
