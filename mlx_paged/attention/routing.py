@@ -168,15 +168,12 @@ def views_read_in_place(head_dim: int) -> bool:
     return head_dim in CUDA_VIEW_HEAD_DIMS or not kernels_ready() or not on_cuda()
 
 
-#: What ``one_token_read`` answers.
-ONE_TOKEN_READS = ("views", "store", "read", "gather")
-
-
 def one_token_read(dk: int, dv: int) -> str:
-    """How a one-token step of a sequence alone in its pool, whose pool defers its reads to
-    a fused kernel (``defer_reads``), should read its K/V of head dims ``dk`` and ``dv``:
+    """How a one-token step of one sequence's cache (``PagedKVCache``), whose pool defers its
+    reads to a fused kernel (``defer_reads``), should read its K/V of head dims ``dk`` and ``dv``:
 
-    - ``"views"``: views of the pool for MLX's attention (``views_read_in_place``);
+    - ``"views"``: views of the pool for MLX's attention where its blocks are consecutive
+      (``views_read_in_place``);
     - ``"store"``: a fused kernel reads the blocks and stores the token (``kernels_write``);
     - ``"read"``: a fused kernel reads the blocks; the cache writes the token first;
     - ``"gather"``: path ``kernel`` where no kernel runs (it gathers, see ``paged_attention``).

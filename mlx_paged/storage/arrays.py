@@ -174,7 +174,7 @@ class LayerArrays(BlockTables):
     def check_write(self, layer: int, keys: mx.array, values: mx.array) -> None:
         """Raise ValueError unless ``(1, H, n, D)`` K/V fit the layer; create it on first use."""
         arrays = isinstance(keys, mx.array) and isinstance(values, mx.array)
-        if arrays and layer in self._decode_ok and self.passed_check(layer, keys, values):
+        if arrays and self.passed_check(layer, keys, values):
             return  # the shapes of the layer's previous one-token write: checked then
         check_one_sequence(keys, values)
         if self.keys[layer] is None:
