@@ -26,6 +26,9 @@ Usage:
         --write-first-case --breakdown
     python benchmarks/decode.py --dtype float16 --steps 50 --interleave 6 --kv-bits 8
         # also both caches as mlx-lm's kv_bits makes them
+    python benchmarks/decode.py --dtype float16 --shape qwen3_5-2b --steps 10 --interleave 25 \
+        --mlx-lm-recurrence-case --direct-recurrence-case --breakdown
+        # the hybrid's GatedDeltaNet steps as mlx-lm runs them on CUDA, and launched directly
 """
 
 from __future__ import annotations
@@ -39,11 +42,11 @@ import time
 import mlx.core as mx
 import mlx.nn as nn
 from engine import QWEN3_5
-from mlx_lm.models import gemma3_text, llama, qwen3, qwen3_5
+from mlx_lm.models import gated_delta, gemma3_text, llama, qwen3, qwen3_5
 from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
 from mlx_paged import make_paged_cache
-from mlx_paged.attention import path_counts, routing, set_attention_path
+from mlx_paged.attention import path_counts, recurrent, routing, set_attention_path
 from mlx_paged.attention.kernels import compiled_variants
 
 KV_HEADS, HEAD_DIM = 8, 64  # of the model built (set in main)
@@ -224,6 +227,18 @@ def main() -> None:
         "general write and read (no KVPool.append_view)",
     )
     parser.add_argument(
+        "--mlx-lm-recurrence-case",
+        action="store_true",
+        help="with --interleave: also time mlx-lm's cache with mlx-lm's own GatedDeltaNet "
+        "recurrence (its loop of ops on CUDA), as mlx-lm runs without mlx_paged",
+    )
+    parser.add_argument(
+        "--direct-recurrence-case",
+        action="store_true",
+        help="with --interleave: also time a paged cache whose one-token GatedDeltaNet calls "
+        "launch the CUDA kernel directly (by default they replay a compiled launch)",
+    )
+    parser.add_argument(
         "--breakdown",
         action="store_true",
         help="with --interleave: also print each case's median host time per step building "
@@ -293,6 +308,10 @@ def main() -> None:
         return cache
 
     views, writes = routing.CUDA_VIEW_HEAD_DIMS, routing.kernels_write
+    one_token_run = recurrent._one_token_run
+
+    def direct_run(*arrays):  # the recurrence's one-token calls launched directly
+        return recurrent.cuda_gated_delta if recurrent._takes(*arrays) else None
 
     def interleaved(context: int, cases: dict) -> dict[str, float]:
         """Median seconds per step of each case over ``--interleave`` rounds taken in turn
@@ -312,6 +331,12 @@ def main() -> None:
                 routing.CUDA_VIEW_HEAD_DIMS = ALL_HEAD_DIMS if name == "paged-views" else views
                 routing.kernels_write = (lambda: False) if name == "paged-write-first" else writes
                 routing._ready.clear()  # one_token_read's answers, kept per head dim
+                mlx_lm_own = name == "dense-mlx-lm-recurrence"
+                gated_delta.gated_delta_ops = (
+                    recurrent._original_ops if mlx_lm_own else recurrent.gated_delta_ops
+                )
+                direct = name == "paged-direct-recurrence"
+                recurrent._one_token_run = direct_run if direct else one_token_run
                 try:
                     s = decode_seconds_per_step(
                         model, cache, args.steps, warmup=2, parts=parts[name]
@@ -324,6 +349,8 @@ def main() -> None:
         set_attention_path("auto")
         routing.CUDA_VIEW_HEAD_DIMS, routing.kernels_write = views, writes
         routing._ready.clear()
+        gated_delta.gated_delta_ops = recurrent.gated_delta_ops
+        recurrent._one_token_run = one_token_run
         out = {name: statistics.median(t) for name, t in times.items() if t}
         if args.breakdown:
             for name, p in parts.items():
@@ -361,6 +388,10 @@ def main() -> None:
                 cases["paged-write-first"] = cases["paged"]
             if args.general_case:
                 cases["paged-general"] = general
+            if args.mlx_lm_recurrence_case:
+                cases["dense-mlx-lm-recurrence"] = cases["dense"]
+            if args.direct_recurrence_case:
+                cases["paged-direct-recurrence"] = cases["paged"]
             if args.kv_bits:
                 cases["dense-kv"] = lambda: quantized(make_prompt_cache(model))
                 cases["paged-kv"] = lambda: quantized(make_paged_cache(model, args.block_size))

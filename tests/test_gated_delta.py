@@ -45,6 +45,41 @@ def test_route_gated_delta_rebinds_mlx_lms_name_and_the_cpu_keeps_the_ops(monkey
     assert not route_gated_delta() and gated_delta.gated_delta_ops is ORIGINAL
 
 
+def test_one_token_calls_replay_a_compiled_launch_decided_once_per_shape(monkeypatch):
+    """On CUDA (stood in here, with mlx-lm's loop as the kernel), a one-token call goes to the
+    compiled launch, traced once per shapes and checked once; a prompt's call launches
+    directly; shapes whose check failed keep mlx-lm's loop."""
+    traces, checks = [], []
+
+    def kernel(*args):
+        traces.append(args[0].shape)
+        return ORIGINAL(*args)
+
+    def trusted(*arrays):
+        checks.append(arrays[0].shape)
+        return arrays[0].shape[2] != 3  # three key heads "failed" their check
+
+    monkeypatch.setattr(recurrent, "_on_cuda", lambda: True)
+    monkeypatch.setattr(recurrent, "_trusted", trusted)
+    monkeypatch.setattr(recurrent, "cuda_gated_delta", kernel)
+    monkeypatch.setattr(recurrent, "_one_token_launch", mx.compile(kernel))
+    monkeypatch.setattr(recurrent, "_one_token", {})
+    counts = dict(gated_delta_counts)
+    for seed in range(3):
+        args = inputs(2, 1, 2, 4, 32, 32, mx.float32, seed=seed)
+        got = recurrent.gated_delta_ops(*args)
+        want = ORIGINAL(*args)
+        assert all(mx.allclose(a, b, atol=1e-6).item() for a, b in zip(got, want, strict=True))
+    assert traces == [(2, 1, 2, 32)] and checks == [(2, 1, 2, 32)]
+    recurrent.gated_delta_ops(*inputs(2, 5, 2, 4, 32, 32, mx.float32))  # a prompt: direct
+    assert traces[-1] == (2, 5, 2, 32) and len(traces) == 2
+    for _ in range(2):  # a shape that failed its check: the loop, checked once
+        recurrent.gated_delta_ops(*inputs(1, 1, 3, 3, 32, 32, mx.float32))
+    assert len(traces) == 2 and checks.count((1, 1, 3, 32)) == 1
+    assert gated_delta_counts["kernel"] - counts.get("kernel", 0) == 4
+    assert gated_delta_counts["ops"] - counts.get("ops", 0) == 2
+
+
 def test_the_kernel_declines_shapes_it_does_not_take():
     q, k, v, g, beta, state, mask = inputs(1, 3, 2, 4, 32, 16, mx.float16)
     assert gated_delta_reason(q, k, v, g, beta, state, mask) is None

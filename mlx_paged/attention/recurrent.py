@@ -12,6 +12,12 @@ own kernel there.
 Each combination of dtypes and head shapes is checked once, at its first call,
 against mlx-lm's loop on a few random tokens; one that differs is logged and
 keeps the loop. ``MLX_PAGED_GATED_DELTA=off`` leaves mlx-lm's function in place.
+
+A one-token call (a decode step: every GatedDeltaNet layer, every token) launches
+through ``mx.compile``, which replays the kernel it recorded for those shapes:
+about 8 us of host time a call on an H200 against 25-29 us for a direct launch and
+36-47 us for mlx-lm's loop (BENCHMARKS.md, run 625). Its checks are kept per
+shapes and dtypes. A prompt's calls, whose lengths vary, launch directly.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import logging
 import os
 from collections import Counter
+from collections.abc import Callable
 
 import mlx.core as mx
 from mlx_lm.models import gated_delta
@@ -33,6 +40,12 @@ _original_ops = gated_delta.gated_delta_ops
 gated_delta_counts: Counter[str] = Counter()
 
 _checked: dict[tuple, bool] = {}
+
+# The kernel's compiled replay (``mx.compile`` traces each new shape once) for one-token
+# calls, and per shapes and dtypes whether the kernel takes them: ``None`` where it does not.
+_one_token_launch = mx.compile(cuda_gated_delta)
+_one_token: dict[tuple, Callable | None] = {}
+_ONE_TOKEN_SHAPES = 512  # shapes kept at most (batch sizes times layer shapes)
 
 
 def route_gated_delta() -> bool:
@@ -64,12 +77,32 @@ def gated_delta_ops(
         b, _, _, dk = q.shape
         hv, dv = v.shape[2:]
         state = mx.zeros((b, hv, dv, dk), dtype=mx.float32)
-    if _on_cuda() and gated_delta_reason(q, k, v, g, beta, state, mask) is None:
-        if _trusted(q, k, v, g, beta, state, mask):
+    if _on_cuda():
+        if q.ndim == 4 and q.shape[1] == 1:
+            run = _one_token_run(q, k, v, g, beta, state, mask)
+        else:
+            run = cuda_gated_delta if _takes(q, k, v, g, beta, state, mask) else None
+        if run is not None:
             gated_delta_counts["kernel"] += 1
-            return cuda_gated_delta(q, k, v, g, beta, state, mask)
+            return run(q, k, v, g, beta, state, mask)
     gated_delta_counts["ops"] += 1
     return _original_ops(q, k, v, g, beta, state, mask)
+
+
+def _takes(*arrays: mx.array | None) -> bool:
+    """Whether the kernel takes these arrays' shapes and passed its check on them."""
+    return gated_delta_reason(*arrays) is None and _trusted(*arrays)
+
+
+def _one_token_run(*arrays: mx.array | None) -> Callable | None:
+    """The compiled launch for a one-token call of these shapes and dtypes, or ``None``
+    where the kernel does not take them (decided once per shapes and dtypes)."""
+    key = tuple((x.shape, x.dtype) if x is not None else None for x in arrays)
+    if key not in _one_token:
+        if len(_one_token) >= _ONE_TOKEN_SHAPES:
+            _one_token.clear()
+        _one_token[key] = _one_token_launch if _takes(*arrays) else None
+    return _one_token[key]
 
 
 def _on_cuda() -> bool:
