@@ -3,9 +3,11 @@
 A llama-1B-shaped random model (hidden 2048, 16 layers, 32 heads, 8 KV heads,
 vocab 128256), or with ``--shape`` another family's: ``smollm2`` (the embedded
 model, SmolLM2-135M), ``qwen3-1.7b`` (q/k norms, 128-wide heads), ``gemma3-1b``
-(256-wide heads, five sliding-window layers of 512 tokens to one global) or
+(256-wide heads, five sliding-window layers of 512 tokens to one global),
 ``qwen3_5-2b`` (a Qwen3.5-shaped hybrid: three GatedDeltaNet layers to one
-attention layer, whose recurrent state does not grow with the context). The
+attention layer, whose recurrent state does not grow with the context) or
+``nemotron-h-4b`` (Nemotron-H 4B's shape: 24 Mamba2 layers, 4 attention layers
+and 24 MLP blocks). The
 context is filled with random K/V written through each cache's
 ``update_and_fetch`` (decode speed does not depend on the values), then
 decode steps run the way ``mlx_lm.generate_step`` runs them: the next step is
@@ -42,11 +44,11 @@ import time
 import mlx.core as mx
 import mlx.nn as nn
 from engine import QWEN3_5
-from mlx_lm.models import gated_delta, gemma3_text, llama, qwen3, qwen3_5
+from mlx_lm.models import gated_delta, gemma3_text, llama, nemotron_h, qwen3, qwen3_5, ssm
 from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
 from mlx_paged import make_paged_cache
-from mlx_paged.attention import path_counts, recurrent, routing, set_attention_path
+from mlx_paged.attention import mamba, path_counts, recurrent, routing, set_attention_path
 from mlx_paged.attention.kernels import compiled_variants
 
 KV_HEADS, HEAD_DIM = 8, 64  # of the model built (set in main)
@@ -89,19 +91,45 @@ SHAPES = {
     # benchmarks/engine.py's Qwen3.5 hybrid at Qwen3.5-2B's width and vocabulary.
     "qwen3_5-2b": {k: v for k, v in QWEN3_5.items() if k not in _PASSED}
     | dict(hidden_size=2048, intermediate_size=6144, vocab_size=248320),
+    # Nemotron-H 4B's shape (M: Mamba2, *: attention, -: MLP), random weights.
+    "nemotron-h-4b": dict(
+        hidden_size=3072,
+        intermediate_size=12288,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=131072,
+        max_position_embeddings=8192,
+        attention_bias=False,
+        mamba_num_heads=112,
+        mamba_head_dim=64,
+        mamba_proj_bias=False,
+        ssm_state_size=128,
+        conv_kernel=4,
+        n_groups=8,
+        mlp_bias=False,
+        layer_norm_epsilon=1e-5,
+        use_bias=False,
+        use_conv_bias=True,
+        hybrid_override_pattern=list("M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"),
+    ),
 }
 LAYERS = {"llama-1b": 16, "smollm2": 30, "qwen3-1.7b": 28, "gemma3-1b": 26, "qwen3_5-2b": 24}
+LAYERS["nemotron-h-4b"] = 52
 
 
 def llama_1b(dtype: mx.Dtype, layers: int, shape: str = "llama-1b", bits: int = 0) -> nn.Module:
     """A random-weight model of ``shape``; ``bits`` quantizes its weights (groups of 32)."""
     common = dict(num_hidden_layers=layers, **SHAPES[shape])
-    if shape != "gemma3-1b":  # gemma 3 always ties its head to its embedding
+    if shape not in ("gemma3-1b", "nemotron-h-4b"):  # gemma 3 always ties its head
         common["tie_word_embeddings"] = True
     if shape == "qwen3-1.7b":
         model = qwen3.Model(qwen3.ModelArgs(model_type="qwen3", rms_norm_eps=1e-6, **common))
     elif shape == "gemma3-1b":
         model = gemma3_text.Model(gemma3_text.ModelArgs(model_type="gemma3_text", **common))
+    elif shape == "nemotron-h-4b":
+        config = dict(common, model_type="nemotron_h")
+        model = nemotron_h.Model(nemotron_h.ModelArgs.from_dict(config))
     elif shape == "qwen3_5-2b":
         config = dict(common, model_type="qwen3_5", rms_norm_eps=1e-6)
         model = qwen3_5.Model(qwen3_5.ModelArgs.from_dict(config))
@@ -230,7 +258,7 @@ def main() -> None:
         "--mlx-lm-recurrence-case",
         action="store_true",
         help="with --interleave: also time mlx-lm's cache with mlx-lm's own GatedDeltaNet "
-        "recurrence (its loop of ops on CUDA), as mlx-lm runs without mlx_paged",
+        "recurrence and Mamba2 state update (its ops on CUDA), as mlx-lm runs without mlx_paged",
     )
     parser.add_argument(
         "--direct-recurrence-case",
@@ -335,6 +363,8 @@ def main() -> None:
                 gated_delta.gated_delta_ops = (
                     recurrent._original_ops if mlx_lm_own else recurrent.gated_delta_ops
                 )
+                update = mamba._original_update if mlx_lm_own else mamba.ssm_update
+                ssm.ssm_update = nemotron_h.ssm_update = update
                 direct = name == "paged-direct-recurrence"
                 recurrent._one_token_run = direct_run if direct else one_token_run
                 try:
@@ -351,6 +381,7 @@ def main() -> None:
         routing._ready.clear()
         gated_delta.gated_delta_ops = recurrent.gated_delta_ops
         recurrent._one_token_run = one_token_run
+        ssm.ssm_update = nemotron_h.ssm_update = mamba.ssm_update
         out = {name: statistics.median(t) for name, t in times.items() if t}
         if args.breakdown:
             for name, p in parts.items():
@@ -440,6 +471,8 @@ def main() -> None:
                 f"context={ctx:6d} pool capacity {m}x ({need * m} blocks): {s * 1e3:8.2f} ms/step"
             )
     print(f"attention calls by path: {dict(path_counts)}")
+    counts = dict(gated_delta=dict(recurrent.gated_delta_counts), ssm=dict(mamba.ssm_counts))
+    print(f"recurrent one-token calls by path: {counts}")
     print(f"compiled kernel variants: {compiled_variants()}")
     if args.json:
         with open(args.json, "w") as f:

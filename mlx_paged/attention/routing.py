@@ -68,6 +68,7 @@ from mlx_lm.models import base
 
 from ..storage import STORERS
 from .kernels import DEVICE_KERNELS, DEVICE_PREFILL_KERNELS, DEVICE_READERS, DEVICE_STORERS
+from .mamba import route_ssm_update
 from .prefill import attention_by_ops, use_ops
 from .records import PagedLayerCache, PagedView, PrefillView
 from .recurrent import route_gated_delta
@@ -335,9 +336,11 @@ def route_attention() -> int:
     """Rebind mlx-lm's attention function wherever it is bound; return how many names changed.
 
     Idempotent. Modules imported later pick the wrapper up from ``base``. Also routes
-    mlx-lm's GatedDeltaNet recurrence to a CUDA kernel (``recurrent.route_gated_delta``).
+    mlx-lm's GatedDeltaNet recurrence (``recurrent.route_gated_delta``) and its Mamba2
+    decode steps (``mamba.route_ssm_update``) to CUDA kernels.
     """
     route_gated_delta()
+    route_ssm_update()
     changed = 0
     for name, module in list(sys.modules.items()):
         if not name.startswith("mlx_lm") or module is None:
