@@ -3,6 +3,8 @@ against mlx-lm's own ``ssm_update`` (``ssm_attn`` wherever Metal is not availabl
 
 from __future__ import annotations
 
+import importlib
+
 import mlx.core as mx
 import pytest
 from mlx_lm.models import nemotron_h, ssm
@@ -162,10 +164,14 @@ def test_a_models_decode_steps_match_mlx_lms_path(family, monkeypatch):
     def both(*args, **kwargs):
         got = mamba.ssm_update(*args, **kwargs)
         want = ORIGINAL(*args, **kwargs)
-        diffs.extend(float(mx.abs(a - b).max()) for a, b in zip(got, want, strict=True))
+        # Relative to the output's size: float32 sums of 32 state products, in another order.
+        diffs.extend(
+            float(mx.abs(a - b).max() / (1 + mx.abs(b).max()))
+            for a, b in zip(got, want, strict=True)
+        )
         return want
 
-    for module in (ssm, __import__(f"mlx_lm.models.{family}", fromlist=["x"])):
+    for module in (ssm, importlib.import_module(f"mlx_lm.models.{family}")):
         monkeypatch.setattr(module, "ssm_update", both)
     cache = make_prompt_cache(model)
     tokens = mx.array([[(7 * i) % 200 for i in range(24)]])
