@@ -51,8 +51,15 @@ def reference_step(x, A_log, B, C, D, dt, state, mask=None):
     return y[:, None].astype(x.dtype), s
 
 
-def test_route_rebinds_mlx_lms_name_everywhere_and_the_cpu_keeps_mlx_lms_path():
+def test_route_rebinds_mlx_lms_name_everywhere_and_the_cpu_keeps_mlx_lms_path(monkeypatch):
     assert ssm.ssm_update is mamba.ssm_update and nemotron_h.ssm_update is mamba.ssm_update
+    for module in (ssm, nemotron_h):
+        monkeypatch.setattr(module, "ssm_update", ORIGINAL)
+    monkeypatch.setenv("MLX_PAGED_SSM", "off")
+    assert mamba.route_ssm_update() == 0 and nemotron_h.ssm_update is ORIGINAL
+    monkeypatch.delenv("MLX_PAGED_SSM")
+    assert mamba.route_ssm_update() >= 2 and nemotron_h.ssm_update is mamba.ssm_update
+    assert ssm.ssm_update is mamba.ssm_update
     before = dict(mamba.ssm_counts)
     args = inputs(2, 4, 16, 2, 32, mx.float32, masked=True)
     got = mamba.ssm_update(*args[:8], LIMIT, args[8])
