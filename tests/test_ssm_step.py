@@ -9,6 +9,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models import nemotron_h, ssm
 from mlx_lm.models.cache import make_prompt_cache
+from test_gated_delta import cuda_only
 from tiny_models import tiny_model
 
 from mlx_paged.attention import mamba
@@ -133,11 +134,6 @@ def test_the_kernel_declines_shapes_it_does_not_take():
     assert "state shape" in ssm_step_reason(x, a_log, b, c, d, dt, state[:, :2], None)
     assert "mask" in ssm_step_reason(x, a_log, b, c, d, dt, state, mx.ones((2, 2), mx.bool_))
     assert "dtypes" in ssm_step_reason(x, a_log, b.astype(mx.float32), c, d, dt, state, None)
-
-
-def cuda_only(test):
-    test = pytest.mark.skipif(not mx.cuda.is_available(), reason="needs a CUDA GPU")(test)
-    return pytest.mark.gpu(test)
 
 
 @cuda_only
