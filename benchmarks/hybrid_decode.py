@@ -76,15 +76,15 @@ def paged_steps(model, prompts, steps, args) -> tuple[list[float], list[float], 
     build, wait = [], []
     decode, sample = runner.decode, runner.sample
 
-    def timed_decode(reqs):
+    def timed_decode(*args):
         t = time.perf_counter()
-        out = decode(reqs)
+        out = decode(*args)
         build.append(time.perf_counter() - t)
         return out
 
-    def timed_sample(reqs, logits):
+    def timed_sample(*args):
         t = time.perf_counter()
-        out = sample(reqs, logits)
+        out = sample(*args)
         wait.append(time.perf_counter() - t)
         return out
 
@@ -139,7 +139,8 @@ def stream_steps(
 
 
 def ms(xs: list[float]) -> str:
-    return f"{statistics.median(xs) * 1e3:7.2f} ms"
+    """The median in ms; "-" where nothing was timed (a compiled step runs neither hook)."""
+    return f"{statistics.median(xs) * 1e3:7.2f} ms" if xs else "-"
 
 
 def main() -> None:
