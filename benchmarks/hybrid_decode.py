@@ -100,9 +100,16 @@ def paged_steps(model, prompts, steps, args) -> tuple[list[float], list[float], 
 def state_steps(model, prompts, steps) -> list[float]:
     """The slot gathers and scatters of one decode step, alone."""
     engine = PagedEngine(model, max_batch_size=len(prompts))
-    engine.generate([prompts[0][:32]], max_tokens=1)  # allocates the state arrays
+    # The requests stay running, so the state arrays hold their slots: an index past the rows
+    # held would read and write outside them (MLX does not check gathers).
+    for p in prompts:
+        engine.add_request(p[:32], 8)
+    while engine.waiting or any(not r.generated for r in engine.running):
+        engine.step()
     pool = engine.runner.states
-    rows = pool.rows(list(range(len(prompts)))[::-1])  # out of order: gathers and scatters
+    slots = [r.slot for r in engine.running][::-1]  # out of order: gathers and scatters
+    assert len(slots) == len(prompts) and max(slots) < pool.rows_held
+    rows = pool.rows(slots)
     times = []
     for _ in range(steps):
         t = time.perf_counter()
