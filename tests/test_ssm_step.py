@@ -4,6 +4,8 @@ against mlx-lm's own ``ssm_update`` (``ssm_attn`` wherever Metal is not availabl
 from __future__ import annotations
 
 import importlib
+import shutil
+import subprocess
 
 import mlx.core as mx
 import pytest
@@ -13,6 +15,8 @@ from test_gated_delta import cuda_only
 from tiny_models import tiny_model
 
 from mlx_paged.attention import mamba
+from mlx_paged.attention.kernels import ssm_step
+from mlx_paged.attention.kernels.cubin import render
 from mlx_paged.attention.kernels.ssm_step import ssm_step_reason
 
 ORIGINAL = mamba._original_update
@@ -48,8 +52,8 @@ def reference_step(x, A_log, B, C, D, dt, state, mask=None):
     bs = mx.repeat(B[:, 0], h // g, axis=1).astype(mx.float32)  # (n, h, ds)
     cs = mx.repeat(C[:, 0], h // g, axis=1).astype(mx.float32)
     s = decay[..., None, None] * state + dtx[..., None] * bs[:, :, None]
-    y = (s * cs[:, :, None]).sum(-1) + xs * D.astype(mx.float32)[:, None]
-    return y[:, None].astype(x.dtype), s
+    scan = (s * cs[:, :, None]).sum(-1).astype(x.dtype)  # as ssm_attn: then x D, promoted
+    return (scan + x[:, 0] * D[:, None])[:, None], s
 
 
 def test_route_rebinds_mlx_lms_name_everywhere_and_the_cpu_keeps_mlx_lms_path(monkeypatch):
@@ -70,15 +74,22 @@ def test_route_rebinds_mlx_lms_name_everywhere_and_the_cpu_keeps_mlx_lms_path(mo
 
 
 @pytest.mark.parametrize("masked", [False, True])
-def test_the_kernels_math_matches_ssm_attn(masked):
+@pytest.mark.parametrize(
+    "dtype, d_dtype",
+    [(mx.float32, mx.float32), (mx.bfloat16, mx.bfloat16), (mx.bfloat16, mx.float32)],
+)
+def test_the_kernels_math_matches_ssm_attn(masked, dtype, d_dtype):
     """The kernel's formula (``reference_step``) against mlx-lm's ``ssm_attn`` for one token,
-    a masked token included: the spec the CUDA source follows."""
-    x, a_log, b, c, d, dt, dt_bias, state, mask = inputs(3, 6, 8, 3, 32, mx.float32, masked)
+    a masked token included, and a ``D`` kept in float32 under bfloat16 activations (the
+    output then float32): the spec the CUDA source follows."""
+    x, a_log, b, c, d, dt, dt_bias, state, mask = inputs(3, 6, 8, 3, 32, dtype, masked)
+    d = d.astype(d_dtype)
     got = reference_step(x, a_log, b, c, d, ssm.compute_dt(dt, dt_bias, LIMIT), state, mask)
     want = ORIGINAL(x, a_log, b, c, d, dt, dt_bias, state, LIMIT, mask)
+    tol = 1e-5 if dtype == mx.float32 else 2e-2
     for a, w in zip(got, want, strict=True):
         assert a.dtype == w.dtype and a.shape == w.shape
-        assert mx.allclose(a, w, atol=1e-5, rtol=1e-5).item(), float(mx.abs(a - w).max())
+        assert mx.allclose(a, w, atol=tol, rtol=tol).item(), float(mx.abs(a - w).max())
 
 
 def test_one_token_steps_replay_a_compiled_launch_decided_once_per_shape(monkeypatch):
@@ -134,6 +145,40 @@ def test_the_kernel_declines_shapes_it_does_not_take():
     assert "state shape" in ssm_step_reason(x, a_log, b, c, d, dt, state[:, :2], None)
     assert "mask" in ssm_step_reason(x, a_log, b, c, d, dt, state, mx.ones((2, 2), mx.bool_))
     assert "dtypes" in ssm_step_reason(x, a_log, b.astype(mx.float32), c, d, dt, state, None)
+    assert ssm_step_reason(x, a_log, b, c, d.astype(mx.float32), dt, state, None) is None
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+def test_the_cuda_source_compiles_for_each_dtype_and_mask(tmp_path):
+    """nvcc builds the kernel as ``CudaKernel`` renders it, for every activation dtype, a
+    ``D`` of the same dtype or float32, with and without a mask (no GPU needed)."""
+    names = ["x", "A_log", "B", "C", "Dd", "dt", "state_in", "mask"]
+    code = ""
+    for i, dtype in enumerate([mx.float32, mx.float16, mx.bfloat16]):
+        for d_dtype in {dtype, mx.float32}:
+            for masked in (False, True):
+                template = [("InT", dtype), ("OutT", mx.result_type(dtype, d_dtype))]
+                template += [("StT", mx.float32), ("Dh", 64), ("Ds", 128), ("H", 8), ("G", 2)]
+                template += [("MASK", masked)]
+                dtypes = [dtype, dtype, dtype, dtype, d_dtype, mx.float32, mx.float32]
+                source, _ = render(
+                    f"ssm_step_{i}_{d_dtype.size}_{int(masked)}",
+                    "",
+                    ssm_step._SOURCE,
+                    names,
+                    [*dtypes, mx.int32 if masked else None],
+                    [4, 1, 4, 4, 1, 3, 4, 2],
+                    ["y", "state_out"],
+                    [mx.result_type(dtype, d_dtype), mx.float32],
+                    template,
+                    {"mask": "int"},
+                )
+                code += source.split("\n", 2)[2] if code else source  # one preamble
+    path = tmp_path / "ssm_step.cu"
+    path.write_text(code)
+    cmd = ["nvcc", "-arch=sm_90", "-std=c++17", "-c", str(path), "-o", str(tmp_path / "k.o")]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 @cuda_only
@@ -142,10 +187,12 @@ def test_the_kernel_declines_shapes_it_does_not_take():
     "shape", [(1, 8, 64, 1, 128), (3, 6, 16, 3, 32), (2, 128, 64, 8, 128), (1, 4, 40, 2, 256)]
 )
 @pytest.mark.parametrize("masked", [False, True], ids=["", "masked"])
-def test_the_cuda_kernel_matches_ssm_attn(dtype, shape, masked):
+@pytest.mark.parametrize("d_float32", [False, True], ids=["", "d_float32"])
+def test_the_cuda_kernel_matches_ssm_attn(dtype, shape, masked, d_float32):
     from mlx_paged.attention.kernels.ssm_step import cuda_ssm_step
 
     x, a_log, b, c, d, dt, dt_bias, state, mask = inputs(*shape, dtype, masked and shape[0] > 1)
+    d = d.astype(mx.float32) if d_float32 else d  # then y is float32, as ssm_attn gives it
     got = cuda_ssm_step(x, a_log, b, c, d, ssm.compute_dt(dt, dt_bias, LIMIT), state, mask)
     want = ORIGINAL(x, a_log, b, c, d, dt, dt_bias, state, LIMIT, mask)
     tol = 1e-4 if dtype == mx.float32 else 3e-2

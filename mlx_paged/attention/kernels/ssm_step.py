@@ -43,7 +43,11 @@ _SOURCE = """
     acc += s * static_cast<float>(C[bc0 + i]);
   }
   for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffff, acc, o);
-  if (lane == 0) y[(size_t)n * Dh + d] = static_cast<InT>(acc + xv * static_cast<float>(Dd[h]));
+  // As ssm_attn: the scan's output in x's dtype, plus x D in the output's.
+  if (lane == 0) {
+    const float scan = static_cast<float>(static_cast<InT>(acc));
+    y[(size_t)n * Dh + d] = static_cast<OutT>(scan + xv * static_cast<float>(Dd[h]));
+  }
 """
 
 _kernel: CudaKernel | None = None
@@ -76,7 +80,7 @@ def ssm_step_reason(
     if mask is not None and mask.shape != (n, 1):
         return f"mask shape {mask.shape}"
     dtypes = (x.dtype, B.dtype, C.dtype, D.dtype, A_log.dtype, dt.dtype, state.dtype)
-    if any(d not in FLOAT_TYPES for d in dtypes) or len(set(dtypes[:4])) > 1:
+    if any(d not in FLOAT_TYPES for d in dtypes) or len(set(dtypes[:3])) > 1:
         return f"dtypes {dtypes}"
     return None
 
@@ -91,9 +95,9 @@ def cuda_ssm_step(
     state: mx.array,
     mask: mx.array | None = None,
 ) -> tuple[mx.array, mx.array]:
-    """``(y, state)`` of one token, ``y`` in ``x``'s dtype and the state in float32, as
-    mlx-lm's ``ssm_attn`` returns them; ``dt`` is ``compute_dt``'s (float32). The caller
-    checks ``ssm_step_reason`` first."""
+    """``(y, state)`` of one token as mlx-lm's ``ssm_attn`` returns them: ``y`` in the type
+    ``x`` and ``D`` promote to, the state in float32; ``dt`` is ``compute_dt``'s (float32).
+    The caller checks ``ssm_step_reason`` first."""
     global _kernel
     if _kernel is None:
         _kernel = CudaKernel(
@@ -105,8 +109,10 @@ def cuda_ssm_step(
         )
     n, _, h, dh = x.shape
     g, ds = B.shape[2:]
+    out_dtype = mx.result_type(x.dtype, D.dtype)
     template = [
         ("InT", x.dtype),
+        ("OutT", out_dtype),
         ("StT", mx.float32),
         ("Dh", dh),
         ("Ds", ds),
@@ -120,6 +126,6 @@ def cuda_ssm_step(
         grid=(32, -(-dh // WARPS) * WARPS, n * h),
         threadgroup=(32, WARPS, 1),
         output_shapes=[x.shape, state.shape],
-        output_dtypes=[x.dtype, mx.float32],
+        output_dtypes=[out_dtype, mx.float32],
     )
     return y, out
