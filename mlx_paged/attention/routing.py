@@ -140,6 +140,8 @@ def attention_path() -> str:
     return _path
 
 
+# Answers kept per device name, path and kernel entries. The keys hold the entries
+# themselves, not their ids: an entry freed and replaced (a test's) may get its id again.
 _ready: dict[tuple, bool | str] = {}
 
 
@@ -149,7 +151,7 @@ def kernels_ready() -> bool:
     if _path == "gather" or not KERNELS:
         return False
     # By the device's name: an ``mx.Device`` hashes by identity, and each call makes a new one.
-    key = (str(mx.default_device()), *map(id, KERNELS))
+    key = (str(mx.default_device()), *KERNELS)
     ready = _ready.get(key)
     if ready is None:
         ready = _ready[key] = any(_available(k) for k in KERNELS)
@@ -181,7 +183,7 @@ def one_token_read(dk: int, dv: int) -> str:
 
     Kept per device, path, kernel list and head dims: every decode layer asks.
     """
-    key = ("one_token", _path, str(mx.default_device()), dk, dv, *map(id, KERNELS))
+    key = ("one_token", _path, str(mx.default_device()), dk, dv, *KERNELS)
     read = _ready.get(key)
     if read is None:
         if not kernels_ready():
@@ -210,7 +212,7 @@ def kernels_write() -> bool:
     ``writes``). Entries that do not are never offered such a view."""
     if not kernels_ready():
         return False
-    key = ("writes", str(mx.default_device()), *map(id, KERNELS))
+    key = ("writes", str(mx.default_device()), *KERNELS)
     ready = _ready.get(key)
     if ready is None:
         ready = _ready[key] = all(getattr(k, "writes", False) for k in KERNELS if _available(k))
@@ -222,7 +224,7 @@ def prefill_kernels_ready() -> bool:
     and an entry of ``PREFILL_KERNELS`` runs on the default device."""
     if _path == "gather" or not PREFILL_KERNELS:
         return False
-    key = ("prefill", str(mx.default_device()), *map(id, PREFILL_KERNELS))
+    key = ("prefill", str(mx.default_device()), *PREFILL_KERNELS)
     ready = _ready.get(key)
     if ready is None:
         ready = _ready[key] = any(_available(k) for k in PREFILL_KERNELS)
