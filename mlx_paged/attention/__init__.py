@@ -5,6 +5,7 @@ kernels where one runs, else MLX's SDPA on gathered K/V); ``kernels`` holds the
 CUDA and Metal kernels and their MLX reference; ``records`` the shared records.
 """
 
+from .convolution import DepthwiseConv1d, conv_counts, route_convolutions
 from .records import (
     ColdView,
     Fetched,
@@ -36,6 +37,7 @@ from .routing import (
 )
 
 __all__ = [
+    "DepthwiseConv1d",
     "ATTENTION_PATHS",
     "KERNELS",
     "PREFILL_KERNELS",
@@ -47,6 +49,7 @@ __all__ = [
     "PrefillView",
     "Rope",
     "attention_path",
+    "conv_counts",
     "fused_read",
     "kernels_ready",
     "kernels_write",
@@ -56,6 +59,7 @@ __all__ = [
     "prefill_kernels_ready",
     "read_counts",
     "route_attention",
+    "route_convolutions",
     "scaled_dot_product_attention",
     "set_attention_path",
     "stand_ins",

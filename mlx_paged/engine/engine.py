@@ -25,7 +25,7 @@ from functools import partial
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..attention import route_attention
+from ..attention import route_attention, route_convolutions
 from ..blocks import LayerKind, check_block_size
 from ..cache import PagedLayout, make_pools
 from ..storage import KVPool, StatePool, check_kv_dtype, check_kv_quant
@@ -177,6 +177,7 @@ class PagedEngine:
             self.prefiller.widen()
         self._next_uid = 0
         route_attention()
+        route_convolutions(model)
 
     # ---- public API -------------------------------------------------------
 
