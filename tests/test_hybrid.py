@@ -78,17 +78,22 @@ def test_mixed_batch_equals_dense(family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_shared_prefix_adopts_the_last_snapshot_at_or_below_it(family):
+@pytest.mark.parametrize("budget, alone", [(16, True), (64, False)])
+def test_shared_prefix_adopts_the_last_snapshot_at_or_below_it(family, budget, alone):
     rng = random.Random(2)
     shared = toks(rng, 2 * INTERVAL + 13)  # 45: snapshots at 16 and 32 lie inside it
-    prompts = [shared + toks(rng, n) for n in (10, 6, 8)]
-    engine = engine_of(family)
+    prompts = [shared + toks(rng, n) for n in (10, 2, 3, 2, 1)]
+    engine = engine_of(family, prefill_batch_tokens=budget)
     reqs, got = run_requests(engine, prompts)
-    # The second adopts the snapshot at 32 and, finding the first's blocks up to 40 (the
-    # last whole block of the shared prefix), snapshots there too: the third adopts 40.
-    assert [r.prefix_hit for r in reqs] == [0, 2 * INTERVAL, 40]
+    # The second adopts the snapshot at 32 and finds the first's blocks up to 40 (the last
+    # whole block of the shared prefix). Left to batch, the three behind it would recompute
+    # 3 x 8 tokens: over a 16-token budget it goes alone and snapshots 40 first, which they
+    # adopt; within 64 they batch with it from 32 (each still snapshots at 40).
+    behind = 40 if alone else 2 * INTERVAL
+    assert [r.prefix_hit for r in reqs] == [0, 2 * INTERVAL, behind, behind, behind]
     assert got == [solo(family, tuple(p)) for p in prompts]
-    assert engine.stats().prefilled_tokens == sum(map(len, prompts)) - 2 * INTERVAL - 40
+    cached = 2 * INTERVAL + 3 * behind
+    assert engine.stats().prefilled_tokens == sum(map(len, prompts)) - cached
     assert_idle(engine)
 
 

@@ -41,7 +41,7 @@ class RecurrentStates:
         cuts = {*range(self.interval, target + 1, self.interval), target // bs * bs}
         shared = self.index.full_blocks_matched(req.tokens[:target])
         req.cuts = frozenset(c for c in (*cuts, shared) if hit < c <= target)
-        req.extends_shared = hit < shared
+        req.shared_past_snapshot = max(0, shared - hit)
 
     def wrote(self, req: Request) -> None:
         """After a prefill forward: snapshot the state if ``req`` stopped at a cut."""
@@ -54,7 +54,7 @@ class RecurrentStates:
         if 0 < req.written <= len(req.tokens):
             self._snapshot(req)
         self.slots.free_slot(req.slot)
-        req.slot, req.cuts, req.extends_shared = None, frozenset(), False
+        req.slot, req.cuts, req.shared_past_snapshot = None, frozenset(), 0
 
     def stats(self) -> dict[str, int]:
         """The state counters of ``EngineStats``."""

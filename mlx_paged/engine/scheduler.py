@@ -19,7 +19,10 @@ cached prefix (usually all of it).
 Recurrent state (hybrid models, ``states``): each running request holds a state
 slot. A prefix is adopted only up to an index node holding a snapshot of the
 state there, copied into the request's slot (``RecurrentStates`` says where
-snapshots are due; prefill forwards end there).
+snapshots are due; prefill forwards end there). A request that shares cached
+blocks past its snapshot is prefilled alone, to snapshot their end before the
+requests behind it adopt, only where those would otherwise recompute more than a
+batched forward's tokens; otherwise it batches with them, stopping there all the same.
 """
 
 from __future__ import annotations
@@ -159,8 +162,12 @@ class Scheduler:
             self.counters["prefilled_tokens"] += n
             head = tuple(req.prompt[:bs])
             heads[head] -= 1
-            # Requests behind it could adopt its blocks, or its state where they diverge.
-            shared = heads[head] > 0 and (start < bs <= n or req.extends_shared)
+            # Requests behind it could adopt its blocks, or its state where they diverge:
+            # worth a prefill alone, first, where they would otherwise recompute more than
+            # a batched forward's tokens past their snapshot.
+            behind = heads[head]
+            recompute = behind * req.shared_past_snapshot
+            shared = behind > 0 and (start < bs <= n or recompute > self.prefill_batch_tokens)
             steps = prefill_steps(start, start + n, self.prefill_step_size, req.cuts)
             if n > self.prefill_batch_tokens or shared:
                 yield Prefill([req], steps, alone=True)
