@@ -117,5 +117,7 @@ def test_on_cuda_a_prompt_through_the_taps_gives_cudnns_logits(family, dtype):
     got = routed(prompt, cache=make_prompt_cache(routed)).astype(mx.float32)
     assert conv_counts["taps"] > before.get("taps", 0)
     scale = mx.abs(want).max().item()
-    tol = 1e-5 if dtype == mx.float32 else 2e-2
+    # float32: cuDNN's convolution may round its products to TF32 (run 634: 1.4e-5 of the
+    # largest logit on falcon_h1); the taps keep float32.
+    tol = 1e-4 if dtype == mx.float32 else 2e-2
     assert mx.abs(got - want).max().item() <= tol * scale
