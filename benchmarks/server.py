@@ -375,7 +375,7 @@ def main() -> None:
         requests = [2 * c for c in args.concurrency]
     tok = AutoTokenizer.from_pretrained(model)
     rng = random.Random(0)
-    words = [w for w in tok.get_vocab() if w.isalpha() and len(w) > 3]
+    words = sorted(w for w in tok.get_vocab() if w.isalpha() and len(w) > 3)
 
     def text(n: int) -> str:
         out: list[str] = []

@@ -64,9 +64,11 @@ from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx_lm.models import base
 
 from ..storage import STORERS
+from .convolution import route_convolutions
 from .kernels import DEVICE_KERNELS, DEVICE_PREFILL_KERNELS, DEVICE_READERS, DEVICE_STORERS
 from .mamba import route_ssm_update
 from .prefill import attention_by_ops, use_ops
@@ -352,6 +354,13 @@ def route_attention() -> int:
                 setattr(module, attr, scaled_dot_product_attention)
                 changed += 1
     return changed
+
+
+def route_model(model: nn.Module) -> None:
+    """``route_attention()``, and ``model``'s depthwise convolutions to
+    ``convolution.DepthwiseConv1d`` (``route_convolutions``)."""
+    route_attention()
+    route_convolutions(model)
 
 
 def _register_device_kernels() -> None:

@@ -13,7 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import CacheList
 
-from ..attention import route_attention, route_convolutions
+from ..attention import route_model
 from ..blocks import LayerKind, check_block_size
 from ..storage import KVPool, KVQuant, check_kv_dtype, check_kv_quant
 from .disk_prefix import open_disk
@@ -175,8 +175,7 @@ def _pools(
         )
     layout = PagedLayout.of(model, max_kv_size)
     pools = make_pools(layout, block_size, num_blocks, kv_dtype, quant)
-    route_attention()
-    route_convolutions(model)
+    route_model(model)
     return layout, pools
 
 

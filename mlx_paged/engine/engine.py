@@ -25,7 +25,7 @@ from functools import partial
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..attention import route_attention, route_convolutions
+from ..attention import route_model
 from ..blocks import LayerKind, check_block_size
 from ..cache import PagedLayout, make_pools
 from ..storage import KVPool, StatePool, check_kv_dtype, check_kv_quant
@@ -176,8 +176,7 @@ class PagedEngine:
         if prefill_batch_tokens is None:
             self.prefiller.widen()
         self._next_uid = 0
-        route_attention()
-        route_convolutions(model)
+        route_model(model)
 
     # ---- public API -------------------------------------------------------
 

@@ -162,12 +162,7 @@ class Scheduler:
             self.counters["prefilled_tokens"] += n
             head = tuple(req.prompt[:bs])
             heads[head] -= 1
-            # Requests behind it could adopt its blocks, or its state where they diverge:
-            # worth a prefill alone, first, where they would otherwise recompute more than
-            # a batched forward's tokens past their snapshot.
-            behind = heads[head]
-            recompute = behind * req.shared_past_snapshot
-            shared = behind > 0 and (start < bs <= n or recompute > self.prefill_batch_tokens)
+            shared = _first_alone(req, heads[head], start, n, bs, self.prefill_batch_tokens)
             steps = prefill_steps(start, start + n, self.prefill_step_size, req.cuts)
             if n > self.prefill_batch_tokens or shared:
                 yield Prefill([req], steps, alone=True)
@@ -335,6 +330,14 @@ def _park(index: PrefixIndex, req: Request, kinds: list[LayerKind], partial: boo
     length = min(req.written, len(tokens))
     spans = [(req.tables[k].first, req.tables[k].blocks) for k in kinds]
     index.insert(tokens, spans, length, partial, req.cursor)
+
+
+def _first_alone(req: Request, behind: int, start: int, n: int, bs: int, budget: int) -> bool:
+    """Whether ``req`` (prefilling ``n`` tokens from ``start``) goes alone, first, for the
+    ``behind`` waiting requests that start with its first block: where they would adopt its
+    blocks, or recompute more than ``budget`` tokens (a batched forward's) past their
+    snapshot where it snapshots the end of the blocks they share."""
+    return behind > 0 and (start < bs <= n or behind * req.shared_past_snapshot > budget)
 
 
 def _note_peak(counters: dict[str, int], groups: dict[LayerKind, BlockTables]) -> None:
