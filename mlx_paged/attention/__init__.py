@@ -38,12 +38,12 @@ from .routing import (
 )
 
 __all__ = [
-    "DepthwiseConv1d",
     "ATTENTION_PATHS",
     "KERNELS",
     "PREFILL_KERNELS",
     "READERS",
     "ColdView",
+    "DepthwiseConv1d",
     "Fetched",
     "PagedLayerCache",
     "PagedView",
