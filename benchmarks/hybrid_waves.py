@@ -33,11 +33,14 @@ from mlx_paged import PagedEngine
 from mlx_paged.embedded import embedded_model_path
 
 
-def prompts(n: int, system_tokens: int, question_tokens: int, block: int) -> list[list[int]]:
-    """``n`` chat-templated prompts as ``benchmarks/server.py`` writes them, the system
+def prompts(
+    n: int, system_tokens: int, question_tokens: int, block: int, tokenizer: str
+) -> list[list[int]]:
+    """``n`` chat-templated prompts as ``benchmarks/server.py`` writes them (``tokenizer``:
+    a model directory), the system
     prompt lengthened by a few words until the prompts part one token before a block
     ends (so the question's first digit is that block's last token)."""
-    tok = AutoTokenizer.from_pretrained(str(embedded_model_path()))
+    tok = AutoTokenizer.from_pretrained(tokenizer)
     rng = random.Random(0)
     words = sorted(w for w in tok.get_vocab() if w.isalpha() and len(w) > 3)
 
@@ -110,7 +113,10 @@ def main() -> None:
     args = ap.parse_args()
     args.shape = "qwen3_5"
     model = load(args.model)[0] if args.model else build_model(args)
-    ids = prompts(1 + 2 * sum(args.concurrency), args.system, args.question, args.block_size)
+    tokenizer = args.model or str(embedded_model_path())
+    ids = prompts(
+        1 + 2 * sum(args.concurrency), args.system, args.question, args.block_size, tokenizer
+    )
     engine = PagedEngine(model, block_size=args.block_size, max_batch_size=max(args.concurrency))
     forwards = Forwards(engine)
     level(engine, ids[:1], 1, 1, args.max_tokens)  # caches the system prompt
