@@ -286,9 +286,7 @@ def test_a_bursts_suffixes_of_different_lengths_share_padded_forwards(family, mo
     """Four requests behind a cached 32-token prefix, with suffixes of 11-14 tokens: each
     prefill stops at its last full block (40) to snapshot, then runs its 3-6 token tail.
     Where the family keeps its state over right padding, the four share both forwards,
-    the second padded; elsewhere each runs its own. Each generates what it would alone.
-    (GatedDeltaNet families can snapshot inside a forward instead: ``test_captures.py``.)"""
-    monkeypatch.setenv("MLX_PAGED_CAPTURE", "off")
+    the second padded; elsewhere each runs its own. Each generates what it would alone."""
     rng = random.Random(4)
     system = toks(rng, 2 * INTERVAL)
     prompts = [system + toks(rng, k) for k in (11, 12, 13, 14)]

@@ -5,7 +5,6 @@ kernels where one runs, else MLX's SDPA on gathered K/V); ``kernels`` holds the
 CUDA and Metal kernels and their MLX reference; ``records`` the shared records.
 """
 
-from .capture import capturing
 from .convolution import DepthwiseConv1d, conv_counts, route_convolutions
 from .records import (
     ColdView,
@@ -23,7 +22,6 @@ from .routing import (
     PREFILL_KERNELS,
     READERS,
     attention_path,
-    captures_states,
     fused_read,
     kernels_ready,
     kernels_write,
@@ -52,8 +50,6 @@ __all__ = [
     "PrefillView",
     "Rope",
     "attention_path",
-    "captures_states",
-    "capturing",
     "conv_counts",
     "fused_read",
     "kernels_ready",

@@ -25,7 +25,6 @@ from functools import cache
 import mlx.core as mx
 import mlx.nn as nn
 
-from .capture import active
 from .prefill import on_cuda
 
 #: Calls served, by path: ``{"taps": n, "conv": n}``.
@@ -35,14 +34,10 @@ conv_counts: Counter[str] = Counter()
 class DepthwiseConv1d(nn.Conv1d):
     """An ``nn.Conv1d`` with one filter per channel (``groups`` = channels), stride and
     dilation 1, that runs a multi-token call on CUDA as ``depthwise_taps``; else as
-    ``nn.Conv1d``. Same parameters, so weights load and save as before. Inside
-    ``capture.capturing``, it records each row's window at the capture's offset."""
+    ``nn.Conv1d``. Same parameters, so weights load and save as before."""
 
     def __call__(self, x: mx.array) -> mx.array:
         taps = self.weight.shape[1]
-        capture = active()
-        if capture is not None and x.shape[1] > taps:
-            capture.conv(x, taps - 1)
         if x.shape[1] + 2 * self.padding - taps > 0 and on_cuda():
             conv_counts["taps"] += 1
             if self.padding:

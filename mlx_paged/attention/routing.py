@@ -68,8 +68,7 @@ import mlx.nn as nn
 from mlx_lm.models import base
 
 from ..storage import STORERS
-from .capture import GATED_DELTA_LAYERS, route_capture
-from .convolution import DepthwiseConv1d, route_convolutions
+from .convolution import route_convolutions
 from .kernels import DEVICE_KERNELS, DEVICE_PREFILL_KERNELS, DEVICE_READERS, DEVICE_STORERS
 from .mamba import route_ssm_update
 from .prefill import attention_by_ops, use_ops
@@ -362,15 +361,6 @@ def route_model(model: nn.Module) -> None:
     ``convolution.DepthwiseConv1d`` (``route_convolutions``)."""
     route_attention()
     route_convolutions(model)
-
-
-def captures_states(model: nn.Module, layers: int) -> bool:
-    """Whether ``model``'s ``layers`` recurrent layers are all GatedDeltaNet layers that
-    record inside ``capture.capturing`` (their convolutions routed, recording not off)."""
-    if layers == 0 or not route_capture():
-        return False
-    found = [m for _, m in model.named_modules() if isinstance(m, GATED_DELTA_LAYERS)]
-    return len(found) == layers and all(isinstance(m.conv1d, DepthwiseConv1d) for m in found)
 
 
 def _register_device_kernels() -> None:

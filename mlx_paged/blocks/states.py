@@ -53,9 +53,6 @@ class StateSlots:
         self.on_evict: Callable[[int], None] | None = None
         #: Bytes of one request's state over all recurrent layers (set by the storage layer).
         self.bytes_per_state = 0
-        #: Whether a prefill forward can snapshot the state at one position inside it, not
-        #: only where it ends (the model runner says).
-        self.captures = False
         self._free_slots = list(range(num_slots - 1, -1, -1))  # pop() takes the lowest
         self._lru: OrderedDict[int, None] = OrderedDict()  # snapshot ids, oldest first
         self._next_id = 0

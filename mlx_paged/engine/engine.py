@@ -147,7 +147,6 @@ class PagedEngine:
             raise ValueError(f"overlap must be True or False, got {overlap!r}.")
         state_snapshot_interval = snapshot_interval(state_snapshot_interval, block_size)
         layout = PagedLayout.of(model)
-        route_model(model)
         pools = make_pools(layout, block_size, num_blocks, kv_dtype, quant, cold_blocks)
         if not pools:  # recurrent layers only: blocks index tokens and hold no K/V
             pools = {LayerKind(): KVPool(1, block_size, num_blocks)}
@@ -177,6 +176,7 @@ class PagedEngine:
         if prefill_batch_tokens is None:
             self.prefiller.widen()
         self._next_uid = 0
+        route_model(model)
 
     # ---- public API -------------------------------------------------------
 

@@ -17,24 +17,20 @@ class RecurrentStates:
     Snapshots are due after a prefill forward ending at a multiple of ``interval``,
     at the end of the last full block before decoding, or where the prompt stops
     sharing cached blocks with earlier ones (a shared prefix, say a system prompt,
-    whose end no snapshot marks yet). The scheduler ends prefill forwards at these
-    ``Request.cuts``; where the runner can take a snapshot inside a forward
-    (``StateSlots.captures``), one of them inside each forward of ``chunk`` tokens is a
-    ``Request.captures`` instead. Snapshots are also taken where a sequence stops
-    (``detach``).
+    whose end no snapshot marks yet); the scheduler ends prefill forwards at these
+    ``Request.cuts``. Snapshots are also taken where a sequence stops (``detach``).
 
     Args:
         slots: Slot and snapshot ids (the engine's ``StatePool``).
         index: The prefix index that holds the snapshots.
         interval: Tokens between snapshots of a long prefill (a multiple of the
             block size).
-        chunk: The most tokens of one request a prefill forward takes.
     """
 
-    def __init__(self, slots: StateSlots, index: PrefixIndex, interval: int, chunk: int):
+    def __init__(self, slots: StateSlots, index: PrefixIndex, interval: int):
         if interval <= 0 or interval % index.block_size:
             raise ValueError(f"interval {interval} is not a multiple of {index.block_size}.")
-        self.slots, self.index, self.interval, self.chunk = slots, index, interval, chunk
+        self.slots, self.index, self.interval = slots, index, interval
 
     def attach(self, req: Request, match: PrefixMatch | None, target: int) -> None:
         """Give an admitted request a slot holding the state at its adopted prefix, and the
@@ -44,17 +40,11 @@ class RecurrentStates:
         bs, hit = self.index.block_size, match.length if match else 0
         cuts = {*range(self.interval, target + 1, self.interval), target // bs * bs}
         shared = self.index.full_blocks_matched(req.tokens[:target])
-        due = sorted(c for c in {*cuts, shared} if hit < c <= target)
-        chunk = self.chunk if self.slots.captures else 0
-        req.cuts, req.captures = split_cuts(hit, target, chunk, due)
+        req.cuts = frozenset(c for c in (*cuts, shared) if hit < c <= target)
         req.shared_past_snapshot = max(0, shared - hit)
 
     def wrote(self, req: Request) -> None:
-        """After a prefill forward: index the snapshot it took inside itself, if any, and
-        snapshot the state if ``req`` stopped at a cut."""
-        if req.captured is not None:
-            (at, state), req.captured = req.captured, None
-            self.index.add_snapshot(req.tokens, at, lambda: self.slots.restore(state))
+        """After a prefill forward: snapshot the state if ``req`` stopped at a cut."""
         if req.written in req.cuts:
             self._snapshot(req)
 
@@ -65,7 +55,6 @@ class RecurrentStates:
             self._snapshot(req)
         self.slots.free_slot(req.slot)
         req.slot, req.cuts, req.shared_past_snapshot = None, frozenset(), 0
-        req.captures, req.captured = frozenset(), None
 
     def stats(self) -> dict[str, int]:
         """The state counters of ``EngineStats``."""
@@ -83,24 +72,3 @@ class RecurrentStates:
 
     def _snapshot(self, req: Request) -> None:
         self.index.add_snapshot(req.tokens, req.written, lambda: self.slots.snapshot(req.slot))
-
-
-def split_cuts(
-    start: int, end: int, chunk: int, due: list[int]
-) -> tuple[frozenset[int], frozenset[int]]:
-    """Snapshot positions ``due`` in ``(start, end]`` as ``(cuts, captures)``: where
-    forwards of at most ``chunk`` tokens from ``start`` end, and where one takes its
-    snapshot inside. Each forward takes at most one; with ``chunk`` 0 none does."""
-    if not chunk:
-        return frozenset(due), frozenset()
-    cuts, captures, pos = set(), set(), start
-    while pos < end:
-        stop = min(pos + chunk, end)
-        inside = [c for c in due if pos < c < stop]
-        if len(inside) > 1:
-            stop = inside[1]
-        captures.update(inside[:1])
-        if stop in due:
-            cuts.add(stop)
-        pos = stop
-    return frozenset(cuts), frozenset(captures)

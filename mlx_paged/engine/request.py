@@ -109,13 +109,10 @@ class Request:
     tables: dict[LayerKind, BlockTable] | None = None
     cursor: Cursor = field(default_factory=Cursor)  # where its blocks stand in the prefix index
     slot: int | None = None
-    # Recurrent state: where its prefill stops for snapshots, where a forward takes one
-    # inside it (and the last so taken, ``(position, state)``, until indexed), and how
-    # many tokens of cached blocks it shares past the snapshot it adopted (it snapshots
-    # their end for requests behind it).
+    # Recurrent state: where its prefill stops for snapshots, and how many tokens of cached
+    # blocks it shares past the snapshot it adopted (it snapshots their end for requests
+    # behind it).
     cuts: frozenset[int] = frozenset()
-    captures: frozenset[int] = frozenset()
-    captured: tuple[int, Any] | None = None
     shared_past_snapshot: int = 0
     prefix_hit: int = 0  # prompt tokens served from the prefix index at first admission
     # ``time.perf_counter()`` when it was added, first admitted, and sampled its first token.

@@ -16,11 +16,10 @@ from contextlib import AbstractContextManager, nullcontext
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..attention import captures_states, kernels_write
+from ..attention import kernels_write
 from ..blocks import LayerKind
 from ..cache import DecodeBatch, PagedKVCache, PagedLayout, StepPagedKVCache, StepStateCache
 from ..storage import KVPool, StatePool
-from .captures import snapshots_inside
 from .head import Head
 from .masks import MaskWork
 from .migrations import MigrationCheck
@@ -50,8 +49,6 @@ class ModelRunner:
         self.layout = layout
         self.pools = pools
         self.states = states
-        if states is not None:  # after ``route_model``, which routes the convolutions
-            states.captures = captures_states(model, states.num_layers)
         self.masks = MaskWork()
         #: Moves blocks to the cold tier before decode steps (``engine/migrations.py``).
         self.migrations = MigrationCheck(pools)
@@ -113,11 +110,10 @@ class ModelRunner:
         counts = counts or (n,) * len(reqs)
         pairs = zip(reqs, counts, strict=True)
         inputs = [r.tokens_between(r.written, r.written + c) + [0] * (n - c) for r, c in pairs]
-        with snapshots_inside(self.states, reqs, counts) as taken:
-            out, caches = self._batched(reqs, inputs, counts, logits)
+        out, caches = self._batched(reqs, inputs, counts, logits)
         states = self.states.evaluated() if self.states is not None else []
         evaluate = mx.eval if wait else mx.async_eval
-        evaluate(out if logits else [], [c.state for c in caches], states, taken)
+        evaluate(out if logits else [], [c.state for c in caches], states)
         return out if logits else None
 
     def migrate(self, reqs: list[Request]) -> int:

@@ -113,8 +113,7 @@ class Scheduler:
         self.recurrent = None
         if states is not None:
             assert states.num_slots >= max_batch_size, "fewer state slots than max_batch_size"
-            interval, step = snapshot_interval, prefill_step_size
-            self.recurrent = RecurrentStates(states, self.index, interval, step)
+            self.recurrent = RecurrentStates(states, self.index, snapshot_interval)
         self.pads = self.recurrent is None or padded_states
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
