@@ -163,7 +163,7 @@ def main() -> None:
         else:
             show(args.show, args.rows)
         return
-    if len(sys.argv) < 2:
+    if len(sys.argv) < 2 or sys.argv[1].startswith("-"):  # --help, or no OUT.json first
         raise SystemExit(__doc__)
     record(sys.argv[1])
     from mlx_paged.server import main as serve
