@@ -11,6 +11,7 @@ and a forward's line also gives their sums: which part of the model a new shape 
 
 Usage:
     python benchmarks/hybrid_forwards.py --model /root/q35 --modules 6   # GPU
+    python benchmarks/hybrid_forwards.py --model /root/q35 --row-buckets # padded row counts
     python benchmarks/hybrid_forwards.py --hidden 128 --layers 4 --waves 3 5 --modules 1
 """
 
@@ -27,7 +28,7 @@ from hybrid_waves import prompts
 from mlx_lm import load
 from mlx_lm.models import gated_delta
 
-from mlx_paged import PagedEngine
+from mlx_paged import PagedEngine, bucket_matmul_rows
 from mlx_paged.embedded import embedded_model_path
 
 #: The classes timed with ``--modules``, by name.
@@ -105,9 +106,14 @@ def main() -> None:
     ap.add_argument("--question", type=int, default=32, help="question tokens")
     ap.add_argument("--waves", type=int, nargs="+", default=[5, 9, 5, 9, 13, 13, 24, 24, 31, 31])
     ap.add_argument("--modules", type=int, help="time the model's parts from this wave on")
+    ap.add_argument(
+        "--row-buckets", action="store_true", help="mlx_paged.bucket_matmul_rows(model) first"
+    )
     args = ap.parse_args()
     args.shape = "qwen3_5"
     model = load(args.model)[0] if args.model else build_model(args)
+    if args.row_buckets:
+        print(f"{bucket_matmul_rows(model)} layers pad a prompt's rows", flush=True)
     tokenizer = args.model or str(embedded_model_path())
     ids = prompts(1 + sum(args.waves), args.system, args.question, 16, tokenizer)
     engine = PagedEngine(model, block_size=16, max_batch_size=max(args.waves))

@@ -5,6 +5,7 @@ from .fusion import fuse_projections
 from .linears import few_row_matmuls
 from .request import EngineStats, Event, Request
 from .rope import rope_in_kernel
+from .row_buckets import bucket_matmul_rows
 from .runner import ModelRunner
 from .scheduler import Scheduler
 
@@ -15,6 +16,7 @@ __all__ = [
     "PagedEngine",
     "Request",
     "Scheduler",
+    "bucket_matmul_rows",
     "few_row_matmuls",
     "fuse_projections",
     "rope_in_kernel",

@@ -22,6 +22,7 @@ from pathlib import Path
 from . import memory, sampling
 from .app import ServerConfig, create_app
 from .sampling import sampling_defaults, warm_up_sampler
+from .transforms import add_transform_flags, load_transformed
 from .worker import EngineWorker
 
 __all__ = [
@@ -164,30 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
         "up to --max-batch-size, so the first requests find kernels built and checked. "
         "Default: on a GPU; off on the CPU, which builds no kernels per batch size.",
     )
-    p.add_argument(
-        "--fuse-projections",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="Run each layer's q/k/v and gate/up projections as one matmul each (the same "
-        "values, fewer primitives a step: mlx_paged.fuse_projections). Default: on, except "
-        "for a model sharded under mlx.launch.",
-    )
-    p.add_argument(
-        "--few-row-matmuls",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="On a CUDA GPU, multiply 2 to 48 rows by a float16 or bfloat16 linear layer's "
-        "weight in a kernel of our own instead of cuBLAS, which costs a decode step more "
-        "host time (mlx_paged.few_row_matmuls). Default: on, except for a sharded model.",
-    )
-    p.add_argument(
-        "--rope-in-kernel",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="On a CUDA GPU, let the decode kernel apply llama, qwen and gemma 3 layers' RoPE: "
-        "two launches a layer fewer a decode step (mlx_paged.rope_in_kernel). "
-        "Default: on, except for a sharded model.",
-    )
+    add_transform_flags(p)
     p.add_argument(
         "--pipeline",
         action="store_true",
@@ -249,25 +227,11 @@ def loader(args: argparse.Namespace, group=None):
         import mlx.core as mx
 
         from ..cache.memory import parse_memory
-        from ..embedded import load_model
-        from ..engine import PagedEngine, few_row_matmuls, fuse_projections, rope_in_kernel
-        from ..engine.distributed import shard_model
+        from ..engine import PagedEngine
 
         log = logging.getLogger("mlx_paged.server")
         sharded = group is not None and group.size() > 1
-        # Lazy where the weights change first: each rank reads only its share, and fused
-        # layers are read straight into their fused arrays (never both copies at once).
-        lazy = sharded or args.fuse_projections
-        model, tokenizer = load_model(args.model, dtype=args.model_dtype, lazy=lazy)
-        if sharded:
-            shard_model(model, group, pipeline=args.pipeline)
-        elif args.fuse_projections:
-            log.info("mlx_paged: fused %d projection groups", fuse_projections(model))
-        mx.eval(model.parameters())
-        if args.few_row_matmuls and not sharded:
-            log.info("mlx_paged: %d layers take few rows in a kernel", few_row_matmuls(model))
-        if args.rope_in_kernel and not sharded:
-            log.info("mlx_paged: %d layers leave RoPE to the kernel", rope_in_kernel(model))
+        model, tokenizer = load_transformed(args, group)
         kv_dtype = getattr(mx, args.kv_dtype) if args.kv_dtype else None
         num_blocks, cold_blocks = memory.pool_sizes(args, model, kv_dtype)
         preload = args.kv_disk_preload_bytes
