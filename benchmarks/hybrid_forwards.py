@@ -17,19 +17,15 @@ Usage:
 
 from __future__ import annotations
 
-import argparse
 import time
 from collections import defaultdict
 from collections.abc import Callable
 
 import mlx.core as mx
-from engine import build_model
-from hybrid_waves import prompts
-from mlx_lm import load
+from hybrid_waves import model_flags, model_of, prompts
 from mlx_lm.models import gated_delta
 
 from mlx_paged import PagedEngine, bucket_matmul_rows
-from mlx_paged.embedded import embedded_model_path
 
 #: The classes timed with ``--modules``, by name.
 TIMED = (
@@ -96,25 +92,16 @@ def instrument(engine: PagedEngine, clock: Clock, modules: list[bool]) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", help="mlx-lm model directory (default: a random qwen3_5 shape)")
-    ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--hidden", type=int, default=1536)
-    ap.add_argument("--layers", type=int, default=24)
-    ap.add_argument("--vocab", type=int, default=49152)
-    ap.add_argument("--system", type=int, default=1024, help="system prompt tokens")
-    ap.add_argument("--question", type=int, default=32, help="question tokens")
+    ap = model_flags(__doc__.split("\n")[0])
     ap.add_argument("--waves", type=int, nargs="+", default=[5, 9, 5, 9, 13, 13, 24, 24, 31, 31])
     ap.add_argument("--modules", type=int, help="time the model's parts from this wave on")
     ap.add_argument(
         "--row-buckets", action="store_true", help="mlx_paged.bucket_matmul_rows(model) first"
     )
     args = ap.parse_args()
-    args.shape = "qwen3_5"
-    model = load(args.model)[0] if args.model else build_model(args)
+    model, tokenizer = model_of(args)
     if args.row_buckets:
         print(f"{bucket_matmul_rows(model)} layers pad a prompt's rows", flush=True)
-    tokenizer = args.model or str(embedded_model_path())
     ids = prompts(1 + sum(args.waves), args.system, args.question, 16, tokenizer)
     engine = PagedEngine(model, block_size=16, max_batch_size=max(args.waves))
     clock, modules = Clock(), [False]

@@ -25,6 +25,7 @@ import random
 import time
 
 import mlx.core as mx
+import mlx.nn as nn
 from engine import build_model
 from mlx_lm import load
 from transformers import AutoTokenizer
@@ -97,8 +98,10 @@ def level(engine: PagedEngine, ids: list[list[int]], c: int, per_step: int, max_
     return sorted(1e3 * (first[u] - added[u]) for u in added)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def model_flags(description: str) -> argparse.ArgumentParser:
+    """A parser with the model's flags (``--model``, else a random qwen3_5 shape) and the
+    prompts' sizes."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--model", help="mlx-lm model directory (default: a random qwen3_5 shape)")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--hidden", type=int, default=1536)
@@ -106,14 +109,24 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=49152)
     ap.add_argument("--system", type=int, default=1024, help="system prompt tokens")
     ap.add_argument("--question", type=int, default=32, help="question tokens")
+    return ap
+
+
+def model_of(args: argparse.Namespace) -> tuple[nn.Module, str]:
+    """The model ``model_flags`` name, and the directory of its tokenizer."""
+    args.shape = "qwen3_5"
+    model = load(args.model)[0] if args.model else build_model(args)
+    return model, args.model or str(embedded_model_path())
+
+
+def main() -> None:
+    ap = model_flags(__doc__.split("\n")[0])
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[8, 32, 32])
     ap.add_argument("--per-step", type=int, default=3, help="arrivals a step at most")
     ap.add_argument("--block-size", type=int, default=16)
     args = ap.parse_args()
-    args.shape = "qwen3_5"
-    model = load(args.model)[0] if args.model else build_model(args)
-    tokenizer = args.model or str(embedded_model_path())
+    model, tokenizer = model_of(args)
     ids = prompts(
         1 + 2 * sum(args.concurrency), args.system, args.question, args.block_size, tokenizer
     )

@@ -18,7 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from tiny_models import VOCAB, solo, tiny_model
 
-from mlx_paged import PagedEngine, bucket_matmul_rows
+from mlx_paged import PagedEngine, bucket_matmul_rows, fuse_projections
 from mlx_paged.engine import row_buckets
 from mlx_paged.engine.linears import FewRowsLinear
 from mlx_paged.engine.row_buckets import MIN_ROWS, row_bucket
@@ -101,12 +101,14 @@ def test_few_row_layers_are_bucketed_too(cuda):
     assert mx.allclose(layer(x), want, rtol=1e-5, atol=1e-6).item()
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
-def test_the_engine_with_buckets_generates_what_mlx_lm_does(family, cuda):
+@pytest.mark.parametrize("family, fused", [("llama", False), ("llama", True), ("qwen3_5", False)])
+def test_the_engine_with_buckets_generates_what_mlx_lm_does(family, fused, cuda):
     rng = random.Random(3)
     system = [rng.randrange(VOCAB) for _ in range(40)]
     prompts = [system + [rng.randrange(VOCAB) for _ in range(n)] for n in (30, 35, 41)]
     model = tiny_model(family)  # its own: the class swap must not reach other tests
+    if fused:  # as the server runs them: the fused q/k/v and gate/up layers are bucketed
+        assert fuse_projections(model) > 0
     assert bucket_matmul_rows(model) > 0
     engine = PagedEngine(model, block_size=8, max_batch_size=4)
     uids = [engine.add_request(p, 6) for p in prompts]
