@@ -8,6 +8,7 @@ must equal mlx-lm's own caches'.
 
 from __future__ import annotations
 
+import logging
 import random
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from tiny_models import VOCAB, solo, tiny_model
 from mlx_paged import PagedEngine, bucket_matmul_rows, fuse_projections
 from mlx_paged.engine import row_buckets
 from mlx_paged.engine.linears import FewRowsLinear
-from mlx_paged.engine.row_buckets import MIN_ROWS, row_bucket
+from mlx_paged.engine.row_buckets import MIN_ROWS, bucket_counts, row_bucket, warm_row_buckets
 
 
 @pytest.fixture
@@ -120,7 +121,7 @@ def test_the_engine_with_buckets_generates_what_mlx_lm_does(family, fused, cuda)
 
 
 @pytest.mark.parametrize("flag, bucketed", [([], False), (["--matmul-row-buckets"], True)])
-def test_the_servers_flag(flag, bucketed, cuda, tmp_path):
+def test_the_servers_flag(flag, bucketed, cuda, tmp_path, caplog):
     from tiny_models import save_tiny_model
 
     from mlx_paged.embedded import embedded_model_path
@@ -131,6 +132,26 @@ def test_the_servers_flag(flag, bucketed, cuda, tmp_path):
     path = save_tiny_model("llama", tmp_path / "llama", tokenizer, vocab_size=49152)
     args = build_parser().parse_args(["--model", str(path), *flag])
     assert args.matmul_row_buckets is bucketed
-    model, _ = load_transformed(args)
+    with caplog.at_level(logging.INFO, logger="mlx_paged.server"):
+        model, _ = load_transformed(args, warm=True)
     names = {type(m).__name__ for _, m in model.named_modules()}
     assert ("RowBucketLinear" in names) is bucketed
+    assert ("row-bucket matmuls" in caplog.text) is bucketed
+
+
+def test_the_warm_up_plans_every_bucket_of_each_weight_shape_once(cuda, monkeypatch):
+    assert bucket_counts(200) == [80, 96, 112, 128, 160, 192, 224]
+    assert {row_bucket(n) for n in range(MIN_ROWS + 1, 201)} == set(bucket_counts(200))
+    assert bucket_counts(MIN_ROWS) == []
+    model = tiny_model("llama")
+    assert bucket_matmul_rows(model) > 0
+    shapes = {
+        (m.weight.shape, "bias" in m)
+        for _, m in model.named_modules()
+        if hasattr(m, "weight") and type(m).__name__.startswith("RowBucket")
+    }
+    calls = []
+    real = row_buckets.mx.eval
+    monkeypatch.setattr(row_buckets.mx, "eval", lambda *a: calls.append(a[0].shape) or real(*a))
+    assert warm_row_buckets(model, 200) == len(shapes) * 7 == len(calls)
+    assert sorted({s[0] for s in calls}) == bucket_counts(200)

@@ -12,8 +12,10 @@ seen (run 639).
 that, for a prompt's forward of more than ``MIN_ROWS`` rows (never a decode step's
 one token a row), pads the rows with zeros to ``row_bucket(rows)``, at most a quarter
 more and four counts an octave, multiplies, and drops the padding's rows: the same
-values, over a row count the process has likely run. Elsewhere than on a CUDA GPU
-nothing changes. Not yet measured on a GPU; off unless asked for
+values, over a row count the process has likely run. ``warm_row_buckets`` runs each
+weight shape once at every bucket up to a prompt's largest forward, so a server meets
+them all while it starts (the server's warm-up does, with the flag). Elsewhere than on a
+CUDA GPU nothing changes. Not yet measured on a GPU; off unless asked for
 (``mlx_paged.server --matmul-row-buckets``).
 """
 
@@ -60,6 +62,32 @@ def bucket_matmul_rows(model: nn.Module) -> int:
             module.__class__ = _bucketed(type(module))
             changed += 1
     return changed
+
+
+def bucket_counts(max_rows: int) -> list[int]:
+    """Every ``row_bucket`` count above ``MIN_ROWS`` up to the one ``max_rows`` pads to."""
+    out, rows = [], MIN_ROWS + 1
+    while rows <= max_rows:
+        out.append(row_bucket(rows))
+        rows = out[-1] + 1
+    return out
+
+
+def warm_row_buckets(model: nn.Module, max_rows: int) -> int:
+    """Multiply zeros by each distinct weight of ``model``'s bucketed layers at every row
+    count of ``bucket_counts(max_rows)``, so that cuBLAS has planned them before a prompt
+    comes; return the matmuls run."""
+    layers = {}
+    for _, module in model.named_modules():
+        if type(module).__name__.startswith("RowBucket"):
+            w = module.weight
+            layers.setdefault((w.shape, w.dtype, "bias" in module), module)
+    runs = 0
+    for (shape, dtype, _), layer in layers.items():
+        for rows in bucket_counts(max_rows):
+            mx.eval(layer(mx.zeros((rows, shape[1]), dtype=dtype)))
+            runs += 1
+    return runs
 
 
 @cache

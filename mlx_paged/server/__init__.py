@@ -231,7 +231,7 @@ def loader(args: argparse.Namespace, group=None):
 
         log = logging.getLogger("mlx_paged.server")
         sharded = group is not None and group.size() > 1
-        model, tokenizer = load_transformed(args, group)
+        model, tokenizer = load_transformed(args, group, warm=warms_up(args))
         kv_dtype = getattr(mx, args.kv_dtype) if args.kv_dtype else None
         num_blocks, cold_blocks = memory.pool_sizes(args, model, kv_dtype)
         preload = args.kv_disk_preload_bytes

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import time
 
 
 def add_transform_flags(p: argparse.ArgumentParser) -> None:
@@ -42,16 +43,18 @@ def add_transform_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
-def load_transformed(args: argparse.Namespace, group=None):
+def load_transformed(args: argparse.Namespace, group=None, warm: bool = False):
     """``(model, tokenizer)`` of ``args.model``: this rank's shard of it with a ``group`` of
     several ranks, else with its projections fused; then evaluated, and its layers routed
     to the few-row kernel, row buckets and the decode kernel's RoPE as the flags say (not
-    a sharded model's)."""
+    a sharded model's). With ``warm``, row buckets are planned up to a prompt's largest
+    forward (``--prefill-step-size`` rows)."""
     import mlx.core as mx
 
     from ..embedded import load_model
     from ..engine import bucket_matmul_rows, few_row_matmuls, fuse_projections, rope_in_kernel
     from ..engine.distributed import shard_model
+    from ..engine.row_buckets import warm_row_buckets
 
     log = logging.getLogger("mlx_paged.server")
     sharded = group is not None and group.size() > 1
@@ -68,6 +71,10 @@ def load_transformed(args: argparse.Namespace, group=None):
         log.info("mlx_paged: %d layers take few rows in a kernel", few_row_matmuls(model))
     if args.matmul_row_buckets and not sharded:
         log.info("mlx_paged: %d layers pad a prompt's rows", bucket_matmul_rows(model))
+        if warm:  # every bucket up to a prompt's largest forward, planned now
+            tic = time.perf_counter()
+            runs = warm_row_buckets(model, args.prefill_step_size)
+            log.info("mlx_paged: %d row-bucket matmuls in %.2f s", runs, time.perf_counter() - tic)
     if args.rope_in_kernel and not sharded:
         log.info("mlx_paged: %d layers leave RoPE to the kernel", rope_in_kernel(model))
     return model, tokenizer
