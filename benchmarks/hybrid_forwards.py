@@ -5,9 +5,10 @@ prompt (``hybrid_waves.prompts``), are added at once and run to their first toke
 Every prefill forward is synchronized before and after and printed with its (rows,
 tokens) shape, whether the process had run that shape before, and its milliseconds.
 With ``--modules``, from the ``--modules``-th wave on, each call of the model's
-recurrent layers, attention layers, MLPs, depthwise convolutions and gated-delta
-recurrences is evaluated and timed on its own (which adds a synchronization to each),
-and a forward's line also gives their sums: which part of the model a new shape costs.
+recurrent layers, attention layers, MLPs, linear layers (every projection, inside the
+others), depthwise convolutions and gated-delta recurrences is evaluated and timed on
+its own (which adds a synchronization to each), and a forward's line also gives their
+sums: which part of the model a new shape costs.
 
 Usage:
     python benchmarks/hybrid_forwards.py --model /root/q35 --modules 6   # GPU
@@ -36,6 +37,10 @@ TIMED = (
     "MLP",
     "Qwen3NextMLP",
     "DepthwiseConv1d",
+    "Linear",
+    "FewRowsLinear",
+    "RowBucketLinear",
+    "RowBucketFewRowsLinear",
 )
 
 
