@@ -96,9 +96,11 @@ def _bucketed(cls: type[nn.Linear]) -> type[nn.Linear]:
     call: Callable[[nn.Linear, mx.array], mx.array] = cls.__call__
 
     def __call__(self: nn.Linear, x: mx.array) -> mx.array:
+        if x.ndim < 2 or x.shape[-2] == 1:  # a decode step's one token a row
+            return call(self, x)
         rows = x.size // x.shape[-1]
         padded = row_bucket(rows)
-        if x.ndim < 2 or x.shape[-2] == 1 or padded == rows:
+        if padded == rows:
             return call(self, x)
         flat = mx.pad(x.reshape(rows, x.shape[-1]), [(0, padded - rows), (0, 0)])
         y = call(self, flat)[:rows]
