@@ -104,7 +104,7 @@ def start(kind: str, model: str, port: int, args: argparse.Namespace) -> subproc
             urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2)
             log.seek(0)
             for line in log:
-                if "warmed up" in line or "MLX keeps" in line:
+                if any(s in line for s in ("warmed up", "MLX keeps", "row-bucket")):
                     print(f"{kind}: {line.strip()}")
             return proc
         except OSError:

@@ -18,6 +18,7 @@ from tiny_models import solo as dense_solo
 from mlx_paged import PagedEngine
 from mlx_paged.cache import PagedLayout
 from mlx_paged.engine.engine import MIN_STATE_SNAPSHOTS
+from mlx_paged.engine.recurrent import SPAN_FRACTION
 
 BS = 8
 INTERVAL = 16  # two blocks
@@ -203,6 +204,36 @@ def test_a_snapshot_holds_the_dense_state_at_its_position(family):
             assert g.shape == w.shape, f"layer {layer} entry {e}"
             # Chunked prefill sums the SSM scan in another order: float32 rounding only.
             assert mx.allclose(g, w, rtol=1e-4, atol=1e-5).item(), f"layer {layer} entry {e}"
+
+
+def test_a_cut_close_to_the_last_costs_no_forward_of_its_own(monkeypatch):
+    """Prefill forwards end at snapshot cuts only ``interval // SPAN_FRACTION`` tokens or
+    more past the last stop: a shared stretch of one block past the adopted snapshot is
+    recomputed by later requests rather than cut into a forward of its own."""
+    interval = 64  # cuts at least 16 tokens apart
+    assert interval // SPAN_FRACTION == 2 * BS
+    rng = random.Random(11)
+    a = toks(rng, 70)
+    b = a[:24] + toks(rng, 30)  # shares 3 blocks of a past no snapshot
+    c = b[:32] + toks(rng, 20)  # shares 4 blocks of b, one past b's snapshot at 24
+    engine = engine_of("qwen3_5", state_snapshot_interval=interval)
+    calls = record_forwards(engine, monkeypatch)
+    hits, steps = [], []
+    for prompt in (a, b, c):
+        reqs, got = run_requests(engine, [prompt])
+        assert got == [solo("qwen3_5", tuple(prompt))]
+        hits.append(reqs[0].prefix_hit)
+        steps.append([n for n, _ in calls])
+        calls.clear()
+    assert hits == [0, 0, 24]
+    # a: the interval and its last full block (64); b: where it stops sharing a's blocks
+    # (24) and its last full block (48); c: from b's snapshot at 24 straight to 48, not
+    # stopping at 32 where it stops sharing b's blocks (8 tokens on).
+    assert steps == [[64, 6], [24, 24, 6], [24, 4]]
+    index = engine.scheduler.index
+    assert index.match(c[:48] + [0]).length == 48
+    assert index.match(c[:32] + [0]).length == 24
+    assert_idle(engine)
 
 
 def test_bad_snapshot_settings_are_value_errors():

@@ -10,6 +10,12 @@ from __future__ import annotations
 from ..blocks import PrefixIndex, PrefixMatch, StateSlots
 from .request import Request
 
+#: A cut ends a prefill forward only ``interval // SPAN_FRACTION`` tokens or more past
+#: the last: on a GPU a hybrid's forward costs about as much for 8 tokens as for 512
+#: (BENCHMARKS.md, run 639), so a few tokens recomputed by a later request cost less
+#: than a forward more for every request of a burst.
+SPAN_FRACTION = 4
+
 
 class RecurrentStates:
     """Gives running requests state slots and keeps snapshots where the state exists.
@@ -18,7 +24,10 @@ class RecurrentStates:
     at the end of the last full block before decoding, or where the prompt stops
     sharing cached blocks with earlier ones (a shared prefix, say a system prompt,
     whose end no snapshot marks yet); the scheduler ends prefill forwards at these
-    ``Request.cuts``. Snapshots are also taken where a sequence stops (``detach``).
+    ``Request.cuts``, each at least ``interval // SPAN_FRACTION`` tokens past the one
+    before (or the adopted snapshot): a closer cut would cost a forward of its own now
+    to save recomputing fewer tokens later. Snapshots are also taken where a sequence
+    stops (``detach``).
 
     Args:
         slots: Slot and snapshot ids (the engine's ``StatePool``).
@@ -38,10 +47,15 @@ class RecurrentStates:
         req.slot = self.slots.take_slot(match.snapshot if match else None)
         assert req.slot is not None, "no state slot free under max_batch_size"
         bs, hit = self.index.block_size, match.length if match else 0
-        cuts = {*range(self.interval, target + 1, self.interval), target // bs * bs}
         shared = self.index.full_blocks_matched(req.tokens[:target])
-        req.cuts = frozenset(c for c in (*cuts, shared) if hit < c <= target)
-        req.shared_past_snapshot = max(0, shared - hit)
+        due = {*range(self.interval, target + 1, self.interval), target // bs * bs, shared}
+        cuts, last = [], hit
+        for cut in sorted(c for c in due if hit < c <= target):
+            if cut - last >= self.interval // SPAN_FRACTION:
+                cuts.append(cut)
+                last = cut
+        req.cuts = frozenset(cuts)
+        req.shared_past_snapshot = shared - hit if shared in req.cuts else 0
 
     def wrote(self, req: Request) -> None:
         """After a prefill forward: snapshot the state if ``req`` stopped at a cut."""
