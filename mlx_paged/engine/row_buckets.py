@@ -15,8 +15,9 @@ more and four counts an octave, multiplies, and drops the padding's rows: the sa
 values, over a row count the process has likely run. ``warm_row_buckets`` runs each
 weight shape once at every bucket up to a prompt's largest forward, so a server meets
 them all while it starts (the server's warm-up does, with the flag). Elsewhere than on a
-CUDA GPU nothing changes. Not yet measured on a GPU; off unless asked for
-(``mlx_paged.server --matmul-row-buckets``).
+CUDA GPU nothing changes. Off unless asked for (``mlx_paged.server
+--matmul-row-buckets``): on the H200 it shortened the server's warm-up but gave no
+first-token time outside the runs' spread (BENCHMARKS.md, runs 643-646).
 """
 
 from __future__ import annotations
