@@ -17,8 +17,8 @@ from tiny_models import solo as dense_solo
 
 from mlx_paged import PagedEngine
 from mlx_paged.cache import PagedLayout
+from mlx_paged.engine import recurrent
 from mlx_paged.engine.engine import MIN_STATE_SNAPSHOTS
-from mlx_paged.engine.recurrent import SPAN_FRACTION
 
 BS = 8
 INTERVAL = 16  # two blocks
@@ -206,12 +206,15 @@ def test_a_snapshot_holds_the_dense_state_at_its_position(family):
             assert mx.allclose(g, w, rtol=1e-4, atol=1e-5).item(), f"layer {layer} entry {e}"
 
 
-def test_a_cut_close_to_the_last_costs_no_forward_of_its_own(monkeypatch):
-    """Prefill forwards end at snapshot cuts only ``interval // SPAN_FRACTION`` tokens or
-    more past the last stop: a shared stretch of one block past the adopted snapshot is
-    recomputed by later requests rather than cut into a forward of its own."""
-    interval = 64  # cuts at least 16 tokens apart
-    assert interval // SPAN_FRACTION == 2 * BS
+@pytest.mark.parametrize("cuda", [True, False])
+def test_a_cut_close_to_the_last_costs_no_forward_of_its_own_on_cuda(cuda, monkeypatch):
+    """On CUDA, prefill forwards end at snapshot cuts only ``interval // SPAN_FRACTION``
+    tokens or more past the last stop: a shared stretch of one block past the adopted
+    snapshot is recomputed by later requests rather than cut into a forward of its own.
+    Elsewhere every cut ends a forward."""
+    monkeypatch.setattr(recurrent, "on_cuda", lambda: cuda)
+    interval = 64  # on CUDA, cuts at least 16 tokens apart
+    assert interval // recurrent.SPAN_FRACTION == 2 * BS
     rng = random.Random(11)
     a = toks(rng, 70)
     b = a[:24] + toks(rng, 30)  # shares 3 blocks of a past no snapshot
@@ -227,12 +230,12 @@ def test_a_cut_close_to_the_last_costs_no_forward_of_its_own(monkeypatch):
         calls.clear()
     assert hits == [0, 0, 24]
     # a: the interval and its last full block (64); b: where it stops sharing a's blocks
-    # (24) and its last full block (48); c: from b's snapshot at 24 straight to 48, not
-    # stopping at 32 where it stops sharing b's blocks (8 tokens on).
-    assert steps == [[64, 6], [24, 24, 6], [24, 4]]
+    # (24) and its last full block (48); c on CUDA: from b's snapshot at 24 straight to
+    # 48, not stopping at 32 where it stops sharing b's blocks (8 tokens on).
+    assert steps == [[64, 6], [24, 24, 6], [24, 4] if cuda else [8, 16, 4]]
     index = engine.scheduler.index
     assert index.match(c[:48] + [0]).length == 48
-    assert index.match(c[:32] + [0]).length == 24
+    assert index.match(c[:32] + [0]).length == (24 if cuda else 32)
     assert_idle(engine)
 
 

@@ -7,13 +7,16 @@ each snapshot on the node ending where it was taken.
 
 from __future__ import annotations
 
+from ..attention.prefill import on_cuda
 from ..blocks import PrefixIndex, PrefixMatch, StateSlots
 from .request import Request
 
-#: A cut ends a prefill forward only ``interval // SPAN_FRACTION`` tokens or more past
-#: the last: on a GPU a hybrid's forward costs about as much for 8 tokens as for 512
+#: On CUDA, a cut ends a prefill forward only ``interval // SPAN_FRACTION`` tokens or more
+#: past the last: there a hybrid's forward costs about as much for 8 tokens as for 512
 #: (BENCHMARKS.md, run 639), so a few tokens recomputed by a later request cost less
-#: than a forward more for every request of a burst.
+#: than a forward more for every request of a burst (runs 647-649). Elsewhere every cut
+#: is kept: on Metal and the CPU a forward's cost is mostly its tokens (not measured on
+#: Metal).
 SPAN_FRACTION = 4
 
 
@@ -24,9 +27,9 @@ class RecurrentStates:
     at the end of the last full block before decoding, or where the prompt stops
     sharing cached blocks with earlier ones (a shared prefix, say a system prompt,
     whose end no snapshot marks yet); the scheduler ends prefill forwards at these
-    ``Request.cuts``, each at least ``interval // SPAN_FRACTION`` tokens past the one
-    before (or the adopted snapshot): a closer cut would cost a forward of its own now
-    to save recomputing fewer tokens later. Snapshots are also taken where a sequence
+    ``Request.cuts``. On CUDA, each is at least ``interval // SPAN_FRACTION`` tokens past
+    the one before (or the adopted snapshot): a closer cut would cost a forward of its own
+    now to save recomputing fewer tokens later. Snapshots are also taken where a sequence
     stops (``detach``).
 
     Args:
@@ -40,6 +43,8 @@ class RecurrentStates:
         if interval <= 0 or interval % index.block_size:
             raise ValueError(f"interval {interval} is not a multiple of {index.block_size}.")
         self.slots, self.index, self.interval = slots, index, interval
+        #: Fewest tokens between a prefill's cuts (see ``SPAN_FRACTION``).
+        self.min_span = interval // SPAN_FRACTION if on_cuda() else 1
 
     def attach(self, req: Request, match: PrefixMatch | None, target: int) -> None:
         """Give an admitted request a slot holding the state at its adopted prefix, and the
@@ -51,7 +56,7 @@ class RecurrentStates:
         due = {*range(self.interval, target + 1, self.interval), target // bs * bs, shared}
         cuts, last = [], hit
         for cut in sorted(c for c in due if hit < c <= target):
-            if cut - last >= self.interval // SPAN_FRACTION:
+            if cut - last >= self.min_span:
                 cuts.append(cut)
                 last = cut
         req.cuts = frozenset(cuts)
