@@ -17,7 +17,7 @@ from tiny_models import solo as dense_solo
 
 from mlx_paged import PagedEngine
 from mlx_paged.cache import PagedLayout
-from mlx_paged.engine import recurrent
+from mlx_paged.engine import prefilling, recurrent
 from mlx_paged.engine.engine import MIN_STATE_SNAPSHOTS
 
 BS = 8
@@ -212,7 +212,7 @@ def test_a_cut_close_to_the_last_costs_no_forward_of_its_own_on_cuda(cuda, monke
     tokens or more past the last stop: a shared stretch of one block past the adopted
     snapshot is recomputed by later requests rather than cut into a forward of its own.
     Elsewhere every cut ends a forward."""
-    monkeypatch.setattr(recurrent, "on_cuda", lambda: cuda)
+    monkeypatch.setattr(prefilling, "on_cuda", lambda: cuda)
     interval = 64  # on CUDA, cuts at least 16 tokens apart
     assert interval // recurrent.SPAN_FRACTION == 2 * BS
     rng = random.Random(11)

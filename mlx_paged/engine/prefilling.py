@@ -24,8 +24,10 @@ from collections.abc import Callable, Iterable
 import mlx.core as mx
 
 from ..attention import path_counts, prefill_kernels_ready
+from ..attention.prefill import on_cuda
 from .decode import emit
 from .picks import Picks, pick
+from .recurrent import SPAN_FRACTION
 from .request import Event, Prefill
 from .runner import ModelRunner
 from .scheduler import BATCH_TOKENS, KERNEL_BATCH_TOKENS, Scheduler
@@ -50,6 +52,9 @@ class Prefiller:
         self.scheduler, self.runner, self.clock = scheduler, runner, clock
         self.overlap = overlap
         self.widened = False  # batches at KERNEL_BATCH_TOKENS, until the kernel declines
+        states = scheduler.recurrent
+        if states is not None and on_cuda():  # where a forward costs little per token
+            states.min_span = states.interval // SPAN_FRACTION
 
     def widen(self) -> None:
         """Batch prompts up to ``KERNEL_BATCH_TOKENS`` a forward where a fused prefill

@@ -7,7 +7,6 @@ each snapshot on the node ending where it was taken.
 
 from __future__ import annotations
 
-from ..attention.prefill import on_cuda
 from ..blocks import PrefixIndex, PrefixMatch, StateSlots
 from .request import Request
 
@@ -43,8 +42,9 @@ class RecurrentStates:
         if interval <= 0 or interval % index.block_size:
             raise ValueError(f"interval {interval} is not a multiple of {index.block_size}.")
         self.slots, self.index, self.interval = slots, index, interval
-        #: Fewest tokens between a prefill's cuts (see ``SPAN_FRACTION``).
-        self.min_span = interval // SPAN_FRACTION if on_cuda() else 1
+        #: Fewest tokens between a prefill's cuts: on CUDA ``interval // SPAN_FRACTION``
+        #: (set by the engine's ``Prefiller``, which knows the device), else 1.
+        self.min_span = 1
 
     def attach(self, req: Request, match: PrefixMatch | None, target: int) -> None:
         """Give an admitted request a slot holding the state at its adopted prefix, and the
