@@ -52,8 +52,8 @@ from .timing import StepClock
 #: interval).
 DEFAULT_SNAPSHOT_INTERVAL = 512
 #: The fewest snapshots the default keeps: a request leaves up to one per interval of its
-#: prefill, one at its last whole block and one at its end, so ``2 * max_batch_size`` alone, at one
-#: stream, evicted a shared prefix's snapshot before the next request came.
+#: prefill, one at its last whole block and one at its end, so ``2 * max_batch_size``
+#: alone, at one stream, evicted a shared prefix's snapshot before the next request came.
 MIN_STATE_SNAPSHOTS = 8
 
 
