@@ -239,6 +239,36 @@ def test_a_cut_close_to_the_last_costs_no_forward_of_its_own_on_cuda(cuda, monke
     assert_idle(engine)
 
 
+@pytest.mark.parametrize("cuda", [True, False])
+def test_the_warm_up_burst_adopts_a_snapshot_as_a_real_burst_does(cuda, monkeypatch):
+    """A hybrid's warm-up burst shares a prefix long enough that a snapshot is kept at its
+    end on CUDA too (``min_span`` tokens, in whole blocks), so its other requests adopt it
+    and prefill their suffixes together in one padded forward: the path, and so the
+    kernels, of a real burst at a cached system prompt."""
+    from mlx_paged.engine import warmup
+
+    monkeypatch.setattr(prefilling, "on_cuda", lambda: cuda)
+    monkeypatch.setattr(warmup, "prebuild_kernels", lambda: 0)
+    engine = engine_of("qwen3_5", state_snapshot_interval=512, max_batch_size=6)
+    states = engine.scheduler.recurrent
+    assert states.min_span == (128 if cuda else 1)
+    attach, adopted = states.attach, []
+
+    def spy(req, match, target):
+        attach(req, match, target)
+        adopted.append(match.length if match is not None and match.snapshot is not None else 0)
+
+    monkeypatch.setattr(states, "attach", spy)
+    calls = record_forwards(engine, monkeypatch)
+    warmup.warm_up(engine)
+    prefix = 128 if cuda else 2 * BS
+    assert adopted[:6] == [0] + [prefix] * 5, "the first burst's others adopt its prefix"
+    assert calls[0] == (BS, (5, 6, 6, 7, 8)), "their suffixes in one padded forward"
+    engine.check_invariants()
+    prompt = toks(random.Random(3), 40)
+    assert run(engine, [prompt]) == [solo("qwen3_5", tuple(prompt))]
+
+
 def test_bad_snapshot_settings_are_value_errors():
     for interval in (0, 12, -16, 16.0, True):
         with pytest.raises(ValueError, match="multiple of block_size"):

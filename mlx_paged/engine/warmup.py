@@ -6,7 +6,8 @@ kernels' builds and self-checks, and the traces of their launch shapes.
 ``warm_up`` runs made-up requests shaped like a burst that shares a system
 prompt (one prefills the prefix alone, the rest adopt it and prefill their
 suffixes of a few lengths in padded batches, as a real burst's are, then all
-decode). By default one burst of ``max_batch_size`` requests asks for
+decode; a hybrid model's prefix is long enough for a recurrent-state snapshot
+at its end, which the rest adopt). By default one burst of ``max_batch_size`` requests asks for
 staggered numbers of tokens, so its decode batch shrinks through every size
 from ``max_batch_size`` to 1: a server's traffic meets every one of them. Its
 first requests stop first, so a hybrid model's compiled steps gather their state
@@ -176,7 +177,7 @@ def _bursts(
     bs, vocab = engine.scheduler.block_size, engine.vocab_size or 256
     for round_, b in enumerate(sizes):
         # Token ids unlikely to begin a real prompt; one prefix per round.
-        prefix = [(vocab - 1 - 3 * (j + round_)) % vocab for j in range(2 * bs)]
+        prefix = [(vocab - 1 - 3 * (j + round_)) % vocab for j in range(_prefix_length(engine))]
         for i in range(b):
             # Suffixes of four lengths: the batched prefill pads rows, as a real burst's does.
             suffix = [(7 * i + 11 * j + round_) % vocab for j in range(bs // 2 + 1 + i % 4)]
@@ -195,13 +196,25 @@ def _wide_forwards(engine: PagedEngine, vocab: int) -> None:
     made-up requests sharing a prefix, the first's prefill alone and the rest's suffixes
     filling one batched forward; each asks for its first token only."""
     s = engine.scheduler
-    most, bs = s.max_batch_size, s.block_size
+    most = s.max_batch_size
     _run(engine, [[(vocab - 2 - 5 * j) % vocab for j in range(s.prefill_step_size + 1)]])
     width = max(1, s.prefill_batch_tokens // max(1, most - 1))
-    prefix = [(vocab - 3 - 7 * j) % vocab for j in range(2 * bs)]
+    prefix = [(vocab - 3 - 7 * j) % vocab for j in range(_prefix_length(engine))]
     _run(
         engine, [prefix + [(13 * i + 5 * j + 1) % vocab for j in range(width)] for i in range(most)]
     )
+
+
+def _prefix_length(engine: PagedEngine) -> int:
+    """Tokens of the made-up prefix a burst shares: two blocks, or for a hybrid model at
+    least ``RecurrentStates.min_span`` in whole blocks (128 tokens on CUDA by default), so
+    that a snapshot is kept at its end and the burst's other requests adopt it, as a real
+    burst adopts its cached system prompt's. Without one, each of them would prefill its
+    prompt alone from the start, and the first real burst would build the kernels of
+    batched forwards from adopted states: 17 s on a fresh H200 (BENCHMARKS.md, runs 651-652)."""
+    s = engine.scheduler
+    span = s.recurrent.min_span if s.recurrent is not None else 1
+    return max(2 * s.block_size, -(-span // s.block_size) * s.block_size)
 
 
 def _run(engine: PagedEngine, prompts: list[list[int]]) -> None:
