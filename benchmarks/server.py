@@ -84,6 +84,8 @@ def start(kind: str, model: str, port: int, args: argparse.Namespace) -> subproc
             os.makedirs(args.timeline, exist_ok=True)
             out = os.path.join(args.timeline, f"timeline-{port}.json")
             server = [os.path.join(os.path.dirname(__file__), "timeline.py"), out]
+            if getattr(args, "timeline_stacks", None):
+                server += ["--stacks", str(args.timeline_stacks)]
         cmd = [*launch, sys.executable, *server, "--model", model]
         cmd += ["--port", str(port), "--max-batch-size", str(max(args.concurrency))]
         cmd += ["--max-queue", "100000"]
@@ -364,6 +366,12 @@ def main() -> None:
         "--timeline",
         metavar="DIR",
         help="record the paged server's engine thread (benchmarks/timeline.py) into DIR",
+    )
+    ap.add_argument(
+        "--timeline-stacks",
+        type=float,
+        metavar="MS",
+        help="with --timeline: also sample every thread's stack each MS milliseconds",
     )
     ap.add_argument(
         "--level-timeout", type=float, default=300, help="seconds a concurrency level may take"

@@ -1,6 +1,6 @@
 """The engine thread's timeline in a served process: steps, prefill forwards, hand-overs.
 
-    python benchmarks/timeline.py OUT.json [mlx_paged.server flags]   # serve, recording
+    python benchmarks/timeline.py OUT.json [--stacks MS] [mlx_paged.server flags]  # serve
     python benchmarks/timeline.py --show OUT.json [--rows 4]          # what it recorded
     python benchmarks/timeline.py --show OUT.json --window 8700 8900  # every event in a span
 
@@ -8,6 +8,8 @@ Recording runs ``mlx_paged.server`` with the engine's steps, its prefill forward
 (batched and alone), each job's hand-over to the engine thread (``submit``, then
 ``add``) and each request's first token wrapped to note when they start and end,
 and writes the events to ``OUT.json`` when the server exits (SIGINT or SIGTERM).
+With ``--stacks MS`` it also samples every thread's Python stack each ``MS``
+milliseconds and keeps each change, so a window can say where each thread spent it.
 ``benchmarks/server.py --timeline DIR`` starts the paged server this way.
 
 ``--show`` prints how long jobs waited to be handed over, then every prefill
@@ -15,7 +17,8 @@ forward of at least ``--rows`` requests: when it started (ms from the first
 event), how long it took, its rows and tokens per row, and whether the process
 had run that shape before. ``--window FROM_MS TO_MS`` prints every event of that span
 instead (steps with their running and waiting requests, forwards, and runs of
-hand-overs and first tokens), in ms from ``FROM_MS``: one wave of a served level.
+hand-overs and first tokens), in ms from ``FROM_MS``: one wave of a served level. With
+stacks recorded, it then gives each thread's time in that span by innermost frames.
 """
 
 from __future__ import annotations
@@ -23,8 +26,14 @@ from __future__ import annotations
 import argparse
 import atexit
 import json
+import os
 import sys
+import threading
 import time
+from collections import defaultdict
+
+#: Frames kept of each sampled stack, innermost first.
+STACK_DEPTH = 6
 
 
 def record(path: str) -> None:
@@ -87,12 +96,62 @@ def record(path: str) -> None:
             json.dump(events, f)
 
     atexit.register(write)
+    return events
+
+
+def sample_stacks(events: list[list], every_ms: float) -> None:
+    """Sample every other thread's stack each ``every_ms`` on a daemon thread, appending
+    ``["stack", t, thread, frames]`` to ``events`` whenever a thread's stack changed."""
+    me_name, last = "timeline-stacks", {}
+
+    def frames(frame) -> str:
+        out = []
+        while frame is not None and len(out) < STACK_DEPTH:
+            code = frame.f_code
+            out.append(f"{os.path.basename(code.co_filename)}:{frame.f_lineno} {code.co_name}")
+            frame = frame.f_back
+        return " < ".join(out)
+
+    def run() -> None:
+        while True:
+            t = time.perf_counter()
+            names = {th.ident: th.name for th in threading.enumerate()}
+            for ident, frame in sys._current_frames().items():
+                name = names.get(ident, str(ident))
+                if name == me_name:
+                    continue
+                stack = frames(frame)
+                if last.get(name) != stack:
+                    last[name] = stack
+                    events.append(["stack", t, name, stack])
+            time.sleep(every_ms / 1e3)
+
+    threading.Thread(target=run, name=me_name, daemon=True).start()
+
+
+def stacks_in(events: list[list], base: float, end: float) -> None:
+    """Print, per thread, the time from ``base`` to ``end`` (seconds) under each sampled
+    stack, longest first (a stack holds from its sample until the thread's next one)."""
+    by_thread: dict[str, list[list]] = defaultdict(list)
+    for e in events:
+        if e[0] == "stack":
+            by_thread[e[2]].append(e)
+    for name, samples in sorted(by_thread.items()):
+        spent: dict[str, float] = defaultdict(float)
+        for here, after in zip(samples, [*samples[1:], None], strict=True):
+            start, stop = here[1], after[1] if after else end
+            spent[here[3]] += max(0.0, min(stop, end) - max(start, base))
+        top = sorted(((t, s) for s, t in spent.items() if t > 0), reverse=True)[:5]
+        if top:
+            print(f"thread {name}:")
+            for t, s in top:
+                print(f"  {1e3 * t:9.1f} ms  {s}")
 
 
 def show(path: str, rows: int) -> None:
     """Print the hand-over waits and the prefill forwards of at least ``rows`` requests."""
     with open(path) as f:
-        events = sorted(json.load(f), key=lambda e: e[1])
+        events = sorted((e for e in json.load(f) if e[0] != "stack"), key=lambda e: e[1])
     if not events:
         print("no events")
         return
@@ -118,7 +177,8 @@ def window(path: str, start_ms: float, end_ms: float) -> None:
     """Print every event from ``start_ms`` to ``end_ms`` (ms from the first event), in ms
     from ``start_ms``; a run of hand-overs or first tokens on one line."""
     with open(path) as f:
-        events = sorted(json.load(f), key=lambda e: e[1])
+        everything = sorted(json.load(f), key=lambda e: e[1])
+    events = [e for e in everything if e[0] != "stack"]
     if not events:
         print("no events")
         return
@@ -143,6 +203,7 @@ def window(path: str, start_ms: float, end_ms: float) -> None:
             what = f"{kind}: {rows[i][3]} x {rows[i][4]} tokens"
         print(f"{at:15.1f} ms  {what}, {took:.1f} ms")
         i += 1
+    stacks_in(everything, base, base + (end_ms - start_ms) / 1e3)
 
 
 def main() -> None:
@@ -165,10 +226,15 @@ def main() -> None:
         return
     if len(sys.argv) < 2 or sys.argv[1].startswith("-"):  # --help, or no OUT.json first
         raise SystemExit(__doc__)
-    record(sys.argv[1])
+    events, flags = record(sys.argv[1]), sys.argv[2:]
+    if flags[:1] == ["--stacks"]:
+        if len(flags) < 2:
+            raise SystemExit("--stacks needs a sampling period in milliseconds")
+        sample_stacks(events, float(flags[1]))
+        flags = flags[2:]
     from mlx_paged.server import main as serve
 
-    serve(sys.argv[2:])
+    serve(flags)
 
 
 if __name__ == "__main__":
