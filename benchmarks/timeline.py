@@ -33,7 +33,7 @@ import time
 from collections import defaultdict
 
 #: Frames kept of each sampled stack, innermost first.
-STACK_DEPTH = 6
+STACK_DEPTH = 16
 
 
 def record(path: str) -> None:
@@ -141,7 +141,7 @@ def stacks_in(events: list[list], base: float, end: float) -> None:
         for here, after in zip(samples, [*samples[1:], None], strict=True):
             start, stop = here[1], after[1] if after else end
             spent[here[3]] += max(0.0, min(stop, end) - max(start, base))
-        top = sorted(((t, s) for s, t in spent.items() if t > 0), reverse=True)[:5]
+        top = sorted(((t, s) for s, t in spent.items() if t > 0), reverse=True)[:6]
         if top:
             print(f"thread {name}:")
             for t, s in top:

@@ -201,6 +201,52 @@ def test_each_row_tile_count_takes_a_narrow_or_a_wide_tiling():
             assert rows.tiling_reason(tiling, 16 * tiles) is None, (tiles, tiling)
 
 
+def test_prebuild_builds_exactly_the_binaries_the_calls_launch(monkeypatch):
+    """Every template a call of 1 to MAX_ROWS rows launches, for 2- and 3-dimensional x of
+    narrow and wide weights, is one ``prebuild`` builds, and it builds no other."""
+    launched, built = set(), []
+
+    def key(inputs, template, output_dtypes):
+        return (
+            tuple(template),
+            *(x.dtype for x in inputs),
+            *(x.ndim for x in inputs),
+            *output_dtypes,
+        )
+
+    class Recorder:
+        def __call__(self, *, inputs, template, output_shapes, output_dtypes, **_):
+            launched.add(key(inputs, template, output_dtypes))
+            return [mx.zeros(output_shapes[0], output_dtypes[0])]
+
+        def build(self, inputs, template, output_dtypes, scalars=()):
+            built.append(key(inputs, template, output_dtypes))
+            return True
+
+    monkeypatch.setattr(rows, "_kernel", Recorder)
+    for dtype in rows.DTYPES:
+        for n in (8, rows.NARROW, rows.NARROW + 8):
+            w = mx.zeros((n, 64), dtype)
+            for m in range(1, rows.MAX_ROWS + 1):
+                rows.few_rows_matmul(mx.zeros((m, 64), dtype), w)
+                rows.few_rows_matmul(mx.zeros((1, m, 64), dtype), w)
+    assert rows.prebuild(rows.DTYPES) == 0, "no CUDA GPU: nothing built"
+    assert built == []
+    monkeypatch.setattr(rows, "available", lambda: True)
+    assert rows.prebuild(rows.DTYPES) == len(rows.DTYPES) * 2 * 2 * len(rows.TILINGS) == 24
+    assert len(set(built)) == len(built) == 24
+    assert set(built) == launched
+
+
+def test_prebuild_refuses_what_the_kernel_does_not_take():
+    with pytest.raises(ValueError, match="float16 or bfloat16"):
+        rows.prebuild([mx.float32])
+    with pytest.raises(ValueError, match="2 or more dimensions"):
+        rows.prebuild([mx.float16], ndims=[1])
+    with pytest.raises(ValueError, match="2 or more dimensions"):
+        rows.prebuild([mx.float16], ndims=[True])
+
+
 # ---- on a CUDA GPU
 
 

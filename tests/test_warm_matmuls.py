@@ -58,7 +58,10 @@ def test_the_warm_up_runs_each_layer_shape_at_every_row_count(calls, monkeypatch
     assert "lm_head" in model, "an untied head, which the warm-up leaves to the decode"
     shapes = _shapes(model, VOCAB)
     assert len(shapes) == 4  # q and o, k and v, gate and up, down
+    prebuilt: list[nn.Module] = []
+    monkeypatch.setattr(warmup, "prebuild_few_rows", lambda m: prebuilt.append(m) or 0)
     warmup.warm_up(engine)
+    assert prebuilt == [model]
     kind = "QuantizedLinear" if quantized else "Linear"
     warmed = {(s, rows) for k, s, rows in calls if k == kind and rows > 0}
     assert warmed >= {(s, rows) for s in shapes for rows in range(1, 25)}
@@ -118,3 +121,19 @@ def test_layers_routed_through_the_few_row_kernel_are_warmed_too(calls, monkeypa
     # rows the kernel takes do not reach nn.Linear's call; the rest (cuBLAS's) are warmed there
     warmed = sorted(r for kind, _, r in calls if kind == "FewRowsLinear")
     assert warmed == [1, *range(rows.MAX_ROWS + 1, most + 1)]
+
+
+def test_the_few_row_kernel_is_prebuilt_for_each_routed_dtype(monkeypatch):
+    monkeypatch.setattr(rows, "available", lambda: True)
+    monkeypatch.setattr(rows, "few_rows_matmul", lambda x, w: x @ w.T)
+    model = nn.Module()
+    model.a, model.b, model.c = nn.Linear(64, 32), nn.Linear(64, 32), nn.Linear(64, 32)
+    model.a.set_dtype(mx.float16)
+    model.b.set_dtype(mx.bfloat16)  # model.c stays float32: not routed
+    assert few_row_matmuls(model) == 2
+    asked: list[list] = []
+    monkeypatch.setattr(rows, "prebuild", lambda dtypes: asked.append(dtypes) or 12 * len(dtypes))
+    assert warmup.prebuild_few_rows(model) == 24
+    assert asked == [[mx.bfloat16, mx.float16]]
+    assert warmup.prebuild_few_rows(tiny_model("llama")) == 0, "float32: nothing routed"
+    assert asked[-1] == []

@@ -18,9 +18,9 @@ wide) and one burst whose suffixes fill a batched forward of about
 ``prefill_batch_tokens``: the shapes of a long prompt's and a large burst's matmuls
 and attention, whose first use a real burst paid otherwise (2.6 s in a just-started
 machine's first server process, BENCHMARKS.md runs 331 and 334). On CUDA it then builds
-the decode kernel's binaries
-for the layouts longer contexts launch (``kernels.prebuild_kernels``: the burst's
-contexts are short). Then it
+the decode kernel's binaries for the layouts longer contexts launch
+(``kernels.prebuild_kernels``: the burst's contexts are short) and the few-row matmul's
+for every row count (``prebuild_few_rows``: the bursts meet only some). Then it
 rehearses the disk tier's spill and load on one of their blocks (no file is
 written), drops the made-up blocks from the prefix index, zeroes the counters,
 the step clock and the compiled step count (not its traces), and hands the
@@ -40,10 +40,10 @@ from contextlib import contextmanager
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..attention.kernels import prebuild_kernels
+from ..attention.kernels import prebuild_kernels, rows
 from ..attention.prefill import on_cuda
 from .engine import PagedEngine
-from .linears import FewRowsLinear
+from .linears import FewRowsEmbedding, FewRowsLinear
 from .request import Sampler
 from .scheduler import COUNTERS, Scheduler
 
@@ -81,6 +81,7 @@ def warm_up(
         _bursts(engine, sizes, hybrid, batch_sizes is None, sampler)
         _wide_forwards(engine, engine.vocab_size or 256)
     prebuild_kernels()
+    prebuild_few_rows(engine.runner.model)
     warm_matmuls(engine.runner.model, engine.scheduler, engine.vocab_size)
     if engine.disk is not None:
         engine.disk.rehearse()
@@ -131,6 +132,19 @@ def warm_matmuls(model: nn.Module, scheduler: Scheduler, vocab: int | None) -> i
     finally:
         mx.set_cache_limit(limit)
     return most * len(layers)
+
+
+def prebuild_few_rows(model: nn.Module) -> int:
+    """Build the few-row kernel's binaries for every launch ``model``'s routed layers can
+    make (``rows.prebuild``, for 2- and 3-dimensional inputs); return how many.
+
+    The bursts above launch only the row counts they meet: a server at batch 32 never
+    ran 33-48 rows through a model's ``(B, L, K)`` layers, and its first request whose
+    forward did built two binaries on its path (0.3-0.6 s, BENCHMARKS.md runs 657-658).
+    """
+    routed = (FewRowsLinear, FewRowsEmbedding)
+    dtypes = {m.weight.dtype for _, m in model.named_modules() if type(m) in routed}
+    return rows.prebuild(sorted(dtypes, key=str))
 
 
 def _hold_heuristics(shapes: int) -> bool:

@@ -12,6 +12,7 @@ matmuls do not go through cuBLAS.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from functools import cache
 
 import mlx.core as mx
@@ -112,15 +113,52 @@ def few_rows_matmul(x: mx.array, w: mx.array, tiling: Tiling | None = None) -> m
     if reason is not None:
         raise ValueError(f"few_rows_matmul: {reason}.")
     m, n = x.size // x.shape[-1], w.shape[0]
-    nt, warps, unroll = tiling or tiling_for(m, n)
-    template = [("T", x.dtype), ("BF16", x.dtype == mx.bfloat16), ("XD", x.ndim)]
-    template += [("MT", -(-m // 16))]
-    template += [("NT", nt), ("WARPS", warps), ("U", unroll)]
+    tiling = tiling or tiling_for(m, n)
+    nt, warps = tiling[:2]
     return _kernel()(
         inputs=[x, w],
-        template=template,
+        template=_template(x.dtype, x.ndim, m, tiling),
         grid=(-(-n // (8 * nt)) * warps * 32, 1, 1),
         threadgroup=(warps * 32, 1, 1),
         output_shapes=[(*x.shape[:-1], n)],
         output_dtypes=[x.dtype],
     )[0]
+
+
+def prebuild(dtypes: Iterable[mx.Dtype], ndims: Sequence[int] = (2, 3)) -> int:
+    """Build, or find on disk, the binary of every launch ``few_rows_matmul`` makes for an
+    ``x`` of one of ``dtypes`` with one of ``ndims`` dimensions: each row-tile count with
+    its narrow and its wide tiling. Return how many (0 where the kernel is not built here).
+
+    Each is its own NVRTC build, 160-300 ms on an H200; one first met by a request, such
+    as a forward's 42 rows as ``(1, 42, K)``, was paid on its path (BENCHMARKS.md, runs 657-658).
+
+    Raises:
+        ValueError: for a dtype the kernel does not take, or fewer than 2 dimensions.
+    """
+    dtypes, ndims = list(dtypes), list(ndims)
+    for dtype in dtypes:
+        if dtype not in DTYPES:
+            raise ValueError(f"the few-row kernel takes float16 or bfloat16, not {dtype}.")
+    for ndim in ndims:
+        if isinstance(ndim, bool) or not isinstance(ndim, int) or ndim < 2:
+            raise ValueError(f"x has 2 or more dimensions, got {ndim!r}.")
+    if not available():
+        return 0
+    built = 0
+    for dtype in dtypes:
+        w = mx.zeros((8, 32), dtype)
+        for ndim in ndims:
+            x = mx.zeros((*(1,) * (ndim - 1), 32), dtype)
+            for tiles, pair in TILINGS.items():
+                for tiling in pair:
+                    template = _template(dtype, ndim, 16 * tiles, tiling)
+                    built += _kernel().build([x, w], template, [dtype])
+    return built
+
+
+def _template(dtype: mx.Dtype, ndim: int, m: int, tiling: Tiling) -> list[tuple]:
+    """The kernel's template arguments for ``m`` rows of an ``ndim``-dimensional ``x``."""
+    nt, warps, unroll = tiling
+    template = [("T", dtype), ("BF16", dtype == mx.bfloat16), ("XD", ndim), ("MT", -(-m // 16))]
+    return template + [("NT", nt), ("WARPS", warps), ("U", unroll)]
