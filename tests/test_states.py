@@ -217,6 +217,41 @@ def test_state_pool_writes_a_steps_taken_slots_in_one_scatter_per_entry():
     assert mx.array_equal(v, mx.stack([rows[1] + 100, mx.zeros((2, 3)), rows[2] + 100]))
 
 
+def test_a_steps_snapshots_are_copied_in_one_evaluation_at_the_next_use(monkeypatch):
+    """Snapshots taken after a forward stay lazy until the arrays are next used, then are
+    evaluated together, before any write, and hold the state they were taken at."""
+    import mlx.core as mx
+
+    from mlx_paged.storage import StatePool
+
+    pool = StatePool([2], num_slots=4, num_snapshots=4)
+    for slot in range(3):
+        assert pool.take_slot() == slot
+    rows = mx.arange(3 * 2 * 3, dtype=mx.float32).reshape(3, 2, 3)
+    pool.write(0, 3, [rows + 0, rows + 100])
+    mx.eval(pool.evaluated())
+    evals: list[int] = []
+    inner = mx.eval
+    monkeypatch.setattr(mx, "eval", lambda *a: evals.append(len(a[0])) or inner(*a))
+    snaps = [pool.snapshot(slot) for slot in (2, 0, 1)]
+    assert evals == [], "taking snapshots waits for nothing"
+    dropped = pool.snapshot(1)
+    pool.drop(dropped)  # its copy is not evaluated
+    pool.check_invariants(range(3), snaps)
+    pool.write(0, 3, [rows + 1000, rows + 2000])  # the next use: copies first, then the write
+    assert evals == [2 * 3], "one evaluation: two entries of three snapshots"
+    for sid, slot in zip(snaps, (2, 0, 1), strict=True):
+        k, v = pool.snapshot_state(sid)[0]
+        assert mx.array_equal(k, rows[slot : slot + 1]) and mx.array_equal(
+            v, rows[slot : slot + 1] + 100
+        )
+    pool.free_slot(0)
+    assert pool.take_slot(snaps[0]) == 0  # slot 2's state as it was
+    k, _ = pool.read(0, mx.array([0, 1], dtype=mx.int32))
+    assert mx.array_equal(k, mx.stack([rows[2], rows[1] + 1000]))
+    assert len(evals) == 1, "nothing left to evaluate"
+
+
 class StatePoolMachine(RuleBasedStateMachine):
     """``StatePool``'s arrays against a plain record of every slot's and snapshot's state,
     through takes, frees, snapshots and forwards over taken slots in any order."""

@@ -51,6 +51,9 @@ class StatePool(StateSlots):
         # Slots taken since the arrays were last used, and what each starts from (a
         # snapshot's state, or ``None``: zeros): written together, one scatter per entry.
         self._pending: dict[int, State | None] = {}
+        # Snapshots taken since: their copies, evaluated together at the next flush (a
+        # burst's prompts each take one after the same forward: one wait, not one each).
+        self._copies: dict[int, list[mx.array]] = {}
         #: Rows of every state array: more than any slot taken.
         self.rows_held = 0
 
@@ -113,6 +116,7 @@ class StatePool(StateSlots):
         super().check_invariants(slots, snapshots)
         held = sorted(self._snapshots)
         assert held == sorted(self.ids()), f"arrays for snapshots {held}, ids {self.ids()}"
+        assert set(self._copies) <= set(self._snapshots), "a copy pending for a dropped snapshot"
 
     def snapshot_state(self, snapshot: int) -> State:
         """A snapshot's arrays (read-only: tests compare them with a dense cache)."""
@@ -127,9 +131,14 @@ class StatePool(StateSlots):
         self._pending[slot] = self._snapshots[snapshot]  # held here even if the id goes
 
     def flush(self) -> None:
-        """Write the pending slots' starting states: one scatter per state entry for all of
+        """Evaluate the copies of the snapshots taken since the last flush, all at once, then
+        write the pending slots' starting states: one scatter per state entry for all of
         them (a burst of requests adopting snapshots takes many slots in one step). Reads
-        and writes flush first; so does a compiled step, before it may trace."""
+        and writes flush first, so no array changes under an unevaluated copy; so does a
+        compiled step, before it may trace."""
+        if self._copies:
+            copies, self._copies = self._copies, {}
+            mx.eval([a for arrays in copies.values() for a in arrays])
         if not self._pending:
             return
         pending, self._pending = self._pending, {}
@@ -146,12 +155,13 @@ class StatePool(StateSlots):
                 a[at] = mx.concatenate([zero if x is None else x for x in saved])
 
     def _copy_out(self, slot: int, snapshot: int) -> None:
-        self.flush()
+        if self._pending:
+            self.flush()  # the slot's starting state, if it is still to be written
         # A gather makes a copy (a slice could share the pool's buffer and stop it
-        # being updated in place); evaluate it now so it holds no graph.
+        # being updated in place); the next flush evaluates it, so it holds no graph.
         at = mx.array([slot], dtype=mx.int32)
         state = [[None if a is None else a[at] for a in layer] for layer in self.arrays]
-        mx.eval([a for layer in state for a in layer if a is not None])
+        self._copies[snapshot] = [a for layer in state for a in layer if a is not None]
         self._snapshots[snapshot] = state
 
     def _put(self, snapshot: int, state: State) -> None:
@@ -201,3 +211,4 @@ class StatePool(StateSlots):
 
     def _free(self, snapshot: int) -> None:
         del self._snapshots[snapshot]
+        self._copies.pop(snapshot, None)
