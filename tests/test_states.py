@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -230,6 +231,7 @@ def test_a_steps_snapshots_are_copied_in_one_evaluation_at_the_next_use(monkeypa
     rows = mx.arange(3 * 2 * 3, dtype=mx.float32).reshape(3, 2, 3)
     pool.write(0, 3, [rows + 0, rows + 100])
     mx.eval(pool.evaluated())
+    held = [np.asarray(a) for a in pool.arrays[0]]  # the buffers snapshots are taken from
     evals: list[int] = []
     inner = mx.eval
     monkeypatch.setattr(mx, "eval", lambda *a: evals.append(len(a[0])) or inner(*a))
@@ -242,6 +244,8 @@ def test_a_steps_snapshots_are_copied_in_one_evaluation_at_the_next_use(monkeypa
     assert evals == [2 * 3], "one evaluation: two entries of three snapshots"
     for sid, slot in zip(snaps, (2, 0, 1), strict=True):
         k, v = pool.snapshot_state(sid)[0]
+        for copy in (np.asarray(k), np.asarray(v)):  # buffers of their own, not views
+            assert not any(np.shares_memory(copy, whole) for whole in held)
         assert mx.array_equal(k, rows[slot : slot + 1]) and mx.array_equal(
             v, rows[slot : slot + 1] + 100
         )

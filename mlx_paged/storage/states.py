@@ -35,6 +35,14 @@ def batch_bucket(rows: int) -> int:
     return -(-rows // 8) * 8
 
 
+def _row_copy(a: mx.array, row: int) -> mx.array:
+    """Row ``row`` of ``a``, ``(1, *shape)``, in a buffer of its own (a slice would share the
+    pool's and stop it being updated in place): the slice times one, an elementwise kernel.
+    A one-row gather copies too, but on an H200 MLX's took 32 us for a 1 MB state row,
+    where its elementwise copies of that row took 3 (BENCHMARKS.md, run 660)."""
+    return a[row : row + 1] * 1
+
+
 class StatePool(StateSlots):
     """Per-layer state arrays over ``StateSlots``' slot and snapshot ids.
 
@@ -157,10 +165,10 @@ class StatePool(StateSlots):
     def _copy_out(self, slot: int, snapshot: int) -> None:
         if self._pending:
             self.flush()  # the slot's starting state, if it is still to be written
-        # A gather makes a copy (a slice could share the pool's buffer and stop it
-        # being updated in place); the next flush evaluates it, so it holds no graph.
-        at = mx.array([slot], dtype=mx.int32)
-        state = [[None if a is None else a[at] for a in layer] for layer in self.arrays]
+        # The next flush evaluates the copies, so they hold no graph.
+        state = [
+            [None if a is None else _row_copy(a, slot) for a in layer] for layer in self.arrays
+        ]
         self._copies[snapshot] = [a for layer in state for a in layer if a is not None]
         self._snapshots[snapshot] = state
 
