@@ -38,8 +38,9 @@ def batch_bucket(rows: int) -> int:
 def _row_copy(a: mx.array, row: int) -> mx.array:
     """Row ``row`` of ``a``, ``(1, *shape)``, in a buffer of its own (a slice would share the
     pool's and stop it being updated in place): the slice times one, an elementwise kernel.
-    A one-row gather copies too, but on an H200 MLX's took 32 us for a 1 MB state row,
-    where its elementwise copies of that row took 3 (BENCHMARKS.md, run 660)."""
+    A one-row gather copies too, but on an H200 MLX's took 32 us for a 1 MB state row, where
+    its contiguous copy of such a row took 3 (BENCHMARKS.md, run 660; this kernel is not
+    timed there yet)."""
     return a[row : row + 1] * 1
 
 
