@@ -35,15 +35,6 @@ def batch_bucket(rows: int) -> int:
     return -(-rows // 8) * 8
 
 
-def _row_copy(a: mx.array, row: int) -> mx.array:
-    """Row ``row`` of ``a``, ``(1, *shape)``, in a buffer of its own (a slice would share the
-    pool's and stop it being updated in place): the slice times one, an elementwise kernel.
-    A one-row gather copies too, but on an H200 MLX's took 32 us for a 1 MB state row, where
-    its contiguous copy of such a row took 3 (BENCHMARKS.md, run 660; this kernel is not
-    timed there yet)."""
-    return a[row : row + 1] * 1
-
-
 class StatePool(StateSlots):
     """Per-layer state arrays over ``StateSlots``' slot and snapshot ids.
 
@@ -60,9 +51,6 @@ class StatePool(StateSlots):
         # Slots taken since the arrays were last used, and what each starts from (a
         # snapshot's state, or ``None``: zeros): written together, one scatter per entry.
         self._pending: dict[int, State | None] = {}
-        # Snapshots taken since: their copies, evaluated together at the next flush (a
-        # burst's prompts each take one after the same forward: one wait, not one each).
-        self._copies: dict[int, list[mx.array]] = {}
         #: Rows of every state array: more than any slot taken.
         self.rows_held = 0
 
@@ -125,7 +113,6 @@ class StatePool(StateSlots):
         super().check_invariants(slots, snapshots)
         held = sorted(self._snapshots)
         assert held == sorted(self.ids()), f"arrays for snapshots {held}, ids {self.ids()}"
-        assert set(self._copies) <= set(self._snapshots), "a copy pending for a dropped snapshot"
 
     def snapshot_state(self, snapshot: int) -> State:
         """A snapshot's arrays (read-only: tests compare them with a dense cache)."""
@@ -140,14 +127,9 @@ class StatePool(StateSlots):
         self._pending[slot] = self._snapshots[snapshot]  # held here even if the id goes
 
     def flush(self) -> None:
-        """Evaluate the copies of the snapshots taken since the last flush, all at once, then
-        write the pending slots' starting states: one scatter per state entry for all of
+        """Write the pending slots' starting states: one scatter per state entry for all of
         them (a burst of requests adopting snapshots takes many slots in one step). Reads
-        and writes flush first, so no array changes under an unevaluated copy; so does a
-        compiled step, before it may trace."""
-        if self._copies:
-            copies, self._copies = self._copies, {}
-            mx.eval([a for arrays in copies.values() for a in arrays])
+        and writes flush first; so does a compiled step, before it may trace."""
         if not self._pending:
             return
         pending, self._pending = self._pending, {}
@@ -164,13 +146,12 @@ class StatePool(StateSlots):
                 a[at] = mx.concatenate([zero if x is None else x for x in saved])
 
     def _copy_out(self, slot: int, snapshot: int) -> None:
-        if self._pending:
-            self.flush()  # the slot's starting state, if it is still to be written
-        # The next flush evaluates the copies, so they hold no graph.
-        state = [
-            [None if a is None else _row_copy(a, slot) for a in layer] for layer in self.arrays
-        ]
-        self._copies[snapshot] = [a for layer in state for a in layer if a is not None]
+        self.flush()
+        # A gather makes a copy (a slice could share the pool's buffer and stop it
+        # being updated in place); evaluate it now so it holds no graph.
+        at = mx.array([slot], dtype=mx.int32)
+        state = [[None if a is None else a[at] for a in layer] for layer in self.arrays]
+        mx.eval([a for layer in state for a in layer if a is not None])
         self._snapshots[snapshot] = state
 
     def _put(self, snapshot: int, state: State) -> None:
@@ -220,4 +201,3 @@ class StatePool(StateSlots):
 
     def _free(self, snapshot: int) -> None:
         del self._snapshots[snapshot]
-        self._copies.pop(snapshot, None)
